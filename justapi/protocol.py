@@ -1,0 +1,209 @@
+"""Messages between processes, grouped by the channel that carries them.
+
+Each message is a small frozen dataclass registered with the codec (orjson header + raw
+numpy frames; never pickle). Batches are columnar: per-sequence scalars are int32 arrays
+and per-sequence variable-length data (tokens, block tables) is one flat array plus counts.
+Owns: message shapes and their cheap structural validation. Does not own: sockets.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from justapi.codec import ProtocolError, register
+from justapi.sampling import SamplingParams
+
+_EMPTY_I32 = np.zeros(0, dtype=np.int32)
+_EMPTY_F32 = np.zeros(0, dtype=np.float32)
+
+
+def _i32(values: object) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(values, dtype=np.int32).reshape(-1))
+
+
+def offsets(counts: np.ndarray) -> np.ndarray:
+    """Per-sequence counts -> start offsets into the flat array, length num_seqs + 1."""
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# scheduler -> worker
+# --------------------------------------------------------------------------------------
+
+
+@register("NewRequest")
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the worker has not seen (or must forget and relearn after preemption).
+
+    `token_ids` are all tokens known so far (prompt, then any output already generated),
+    so that penalties and seeds see the whole history even when a prefix-cache hit means
+    the first chunk does not start at position 0."""
+
+    request_id: str
+    sampling: SamplingParams
+    num_prompt_tokens: int
+    token_ids: np.ndarray  # int32 [num_known_tokens]
+
+
+@register("StepPlan")
+@dataclass(frozen=True)
+class StepPlan:
+    """One forward step for one worker: a flattened batch of chunks of many sequences.
+
+    Sequence i computes tokens at positions [start_positions[i], start_positions[i] +
+    num_tokens[i]); its tokens are token_ids[tok_off[i]:tok_off[i+1]] and its block table is
+    block_ids[blk_off[i]:blk_off[i+1]] (offsets from `offsets(num_tokens)` and
+    `offsets(num_blocks)`). When sample_flags[i] is set the last position's logits are
+    sampled; the last num_draft_tokens[i] tokens of the chunk are speculative drafts to verify.
+
+        token_ids: | seq 0 chunk | seq 1 (decode: 1 token) | seq 2 chunk ... |
+        block_ids: | seq 0 table ........ | seq 1 table | seq 2 table ...... |
+    """
+
+    step_id: int
+    request_ids: list[str]
+    start_positions: np.ndarray  # int32 [num_seqs]
+    num_tokens: np.ndarray  # int32 [num_seqs]
+    token_ids: np.ndarray  # int32 [sum(num_tokens)]
+    num_blocks: np.ndarray  # int32 [num_seqs]
+    block_ids: np.ndarray  # int32 [sum(num_blocks)]
+    sample_flags: np.ndarray  # bool [num_seqs]
+    num_draft_tokens: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [num_seqs] or []
+    new_requests: list[NewRequest] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        num_seqs = len(self.request_ids)
+        for name in ("start_positions", "num_tokens", "num_blocks", "sample_flags"):
+            if len(getattr(self, name)) != num_seqs:
+                raise ProtocolError(f"StepPlan.{name} has {len(getattr(self, name))} entries, "
+                                    f"expected {num_seqs}")
+        if len(self.num_draft_tokens) not in (0, num_seqs):
+            raise ProtocolError("StepPlan.num_draft_tokens must be empty or one per sequence")
+        if int(np.sum(self.num_tokens)) != len(self.token_ids):
+            raise ProtocolError("StepPlan.token_ids length disagrees with num_tokens")
+        if int(np.sum(self.num_blocks)) != len(self.block_ids):
+            raise ProtocolError("StepPlan.block_ids length disagrees with num_blocks")
+        if num_seqs and (np.min(self.num_tokens) < 1 or np.min(self.start_positions) < 0):
+            raise ProtocolError("StepPlan chunks need >= 1 token and a start position >= 0")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def draft_counts(self) -> np.ndarray:
+        """num_draft_tokens, with the empty default expanded to zeros."""
+        if len(self.num_draft_tokens) == self.num_seqs:
+            return self.num_draft_tokens
+        return np.zeros(self.num_seqs, dtype=np.int32)
+
+    @staticmethod
+    def build(step_id: int, chunks: list[tuple[str, int, list[int], list[int], bool]],
+              new_requests: list[NewRequest] | None = None,
+              finished_request_ids: list[str] | None = None) -> StepPlan:
+        """Convenience constructor from (request_id, start, token_ids, block_ids, sample)."""
+        return StepPlan(
+            step_id=step_id,
+            request_ids=[c[0] for c in chunks],
+            start_positions=_i32([c[1] for c in chunks]),
+            num_tokens=_i32([len(c[2]) for c in chunks]),
+            token_ids=_i32([t for c in chunks for t in c[2]]),
+            num_blocks=_i32([len(c[3]) for c in chunks]),
+            block_ids=_i32([b for c in chunks for b in c[3]]),
+            sample_flags=np.asarray([c[4] for c in chunks], dtype=np.bool_),
+            new_requests=list(new_requests or []),
+            finished_request_ids=list(finished_request_ids or []),
+        )
+
+
+@register("CopyBlocks")
+@dataclass(frozen=True)
+class CopyBlocks:
+    """Copy KV data block by block: src_block_ids[i] (in the pool `src_pool`) -> dst_block_ids[i]."""
+
+    copy_id: int
+    src_pool: int
+    src_block_ids: np.ndarray  # int32 [n]
+    dst_block_ids: np.ndarray  # int32 [n]
+
+
+@register("Shutdown")
+@dataclass(frozen=True)
+class Shutdown:
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------------------
+# worker -> scheduler
+# --------------------------------------------------------------------------------------
+
+
+@register("StepResult")
+@dataclass(frozen=True)
+class StepResult:
+    """Tokens sampled in one step, echoing its step_id.
+
+    Sequence i (the plan's sampled sequences, in plan order) produced
+    sampled_token_ids[off[i]:off[i+1]] with off = offsets(num_sampled); one token normally,
+    1..num_draft+1 when verifying drafts (accepted drafts then the bonus/corrected token).
+    When logprobs were asked, logprobs has one entry per sampled token and
+    top_logprob_ids / top_logprobs are [num_sampled_total, max_top_n] padded with -1 / -inf."""
+
+    step_id: int
+    worker_id: int
+    request_ids: list[str]
+    num_sampled: np.ndarray  # int32 [num_seqs]
+    sampled_token_ids: np.ndarray  # int32 [sum(num_sampled)]
+    logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)  # float32 [sum] or []
+    top_logprob_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum, n]
+    top_logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)  # float32 [sum, n]
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.num_sampled) != len(self.request_ids):
+            raise ProtocolError("StepResult.num_sampled must have one entry per request")
+        if int(np.sum(self.num_sampled)) != len(self.sampled_token_ids):
+            raise ProtocolError("StepResult.sampled_token_ids length disagrees with num_sampled")
+
+
+@register("PoolInfo")
+@dataclass(frozen=True)
+class PoolInfo:
+    """Where a KV pool lives and its shape [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+
+    pool_id: int
+    kind: str  # "shm" (POSIX shared memory name) | "cuda_ipc" | "local"
+    handle: str  # shm name, or a base64 CUDA IPC handle; "" for local
+    device: str
+    dtype: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@register("Ready")
+@dataclass(frozen=True)
+class Ready:
+    worker_id: int
+    pid: int
+    model_name: str
+    vocab_size: int
+    max_context: int
+    pool: PoolInfo
+
+
+@register("Heartbeat")
+@dataclass(frozen=True)
+class Heartbeat:
+    worker_id: int
+    time_s: float
+    rss_bytes: int = 0
+    cpu_time_s: float = 0.0
+    gpu: dict = field(default_factory=dict)

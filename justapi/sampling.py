@@ -1,0 +1,106 @@
+"""Sampling parameters of one request: validated once, at the edge, then trusted.
+
+Owns: the parameter set and its validation (ValueError naming the bad value).
+Does not own: the sampler itself (workers/sampler.py) or OpenAI field mapping (frontend).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from justapi.codec import register
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 256
+
+
+@register("SamplingParams")
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop. Defaults are greedy-free sampling at T=1."""
+
+    max_tokens: int = 16
+    """Most tokens to generate (the prompt is not counted)."""
+    temperature: float = 1.0
+    """0 means greedy (argmax); otherwise logits are divided by it."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 (or -1) disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    repetition_penalty: float = 1.0
+    """CTRL-style: logits of tokens seen in prompt or output are divided (if >0) or multiplied by it."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token that appears in the output so far."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per occurrence in the output so far."""
+    seed: int | None = None
+    """Per-request seed: same seed and prompt give the same tokens whatever else is batched."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the request (the stop token is part of the output)."""
+    ignore_eos: bool = False
+    """Keep generating past the model's EOS token."""
+    logprobs: int | None = None
+    """None: no logprobs; n >= 0: the sampled token's logprob plus the top n alternatives."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stop_token_ids, tuple):  # lists arrive from JSON
+            _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids must be a list")
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_is_number(self.temperature) and 0.0 <= self.temperature <= 100.0,
+               f"temperature must be in [0, 100], got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1,
+               f"top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
+        _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
+               f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
+               f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2.0 <= value <= 2.0,
+                   f"{name} must be in [-2, 2], got {value!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+               f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+               and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} non-negative integers")
+        _check(self.logprobs is None
+               or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+               f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["stop_token_ids"] = list(self.stop_token_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {sorted(unknown)}")
+        return cls(**data)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
