@@ -207,3 +207,63 @@ class Heartbeat:
     rss_bytes: int = 0
     cpu_time_s: float = 0.0
     gpu: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------
+# frontend <-> scheduler
+# --------------------------------------------------------------------------------------
+
+FINISH_STOP = "stop"  # EOS or a stop token id / stop string
+FINISH_LENGTH = "length"  # max_tokens or the context length
+FINISH_ABORT = "abort"  # client abort or disconnect
+FINISH_ERROR = "error"  # could not be served (see TokenDeltas.errors)
+
+
+@register("SubmitRequest")
+@dataclass(frozen=True)
+class SubmitRequest:
+    """A tokenized request. `cache_salt` namespaces the prefix cache (model, adapter, tenant):
+    requests with different salts never share cached blocks."""
+
+    request_id: str
+    prompt_token_ids: np.ndarray  # int32 [num_prompt_tokens]
+    sampling: SamplingParams
+    arrival_time_s: float = 0.0
+    priority: int = 0
+    cache_salt: str = ""
+
+
+@register("AbortRequest")
+@dataclass(frozen=True)
+class AbortRequest:
+    request_ids: list[str]
+
+
+@register("TokenDeltas")
+@dataclass(frozen=True)
+class TokenDeltas:
+    """New tokens of many requests after one step (coalesced: one message per step).
+
+    Request i got token_ids[off[i]:off[i+1]] with off = offsets(num_new_tokens) (possibly
+    zero tokens, e.g. a finish by abort). finish_reasons[i] is "" while running. Logprob
+    arrays follow StepResult's layout when any request asked for them.
+    num_cached_tokens[i] is the prompt tokens served from the prefix cache (reported with
+    the request's first delta, 0 afterwards); errors maps request id -> message."""
+
+    step_id: int
+    request_ids: list[str]
+    num_new_tokens: np.ndarray  # int32 [n]
+    token_ids: np.ndarray  # int32 [sum]
+    finish_reasons: list[str]
+    num_cached_tokens: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [n] or []
+    logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
+    top_logprob_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    top_logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
+    errors: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.request_ids)
+        if len(self.num_new_tokens) != n or len(self.finish_reasons) != n:
+            raise ProtocolError("TokenDeltas columns must have one entry per request")
+        if int(np.sum(self.num_new_tokens)) != len(self.token_ids):
+            raise ProtocolError("TokenDeltas.token_ids length disagrees with num_new_tokens")
