@@ -267,3 +267,19 @@ class TokenDeltas:
             raise ProtocolError("TokenDeltas columns must have one entry per request")
         if int(np.sum(self.num_new_tokens)) != len(self.token_ids):
             raise ProtocolError("TokenDeltas.token_ids length disagrees with num_new_tokens")
+
+
+@register("SchedulerStats")
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Periodic snapshot pushed to the frontend: scheduler counters and the health table.
+
+    `stats` holds flat numeric figures (names as exported on /metrics); `workers` one dict per
+    worker (id, pool, healthy, load, kv usage, ...); `healthy` is the scheduler's own verdict
+    (progressing, and every pool has a healthy worker)."""
+
+    time_s: float
+    healthy: bool
+    stats: dict
+    workers: list
+    problems: list = field(default_factory=list)
