@@ -283,3 +283,30 @@ class SchedulerStats:
     stats: dict
     workers: list
     problems: list = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------
+# every process -> launcher
+# --------------------------------------------------------------------------------------
+
+
+@register("ProcessReady")
+@dataclass(frozen=True)
+class ProcessReady:
+    """A process finished starting; `info` carries what the launcher prints (pool, endpoints)."""
+
+    role: str  # "frontend" | "scheduler" | "worker"
+    index: int
+    pid: int
+    info: dict = field(default_factory=dict)
+
+
+@register("ProcessFailed")
+@dataclass(frozen=True)
+class ProcessFailed:
+    """A process could not start (or died on a fatal error); `error` is one readable line."""
+
+    role: str
+    index: int
+    pid: int
+    error: str

@@ -1,0 +1,187 @@
+"""Start the process pool, wait for every Ready, and stop it in order with nothing left behind.
+
+The launcher sizes and creates the shared CPU KV pool (so it alone unlinks it, even when a
+worker is SIGKILLed), starts frontend, scheduler and workers as `python -m` children with a
+JSON spec, and waits for each one's ProcessReady on a control socket. On SIGINT/SIGTERM it
+stops frontend, then scheduler, then workers; stragglers are killed; the runtime dir goes.
+Owns: child processes, the runtime dir, the CPU shared-memory pool's lifetime.
+Does not own: what the children do.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from justapi import transport
+from justapi.child import ChildSpec, Endpoints
+from justapi.model_info import ModelInfo
+from justapi.protocol import ProcessFailed, ProcessReady
+from justapi.serve_config import ServeConfig
+from justapi.shm_pool import SharedPoolSegment, plan_cpu_pool
+
+logger = logging.getLogger(__name__)
+
+ROLE_MODULES = {
+    "frontend": "justapi.frontend.process",
+    "scheduler": "justapi.scheduler_process",
+    "worker": "workers.process",
+}
+STOP_ORDER = ("frontend", "scheduler", "worker")
+STOP_GRACE_S = 10.0
+
+
+class LaunchError(RuntimeError):
+    """A process failed to start; the message names it and says why, in one line."""
+
+
+@dataclass
+class Child:
+    role: str
+    index: int
+    process: subprocess.Popen
+    ready: ProcessReady | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.index}" if self.role == "worker" else self.role
+
+
+@dataclass
+class Deployment:
+    """What start() found: shown to the user and used by tests."""
+
+    model: ModelInfo
+    endpoints: Endpoints
+    http_url: str
+    pool: dict[str, Any]
+    children: list[Child] = field(default_factory=list)
+
+
+class Launcher:
+    def __init__(self, config: ServeConfig, model: ModelInfo) -> None:
+        self.config = config
+        self.model = model
+        self.runtime_dir = transport.make_runtime_dir()
+        self.endpoints = Endpoints.in_dir(self.runtime_dir, config.server.zmq)
+        self.children: list[Child] = []
+        self.segment: SharedPoolSegment | None = None
+        self._context = zmq.Context()
+        self._control = transport.make_socket(self._context, zmq.PULL, self.endpoints.control,
+                                              bind=True)
+
+    def start(self) -> Deployment:
+        """Start every process and wait for its Ready; on any failure stop all and raise."""
+        try:
+            pool = self._make_pool()
+            for role, index in self._roles():
+                self._spawn(role, index, pool)
+            self._wait_ready(self.config.server.ready_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        frontend = next(c for c in self.children if c.role == "frontend")
+        assert frontend.ready is not None
+        return Deployment(self.model, self.endpoints, frontend.ready.info.get("http_url", ""),
+                          pool, self.children)
+
+    def _roles(self) -> list[tuple[str, int]]:
+        workers = [("worker", i) for i in range(self.config.server.workers)]
+        return [("scheduler", 0), *workers, ("frontend", 0)]
+
+    def _make_pool(self) -> dict[str, Any]:
+        if self.config.model.device != "cpu":
+            return {}
+        plan = plan_cpu_pool(self.model, self.config.cache, self.config.scheduler)
+        self.segment = SharedPoolSegment.create(plan)
+        return self.segment.describe()
+
+    def _spawn(self, role: str, index: int, pool: dict[str, Any]) -> None:
+        spec = ChildSpec(role=role, index=index, config=self.config, endpoints=self.endpoints,
+                         model_path=self.model.path, pool=pool,
+                         extra={"num_workers": self.config.server.workers})
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        process = subprocess.Popen([sys.executable, "-m", ROLE_MODULES[role], spec.to_json()],
+                                   env=env, stdin=subprocess.DEVNULL)
+        self.children.append(Child(role, index, process))
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        poller.register(self._control, zmq.POLLIN)
+        while any(c.ready is None for c in self.children):
+            self._check_exits(starting=True)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                pending = ", ".join(c.name for c in self.children if c.ready is None)
+                raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for: {pending}")
+            if poller.poll(timeout=min(remaining, 0.2) * 1000):
+                for _, message in transport.drain(self._control):
+                    self._on_control(message)
+
+    def _on_control(self, message: Any) -> None:
+        if isinstance(message, ProcessFailed):
+            who = message.role if message.role != "worker" else f"worker {message.index}"
+            raise LaunchError(f"{who} failed to start: {message.error}")
+        if isinstance(message, ProcessReady):
+            for child in self.children:
+                if child.role == message.role and child.index == message.index:
+                    child.ready = message
+
+    def _check_exits(self, *, starting: bool) -> Child | None:
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None:
+                if starting:
+                    raise LaunchError(f"{child.name} exited with code {code} while starting "
+                                      "(see its log above)")
+                return child
+        return None
+
+    def wait(self, stop_requested: Any) -> str:
+        """Block until stop_requested() or a child dies; return why."""
+        while not stop_requested():
+            dead = self._check_exits(starting=False)
+            if dead is not None and dead.role != "worker":
+                return f"{dead.name} exited with code {dead.process.returncode}"
+            for _, message in transport.drain(self._control):
+                if isinstance(message, ProcessFailed):
+                    logger.error("%s %d failed: %s", message.role, message.index, message.error)
+            time.sleep(0.2)
+        return "stop requested"
+
+    def shutdown(self) -> None:
+        """Stop children in order (SIGTERM, grace, SIGKILL); unlink the pool; remove the dir."""
+        for role in STOP_ORDER:
+            group = [c for c in self.children if c.role == role and c.process.poll() is None]
+            for child in group:
+                _signal(child.process, signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in group:
+                try:
+                    child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in %.0fs; killing it", child.name, STOP_GRACE_S)
+                    _signal(child.process, signal.SIGKILL)
+                    child.process.wait()
+        if self.segment is not None:
+            self.segment.unlink()
+            self.segment = None
+        self._control.close(0)
+        self._context.term()
+        transport.remove_runtime_dir(self.runtime_dir)
+
+
+def _signal(process: subprocess.Popen, signum: int) -> None:
+    try:
+        process.send_signal(signum)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,166 @@
+"""The scheduler process: the IO shell around the pure scheduler core.
+
+Reads SubmitRequest/AbortRequest from the frontend and Ready/StepResult/Heartbeat from the
+workers, asks the core for step plans, and pushes coalesced TokenDeltas and periodic
+SchedulerStats back to the frontend. Never busy-polls: it blocks on its sockets, and every
+change of state arrives as a message.
+Owns: sockets, clocks, the worker identity table and heartbeat bookkeeping (justapi/health.py).
+Does not own: scheduling decisions (justapi/scheduler/), tokens-to-text (frontend).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from justapi import transport
+from justapi.child import ChildSpec, StopFlag, report, start_child
+from justapi.health import HealthMonitor
+from justapi.protocol import (FINISH_ERROR, AbortRequest, Heartbeat, Ready, SchedulerStats,
+                              Shutdown, StepResult, SubmitRequest, TokenDeltas)
+from justapi.scheduler.factory import build_scheduler
+
+logger = logging.getLogger(__name__)
+
+POLL_TIMEOUT_MS = 100
+STATS_INTERVAL_S = 0.5
+
+
+def worker_identity(worker_id: int) -> bytes:
+    return f"worker-{worker_id}".encode()
+
+
+class SchedulerProcess:
+    def __init__(self, spec: ChildSpec, stop: StopFlag) -> None:
+        self.spec = spec
+        self.stop = stop
+        self.num_workers = int(spec.extra.get("num_workers", spec.config.server.workers))
+        ctx = zmq.Context()
+        self.context = ctx
+        self.inbox = transport.make_socket(ctx, zmq.PULL, spec.endpoints.scheduler_in, bind=True)
+        self.outbox = transport.make_socket(ctx, zmq.PUSH, spec.endpoints.frontend_in, bind=False)
+        self.workers = transport.make_socket(ctx, zmq.ROUTER, spec.endpoints.workers, bind=True)
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox, zmq.POLLIN)
+        self.poller.register(self.workers, zmq.POLLIN)
+        self.readies: dict[int, Ready] = {}
+        self.health = HealthMonitor()
+        self.core: Any = None
+        self._last_stats_s = 0.0
+
+    # ---------------------------------------------------------------- start-up
+    def wait_for_workers(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.readies) < self.num_workers and not self.stop.is_set:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.num_workers)) - set(self.readies))
+                raise RuntimeError(f"no Ready from worker(s) {missing} in {timeout_s:.0f}s")
+            if self.poller.poll(POLL_TIMEOUT_MS):
+                for sender, message in transport.drain(self.workers, routed=True):
+                    if isinstance(message, Ready):
+                        self.readies[message.worker_id] = message
+                        self.health.add_worker(message.worker_id, message.pool.pool_id)
+        self.core = build_scheduler(self.spec.config, list(self.readies.values()),
+                                    self.spec.extra)
+
+    # ---------------------------------------------------------------- the loop
+    def run(self) -> None:
+        while not self.stop.is_set:
+            self.poller.poll(POLL_TIMEOUT_MS)
+            for _, message in transport.drain(self.inbox):
+                self._on_frontend(message)
+            for sender, message in transport.drain(self.workers, routed=True):
+                self._on_worker(sender, message)
+            self._check_health()
+            for worker_id, plan in self.core.schedule():
+                transport.send(self.workers, plan, to=worker_identity(worker_id))
+            self._maybe_push_stats()
+        self._stop_workers()
+
+    def _on_frontend(self, message: Any) -> None:
+        if isinstance(message, SubmitRequest):
+            try:
+                self.core.add_request(message)
+            except ValueError as exc:
+                self._reject(message.request_id, str(exc))
+        elif isinstance(message, AbortRequest):
+            for request_id in message.request_ids:
+                self.core.abort_request(request_id)
+        else:
+            logger.warning("ignored unexpected %s from the frontend", type(message).__name__)
+
+    def _on_worker(self, sender: bytes | None, message: Any) -> None:
+        if isinstance(message, StepResult):
+            self.health.on_progress(message.worker_id)
+            if message.error:
+                logger.error("worker %d step %d failed: %s", message.worker_id, message.step_id,
+                             message.error)
+            deltas = self.core.update(message)
+            if deltas is not None and deltas.request_ids:
+                transport.send(self.outbox, deltas)
+        elif isinstance(message, Heartbeat):
+            self.health.on_heartbeat(message)
+        elif isinstance(message, Ready):
+            self.readies[message.worker_id] = message
+            self.health.add_worker(message.worker_id, message.pool.pool_id)
+            self.core.add_worker(message)
+        else:
+            logger.warning("ignored unexpected %s from %r", type(message).__name__, sender)
+
+    def _reject(self, request_id: str, error: str) -> None:
+        transport.send(self.outbox, TokenDeltas(
+            step_id=-1, request_ids=[request_id], num_new_tokens=np.zeros(1, np.int32),
+            token_ids=np.zeros(0, np.int32), finish_reasons=[FINISH_ERROR],
+            errors={request_id: error}))
+
+    def _check_health(self) -> None:
+        for worker_id, reason in self.health.newly_unhealthy(time.monotonic()):
+            logger.error("worker %d is unhealthy: %s; re-queueing its requests", worker_id, reason)
+            deltas = self.core.mark_worker_unhealthy(worker_id)
+            if deltas is not None and deltas.request_ids:
+                transport.send(self.outbox, deltas)
+
+    def _maybe_push_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats_s < STATS_INTERVAL_S:
+            return
+        self._last_stats_s = now
+        problems = self.health.problems(self.core.pool_ids())
+        transport.send(self.outbox, SchedulerStats(
+            time_s=time.time(), healthy=not problems, stats=self.core.stats(),
+            workers=self.health.table(), problems=problems))
+
+    def _stop_workers(self) -> None:
+        for worker_id in self.readies:
+            try:
+                transport.send(self.workers, Shutdown("scheduler stopping"),
+                               to=worker_identity(worker_id), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        for sock in (self.inbox, self.outbox, self.workers):
+            sock.close(0)
+        self.context.term()
+
+
+def main() -> None:
+    spec, stop = start_child()
+    process = SchedulerProcess(spec, stop)
+    try:
+        process.wait_for_workers(spec.config.server.ready_timeout_s)
+    except Exception as exc:  # report any start-up failure as one line, then exit
+        report(spec, error=str(exc))
+        raise SystemExit(1) from None
+    report(spec, info={"num_workers": len(process.readies)})
+    try:
+        process.run()
+    finally:
+        process.close()
+
+
+if __name__ == "__main__":
+    main()

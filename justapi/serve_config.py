@@ -1,0 +1,114 @@
+"""`justapi serve` configuration: the per-concern dataclasses grouped, loaded from TOML + flags.
+
+Keys are named as the CLI flags (`max-seqs` or `max_seqs`), flat, in one table; flags given on
+the command line override the file. Unknown keys and bad values raise ConfigError naming the
+key. Owns: the key -> (section, field) map and the server's own settings. Does not own: the
+per-concern validation (justapi/config.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from justapi.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig, _require
+
+LAUNCHERS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The process pool and its endpoints."""
+
+    host: str = "127.0.0.1"
+    """HTTP bind address (loopback unless told otherwise)."""
+    port: int = 8000
+    """HTTP port; 0 picks a free one."""
+    zmq: str = ""
+    """Endpoint of the ZMQ client API; "" puts an ipc socket in the runtime dir."""
+    workers: int = 1
+    """Worker processes (one per GPU with --gpu; CPU workers share the cores)."""
+    served_model_name: str = ""
+    """Model id shown by /v1/models; "" derives it from the GGUF."""
+    ready_timeout_s: float = 120.0
+    """How long the launcher waits for every process's Ready."""
+    launcher: str = "local"
+    """local | ray."""
+    log_level: str = "info"
+    """Log level of every process."""
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.port, int) and 0 <= self.port <= 65535,
+                 f"port must be in [0, 65535], got {self.port!r}")
+        _require(isinstance(self.workers, int) and 1 <= self.workers <= 64,
+                 f"workers must be in [1, 64], got {self.workers!r}")
+        _require(self.ready_timeout_s > 0, "ready-timeout-s must be > 0")
+        _require(self.launcher in LAUNCHERS,
+                 f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}")
+        _require(self.log_level in ("debug", "info", "warning", "error"),
+                 f"log-level must be debug|info|warning|error, got {self.log_level!r}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything `justapi serve` needs; each process takes the slices it uses."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ServeConfig:
+        return cls(**{name: section(**data.get(name, {}))
+                      for name, section in _SECTION_TYPES.items()})
+
+
+_SECTION_TYPES: dict[str, type] = {
+    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+    "server": ServerConfig,
+}
+
+
+def _key_map() -> dict[str, tuple[str, str]]:
+    """flag-style key -> (section, field name)."""
+    out: dict[str, tuple[str, str]] = {}
+    for section, cls in _SECTION_TYPES.items():
+        for f in dataclasses.fields(cls):
+            out[f.name.replace("_", "-")] = (section, f.name)
+    return out
+
+
+def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> ServeConfig:
+    """File values, then overrides (flags the user actually gave), into a validated config."""
+    keys = _key_map()
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTION_TYPES}
+    for source in (file_values, overrides):
+        for raw_key, value in source.items():
+            key = raw_key.replace("_", "-")
+            if key not in keys:
+                raise ConfigError(f"unknown config key {raw_key!r}")
+            section, name = keys[key]
+            sections[section][name] = value
+    try:
+        return ServeConfig.from_dict(sections)
+    except TypeError as exc:
+        raise ConfigError(f"bad config value: {exc}") from None
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
+    nested = [k for k, v in data.items() if isinstance(v, dict)]
+    if nested:
+        raise ConfigError(f"config {path}: keys must be flat (flag names), found table(s) {nested}")
+    return data
