@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator, Sequence
 
 import pytest
 
@@ -50,6 +50,7 @@ class Behaviour:
 class FakeServer:
     def __init__(self) -> None:
         self.behaviour = Behaviour()
+        self.base_url = ""  # set once uvicorn listens
         routes = [Route("/v1/models", self.models),
                   Route("/v1/completions", self.complete, methods=["POST"]),
                   Route("/v1/chat/completions", self.complete, methods=["POST"])]
@@ -100,7 +101,7 @@ def server() -> Iterator[FakeServer]:
     thread.start()
     while not uvicorn_server.started:
         time.sleep(0.01)
-    fake.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"  # type: ignore[attr-defined]
+    fake.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     yield fake
     uvicorn_server.should_exit = True
     thread.join(timeout=5)
@@ -160,7 +161,7 @@ class WordTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [len(word) for word in text.split()]
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return " ".join("x" * token_id for token_id in token_ids)
 
 
@@ -255,7 +256,8 @@ def test_workloads_are_deterministic_for_a_seed() -> None:
         other = bench_workloads.WorkloadOptions(name, num_requests=12, seed=8, decode_streams=4)
         assert first != bench_workloads.build_workload(other, sizer)
         assert len({r.prompt for r in first}) == 12  # every prompt differs
-    assert bench_workloads.poisson_arrivals(5, 2.0, 1) == bench_workloads.poisson_arrivals(5, 2.0, 1)
+    arrivals = bench_workloads.poisson_arrivals
+    assert arrivals(5, 2.0, seed=1) == arrivals(5, 2.0, seed=1) != arrivals(5, 2.0, seed=2)
 
 
 def test_workload_shapes() -> None:
@@ -356,9 +358,19 @@ def test_bad_flags_fail_with_a_message(capsys: pytest.CaptureFixture[str],
     assert "single" in capsys.readouterr().err
     assert bench.main(["--concurrency", "0"]) == bench.EXIT_USAGE
     assert "--concurrency must be >= 1, got 0" in capsys.readouterr().err
+    assert bench.main(["--num-requests", "0"]) == bench.EXIT_USAGE
+    assert "num_requests must be >= 1, got 0" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     assert bench.main(["--plot", "x.png"]) == bench.EXIT_USAGE
     assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_unwritable_json_path_fails_with_a_message(fake: FakeServer, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--base-url", fake.base_url, "--workload", "single", "--num-requests", "1",
+            "--no-progress", "--json", str(tmp_path)]  # a directory
+    assert bench.main(argv) == bench.EXIT_USAGE
+    assert "bench: error: cannot write output" in capsys.readouterr().err
 
 
 def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:

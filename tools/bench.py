@@ -45,6 +45,9 @@ examples:
   python tools/bench.py --base-url http://127.0.0.1:8080 --endpoint chat --request-rate 4
 exit codes: 0 ok, 1 every request failed, 2 bad flags or unreachable server, 130 Ctrl-C
 """
+
+
+# ---------------------------------------------------------------- statistics
 def percentile(samples: Sequence[float], q: float) -> float:
     """The q-th percentile with linear interpolation between order statistics
     (numpy's default 'linear' method)."""
@@ -199,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tokenizer-gguf", help="size prompts exactly with this GGUF's tokenizer")
     add("--decode-streams", type=int, default=8, help="long-burst: decoding streams (8)")
     add("--burst-size", type=int, default=4, help="long-burst: prompts per burst (4)")
-    add("--burst-interval-s", type=float, default=2.0, help="long-burst: seconds between bursts (2)")
+    add("--burst-interval-s", type=float, default=2.0,
+        help="long-burst: seconds between bursts (2)")
     add("--timeout-s", type=float, default=600.0, help="per-request read timeout (600)")
     add("--json", metavar="FILE", help="write all figures and per-request records")
     add("--plot", metavar="FILE.png", help="write the TTFT/ITL/e2e latency CDF")
@@ -233,9 +237,10 @@ def plan_run(args: argparse.Namespace) -> RunPlan:
                          "drop --request-rate")
     if concurrency is None and args.request_rate is None:
         concurrency = default_concurrency
+    num_requests = default_num if args.num_requests is None else args.num_requests
     options = WorkloadOptions(
-        args.workload, args.num_requests or default_num, args.seed, args.max_tokens,
-        args.prompt_tokens, args.decode_streams, args.burst_size, args.burst_interval_s)
+        args.workload, num_requests, args.seed, args.max_tokens, args.prompt_tokens,
+        args.decode_streams, args.burst_size, args.burst_interval_s)
     sizer: PromptSizer = EstimateSizer()
     counter: TokenizerSizer | None = None
     if args.tokenizer_gguf:
@@ -271,18 +276,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BenchError, ValueError) as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:  # before the run started (or a second Ctrl-C)
+        print("bench: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     report = bench_json({**plan.settings, "model": model}, result)
     title = f"{args.workload} / {args.endpoint}" + (" (interrupted)" if result.interrupted else "")
     print(format_summary(title, report["summary"], report["groups"]))
     print_errors(result.records)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as handle:
-            json.dump(report, handle, indent=1)
-    if args.plot:
-        plot_cdf(args.plot, result.records)
+    try:
+        write_outputs(args.json, args.plot, report, result.records)
+    except OSError as exc:
+        print(f"bench: error: cannot write output: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if result.interrupted:
         return EXIT_INTERRUPTED
     return EXIT_OK if report["summary"]["num_ok"] else EXIT_ALL_FAILED
+
+
+def write_outputs(json_path: str | None, plot_path: str | None, report: dict[str, Any],
+                  records: Sequence[RequestRecord]) -> None:
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as handle:
+            json.dump(report, handle, indent=1)
+    if plot_path:
+        plot_cdf(plot_path, records)
 
 
 def print_errors(records: Sequence[RequestRecord], limit: int = 3) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 WORKLOADS = ("batch", "shared-prefix", "single", "mixed", "long-burst")
 
@@ -59,6 +59,14 @@ def pseudo_text(rng: random.Random, num_words: int) -> str:
     return " ".join(sentences)
 
 
+class TextTokenizer(Protocol):
+    """What TokenizerSizer needs of a tokenizer (justapi.tokenizer.Tokenizer has it)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
 class EstimateSizer:
     """Sizes prompts by TOKENS_PER_WORD: cheap, needs no tokenizer, within ~10%."""
 
@@ -70,7 +78,7 @@ class TokenizerSizer:
     """Sizes prompts exactly with a tokenizer: the text is the decode of the first
     `num_tokens` ids of a longer pseudo-text (re-encoding may differ by a token at the cut)."""
 
-    def __init__(self, tokenizer: object) -> None:
+    def __init__(self, tokenizer: TextTokenizer) -> None:
         self.tokenizer = tokenizer
 
     def count(self, text: str) -> int:
@@ -81,10 +89,10 @@ class TokenizerSizer:
         token_ids = self._encode(pseudo_text(rng, num_words))
         while len(token_ids) < num_tokens:  # the estimate was short: add a sentence
             token_ids += self._encode(" " + pseudo_text(rng, SENTENCE_WORDS[1]))
-        return str(self.tokenizer.decode(token_ids[:num_tokens]))  # type: ignore[attr-defined]
+        return self.tokenizer.decode(token_ids[:num_tokens])
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))  # type: ignore[attr-defined]
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
 def load_tokenizer_sizer(gguf_path: str) -> TokenizerSizer:
