@@ -1,0 +1,181 @@
+"""The paged, chunked, batched forward equals a dense reference forward (tests/reference_llama.py),
+and on SmolLM2 our greedy continuations and logits equal HF transformers'."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from justapi.gguf_file import GGUFFile
+from justapi.protocol import NewRequest, StepPlan
+from justapi.sampling import SamplingParams
+from reference_llama import ReferenceLlama
+from workers.attention import SHORT_CHUNK_TOKENS, TorchPagedBackend
+from workers.gguf_loader import load_llama
+from workers.kv_pool import KVPool, PoolShape
+from workers.model import LlamaModel
+from workers.runner import ModelRunner
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 96
+TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q6_K"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
+
+
+@pytest.fixture(scope="module", params=TYPES)
+def models(request, tiny_gguf):
+    spec = dict(type=request.param, layers=2, vocab=320)
+    if request.param.endswith("_K"):
+        spec.update(hidden=256, heads=4, kv_heads=2, ffn=256)
+    path = tiny_gguf(**spec)
+    return LlamaModel(load_llama(GGUFFile(path), progress=False)), ReferenceLlama(path)
+
+
+def make_runner(model: LlamaModel) -> ModelRunner:
+    p = model.params
+    pool = KVPool.create(PoolShape(p.num_layers, NUM_BLOCKS, BLOCK_SIZE, p.num_kv_heads, p.head_dim))
+    return ModelRunner(model, pool, TorchPagedBackend(BLOCK_SIZE))
+
+
+class Seqs:
+    """Sequences with fixed random tokens and scattered, interleaved block tables."""
+
+    def __init__(self, lengths: dict[str, int], vocab: int, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.tokens = {rid: rng.integers(0, vocab, n).tolist() for rid, n in lengths.items()}
+        free = rng.permutation(NUM_BLOCKS).tolist()
+        self.blocks = {rid: [free.pop() for _ in range(-(-n // BLOCK_SIZE))] for rid, n in lengths.items()}
+
+    def new(self, rid: str) -> NewRequest:
+        return NewRequest(rid, GREEDY, len(self.tokens[rid]), np.asarray(self.tokens[rid], np.int32))
+
+    def chunk(self, rid: str, start: int, num: int):
+        return (rid, start, self.tokens[rid][start:start + num], self.blocks[rid], True)
+
+
+def all_row_logits(runner: ModelRunner, step_id: int, chunks, new=()) -> list[torch.Tensor]:
+    """Logits of every row of every chunk (drafts = num_tokens - 1 exposes all rows)."""
+    plan = StepPlan.build(step_id, chunks, list(new))
+    plan = dataclasses.replace(plan, num_draft_tokens=(plan.num_tokens - 1).astype(np.int32))
+    logits = runner.forward_logits(plan)
+    return list(torch.split(logits, plan.num_tokens.tolist()))
+
+
+def assert_matches(ours: torch.Tensor, reference: torch.Tensor) -> None:
+    scale = max(1.0, float(reference.abs().max()))
+    torch.testing.assert_close(ours, reference, atol=2e-5 * scale, rtol=0)
+
+
+def test_prefill_one_long_chunk(models):
+    model, ref = models
+    seqs = Seqs({"a": 23}, model.params.vocab_size)
+    assert 23 > SHORT_CHUNK_TOKENS
+    (logits,) = all_row_logits(make_runner(model), 1, [seqs.chunk("a", 0, 23)], [seqs.new("a")])
+    assert_matches(logits, ref.forward(seqs.tokens["a"]))
+
+
+def test_chunked_prefill_across_steps(models):
+    model, ref = models
+    seqs = Seqs({"a": 37}, model.params.vocab_size, seed=1)
+    runner, expected = make_runner(model), ref.forward(seqs.tokens["a"])
+    start = 0
+    for step, size in enumerate([7, 18, 1, 11]):  # short, long, single, short chunks
+        (logits,) = all_row_logits(runner, step, [seqs.chunk("a", start, size)],
+                                   [seqs.new("a")] if step == 0 else [])
+        assert_matches(logits, expected[start:start + size])
+        start += size
+
+
+def test_mixed_batches_decoding_across_block_boundaries(models):
+    """One step mixes a long prefill, short chunks and decodes of sequences of other lengths;
+    then all decode together (teacher-forced) across block boundaries, while a late sequence
+    prefills in the middle of the decodes."""
+    model, ref = models
+    lengths = {"a": 3 + 10, "b": 18 + 10, "c": 9 + 10, "d": 21 + 5}
+    seqs = Seqs(lengths, model.params.vocab_size, seed=2)
+    runner = make_runner(model)
+    expected = {rid: ref.forward(tokens) for rid, tokens in seqs.tokens.items()}
+    prompt = {"a": 3, "b": 18, "c": 9}
+    got = all_row_logits(runner, 0, [seqs.chunk(r, 0, n) for r, n in prompt.items()],
+                         [seqs.new(r) for r in prompt])
+    for (rid, n), logits in zip(prompt.items(), got):
+        assert_matches(logits, expected[rid][:n])
+    for step in range(10):
+        chunks = [seqs.chunk(rid, n + step, 1) for rid, n in prompt.items()]
+        new = []
+        if step == 4:  # a 21-token prefill joins the decodes
+            chunks.insert(1, seqs.chunk("d", 0, 21))
+            new = [seqs.new("d")]
+        elif step > 4:
+            chunks.append(seqs.chunk("d", 21 + step - 5, 1))
+        got = all_row_logits(runner, 1 + step, chunks, new)
+        for (rid, start, tokens, _, _), logits in zip(chunks, got):
+            assert_matches(logits, expected[rid][start:start + len(tokens)])
+
+
+def test_runner_samples_the_reference_argmax(models):
+    model, ref = models
+    seqs = Seqs({"a": 6, "b": 17}, model.params.vocab_size, seed=3)
+    result = make_runner(model).execute(StepPlan.build(
+        1, [seqs.chunk("a", 0, 6), seqs.chunk("b", 0, 17)], [seqs.new("a"), seqs.new("b")]))
+    want = [int(ref.forward(seqs.tokens[r])[-1].argmax()) for r in ("a", "b")]
+    assert result.sampled_token_ids.tolist() == want
+
+
+# ------------------------------------------------------------------------------ SmolLM2 vs HF
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
+           "Water boils at a temperature of", "<|im_start|>user\nName three colors.<|im_end|>\n<|im_start|>assistant\n"]
+NUM_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    directory, name = os.path.split(smollm2_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def our_engine(smollm2_path):
+    from workers.engine import LLMEngine
+
+    engine = LLMEngine(smollm2_path, progress=False, max_seqs=8, num_blocks=256)
+    yield engine
+    engine.close()
+
+
+def hf_greedy(model, prompt_ids: list[int], num_new: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy decoding with HF's own KV cache; returns tokens and the prompt's last logits."""
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        first_logits = out.logits[0, -1].clone()
+        tokens = []
+        for _ in range(num_new):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[tokens[-1]]]), cache=out.past_key_values, use_cache=True)
+    return tokens, first_logits
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_and_logits_equal_hf(hf_model, our_engine):
+    model, tokenizer = hf_model
+    prompt_ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    ours = our_engine.generate(prompt_ids, SamplingParams(temperature=0.0, max_tokens=NUM_NEW,
+                                                          ignore_eos=True))
+    runner = our_engine.runner
+    for i, ids in enumerate(prompt_ids):
+        want, hf_logits = hf_greedy(model, ids, NUM_NEW)
+        assert ours[i].token_ids == want, PROMPTS[i]
+        plan = StepPlan.build(100 + i, [(f"hf-{i}", 0, ids, list(range(-(-len(ids) // 16))), True)],
+                              [NewRequest(f"hf-{i}", GREEDY, len(ids), np.asarray(ids, np.int32))],
+                              )
+        logits = runner.forward_logits(plan)[0]
+        runner.requests.pop(f"hf-{i}")
+        torch.testing.assert_close(logits, hf_logits, atol=2e-3, rtol=0)

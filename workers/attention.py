@@ -1,0 +1,246 @@
+"""Attention over the paged KV cache, behind one interface a GPU kernel library can implement.
+
+A step's batch is flat: sequence i owns rows [tok_off[i], tok_off[i+1]) of q/k/v, holds
+positions [start_i, start_i + n_i), and its block table maps position p to
+slot = block_ids[p // block_size] * block_size + p % block_size. Per step the runner calls
+`prepare` once; per layer the model calls `write_kv` (new K/V into their slots) then `attend`.
+
+    rows:    | seq 0 chunk (prefill) | seq 1 (1 token) | seq 2 (1 token) | seq 3 chunk |
+    groups:  | long: one SDPA each   | short: one padded batch, all sequences at once |
+
+Owns: slot arithmetic, the grouping, masks, CPU/CUDA attention kernels.
+Does not own: the KV pool tensor (kv_pool.py) or block allocation (the scheduler).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+SHORT_CHUNK_TOKENS = 16
+"""Chunks of at most this many tokens (decodes, speculative verification) share one padded batch."""
+
+
+@dataclass(frozen=True)
+class AttentionBatch:
+    """One step's sequences as host arrays (columnar, like justapi.protocol.StepPlan)."""
+
+    start_positions: np.ndarray  # int [S]
+    num_tokens: np.ndarray  # int [S]
+    num_blocks: np.ndarray  # int [S]
+    block_ids: np.ndarray  # int [sum(num_blocks)]
+    block_size: int
+
+    def __post_init__(self) -> None:
+        need = -(-(self.start_positions + self.num_tokens) // self.block_size)  # ceil
+        if np.any(need > self.num_blocks):
+            bad = int(np.argmax(need > self.num_blocks))
+            raise ValueError(f"sequence {bad} needs {int(need[bad])} blocks for positions up to "
+                             f"{int(self.start_positions[bad] + self.num_tokens[bad]) - 1}, "
+                             f"its block table has {int(self.num_blocks[bad])}")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.num_tokens)
+
+    def token_offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.num_tokens)]).astype(np.int64)
+
+    def block_offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.num_blocks)]).astype(np.int64)
+
+    def positions(self) -> np.ndarray:
+        """[T] position of every row: start_i, start_i + 1, ... per sequence."""
+        tok_off = self.token_offsets()
+        seq_of_row = np.repeat(np.arange(self.num_seqs), self.num_tokens)
+        return (np.arange(tok_off[-1]) - tok_off[seq_of_row] + self.start_positions[seq_of_row])
+
+    def slots(self, positions: np.ndarray) -> np.ndarray:
+        """[T] KV slot of every row (see the module docstring)."""
+        seq_of_row = np.repeat(np.arange(self.num_seqs), self.num_tokens)
+        table_index = self.block_offsets()[seq_of_row] + positions // self.block_size
+        return self.block_ids[table_index].astype(np.int64) * self.block_size + positions % self.block_size
+
+    def padded_tables(self, seqs: np.ndarray) -> np.ndarray:
+        """[len(seqs), max blocks needed] block tables of `seqs`, cut to the blocks their
+        positions reach and padded with block 0 (masked out)."""
+        ends = self.start_positions[seqs] + self.num_tokens[seqs]
+        used = -(-ends // self.block_size)
+        out = np.zeros((len(seqs), int(used.max())), dtype=np.int64)
+        blk_off = self.block_offsets()
+        for row, (seq, n) in enumerate(zip(seqs, used)):
+            out[row, :n] = self.block_ids[blk_off[seq]:blk_off[seq] + n]
+        return out
+
+
+@dataclass
+class ShortGroup:
+    """Sequences with short chunks, computed together as one padded batch."""
+
+    rows: torch.Tensor  # int64 [A, Qmax]: q row of each (sequence, query index); pad repeats a row
+    valid_rows: torch.Tensor  # int64 [num valid]: flat indices into [A * Qmax] that are real
+    out_rows: torch.Tensor  # int64 [num valid]: where those go in the step's output
+    tables: torch.Tensor  # int64 [A, Bmax]
+    mask: torch.Tensor  # bool [A, 1, Qmax, Bmax * block_size]: key visible to query
+    is_identity: bool  # one token per sequence, rows in order: no gather/scatter needed
+
+
+@dataclass
+class LongChunk:
+    """One sequence with a long chunk (prefill), computed on its own."""
+
+    first_row: int
+    num_tokens: int
+    num_keys: int  # start + num_tokens
+    blocks: torch.Tensor  # int64 [ceil(num_keys / block_size)]
+    mask: torch.Tensor  # bool [num_tokens, num_keys], causal with the chunk's offset
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # int64 [T]
+    slots: torch.Tensor  # int64 [T]
+    short: ShortGroup | None
+    longs: list[LongChunk]
+
+
+class AttentionBackend(ABC):
+    """Prepare once per step; then per layer write K/V into their slots and attend."""
+
+    @abstractmethod
+    def prepare(self, batch: AttentionBatch) -> AttentionMetadata: ...
+
+    @abstractmethod
+    def write_kv(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """kv: this layer's [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]."""
+
+    @abstractmethod
+    def attend(self, kv: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, heads, head_dim] (rotary applied) -> [T, heads, head_dim]."""
+
+
+class TorchPagedBackend(AttentionBackend):
+    """Paged attention in plain torch: gather each sequence's blocks, then SDPA (GQA-aware).
+
+    Works on any device; TorchCpuBackend and CudaBackend below pick the device."""
+
+    def __init__(self, block_size: int, device: torch.device | str = "cpu") -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+
+    def prepare(self, batch: AttentionBatch) -> AttentionMetadata:
+        assert batch.block_size == self.block_size, "batch built for another block size"
+        positions = batch.positions()
+        slots = batch.slots(positions)
+        short_seqs = np.flatnonzero(batch.num_tokens <= SHORT_CHUNK_TOKENS)
+        long_seqs = np.flatnonzero(batch.num_tokens > SHORT_CHUNK_TOKENS)
+        return AttentionMetadata(
+            positions=self._tensor(positions), slots=self._tensor(slots),
+            short=self._short_group(batch, short_seqs) if len(short_seqs) else None,
+            longs=[self._long_chunk(batch, int(s)) for s in long_seqs])
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
+
+    def _short_group(self, batch: AttentionBatch, seqs: np.ndarray) -> ShortGroup:
+        counts = batch.num_tokens[seqs]
+        q_max = int(counts.max())
+        first = batch.token_offsets()[seqs]
+        q_index = np.arange(q_max)
+        is_valid = q_index[None, :] < counts[:, None]  # [A, Qmax]
+        rows = first[:, None] + np.where(is_valid, q_index[None, :], 0)  # [A, Qmax]
+        tables = batch.padded_tables(seqs)
+        keys = np.arange(tables.shape[1] * self.block_size)
+        query_pos = batch.start_positions[seqs][:, None] + q_index[None, :]  # [A, Qmax]
+        mask = keys[None, None, :] <= query_pos[:, :, None]  # [A, Qmax, Tk]: causal, within length
+        is_identity = q_max == 1 and np.array_equal(rows[:, 0], np.arange(batch.num_tokens.sum()))
+        return ShortGroup(rows=self._tensor(rows), valid_rows=self._tensor(np.flatnonzero(is_valid)),
+                          out_rows=self._tensor(rows[is_valid]), tables=self._tensor(tables),
+                          mask=torch.from_numpy(mask[:, None]).to(self.device),
+                          is_identity=bool(is_identity))
+
+    def _long_chunk(self, batch: AttentionBatch, seq: int) -> LongChunk:
+        start, n = int(batch.start_positions[seq]), int(batch.num_tokens[seq])
+        num_keys = start + n
+        table = batch.padded_tables(np.array([seq]))[0]
+        mask = np.arange(num_keys)[None, :] <= start + np.arange(n)[:, None]  # [n, num_keys]
+        return LongChunk(first_row=int(batch.token_offsets()[seq]), num_tokens=n, num_keys=num_keys,
+                         blocks=self._tensor(table), mask=torch.from_numpy(mask).to(self.device))
+
+    def write_kv(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        flat = kv.view(2, -1, kv.shape[-2], kv.shape[-1])  # [2, num_slots, kv_heads, head_dim]
+        flat[0].index_copy_(0, meta.slots, k.to(kv.dtype))
+        flat[1].index_copy_(0, meta.slots, v.to(kv.dtype))
+
+    def attend(self, kv: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.short is not None and meta.short.is_identity and not meta.longs:
+            return self._attend_short(kv, q, meta.short)  # pure decode step: no scatter
+        out = torch.empty_like(q)
+        if meta.short is not None:
+            out[meta.short.out_rows] = self._attend_short(kv, q, meta.short)
+        for chunk in meta.longs:
+            rows = slice(chunk.first_row, chunk.first_row + chunk.num_tokens)
+            out[rows] = self._attend_long(kv, q[rows], chunk)
+        return out
+
+    def _attend_short(self, kv: torch.Tensor, q: torch.Tensor, group: ShortGroup) -> torch.Tensor:
+        num_seqs, q_max = group.rows.shape
+        heads, head_dim = q.shape[1], q.shape[2]
+        if group.is_identity:
+            q_pad = q.view(num_seqs, 1, heads, head_dim)
+        else:
+            q_pad = q[group.rows]  # [A, Qmax, heads, head_dim]
+        keys = kv[:, group.tables]  # [2, A, Bmax, block_size, kv_heads, head_dim]
+        keys = keys.flatten(2, 3).transpose(2, 3)  # [2, A, kv_heads, Tk, head_dim]
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2), keys[0], keys[1], attn_mask=group.mask,
+            enable_gqa=True)  # [A, heads, Qmax, head_dim]
+        out = out.transpose(1, 2).reshape(num_seqs * q_max, heads, head_dim)
+        return out if group.is_identity else out[group.valid_rows]
+
+    def _attend_long(self, kv: torch.Tensor, q: torch.Tensor, chunk: LongChunk) -> torch.Tensor:
+        keys = kv[:, chunk.blocks].flatten(1, 2)[:, :chunk.num_keys]  # [2, num_keys, kv_heads, head_dim]
+        keys = keys.transpose(1, 2)  # [2, kv_heads, num_keys, head_dim]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys[0], keys[1], attn_mask=chunk.mask,
+            enable_gqa=True)  # [heads, n, head_dim]
+        return out.transpose(0, 1)
+
+
+class TorchCpuBackend(TorchPagedBackend):
+    """The CPU backend: fp32, torch's CPU SDPA kernels over gathered blocks."""
+
+    def __init__(self, block_size: int) -> None:
+        super().__init__(block_size, "cpu")
+
+
+class CudaBackend(TorchPagedBackend):
+    """The CUDA backend: the same gathered-block SDPA, run by torch's flash / memory-efficient
+    CUDA kernels in bf16. A kernel library with native paged attention (flashinfer, vLLM's
+    paged_attention) would replace `attend`'s gather; the metadata stays the same."""
+
+    def __init__(self, block_size: int, device: str = "cuda") -> None:
+        require_cuda(device)
+        super().__init__(block_size, device)
+
+
+def require_cuda(device: str = "cuda") -> None:
+    """Raise a clear error where `device` names a GPU this machine does not have."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device {device!r} needs a CUDA GPU, but torch sees none "
+                           f"(torch {torch.__version__}, built with CUDA: {torch.version.cuda or 'no'}); "
+                           "run with device 'cpu'")
+    index = torch.device(device).index or 0
+    if index >= torch.cuda.device_count():
+        raise RuntimeError(f"device {device!r} does not exist: {torch.cuda.device_count()} GPU(s) visible")
+
+
+def make_backend(device: str, block_size: int) -> AttentionBackend:
+    if torch.device(device).type == "cuda":
+        return CudaBackend(block_size, device)
+    return TorchCpuBackend(block_size)

@@ -1,0 +1,176 @@
+"""LLMEngine: the paged runtime in one process — load a GGUF, then `generate` many prompts at once.
+
+The loop is three lines (schedule, execute, update) between a small continuous-batching
+policy (workers/batch_policy.py, to be replaced by the real scheduler) and the runtime
+(ModelRunner: model + KV pool + attention backend + sampler), which stays as it is.
+Text goes through a seam: `justapi.tokenizer.Tokenizer` when it is importable, else prompts
+must be token ids and outputs carry no text.
+Owns: wiring the runtime together and the text seam. Does not own: the policy or the runtime.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from justapi.gguf_file import GGUFFile, resolve_model_path
+from justapi.sampling import SamplingParams
+from workers.attention import make_backend, require_cuda
+from workers.batch_policy import BatchPolicy, Sequence as Seq
+from workers.gguf_loader import load_llama
+from workers.kv_pool import KVPool, PoolShape
+from workers.model import LlamaModel
+from workers.runner import ModelRunner
+from workers.sampler import Sampler
+from workers.synthetic import SPEC_PREFIX, materialize
+
+logger = logging.getLogger(__name__)
+DEFAULT_KV_BYTES = 2 << 30
+"""KV pool size when num_blocks is 0 (an anonymous mapping: pages cost nothing until used)."""
+
+
+class TextCodec(Protocol):
+    """What the engine needs from a tokenizer (justapi.tokenizer.Tokenizer satisfies it)."""
+
+    def encode(self, text: str) -> list[int]: ...
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """The model's chat template applied to `messages`, ready for generation."""
+        return render_chat(self.gguf, self.tokenizer, messages)
+
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class Output:
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+
+
+def resolve_model(model: str) -> str:
+    """'' -> the default GGUF; 'synthetic:...' -> a generated file; else the path, checked."""
+    if model.startswith(SPEC_PREFIX):
+        return materialize(model)
+    return resolve_model_path(model)
+
+
+def load_text_codec(gguf: GGUFFile) -> Any | None:
+    """The project tokenizer for this file, or None while justapi.tokenizer is not installed."""
+    try:
+        from justapi.tokenizer import Tokenizer
+    except ImportError:
+        logger.warning("justapi.tokenizer is not available: text prompts are not supported")
+        return None
+    return Tokenizer.from_gguf(gguf)
+
+
+def render_chat(gguf: GGUFFile, tokenizer: Any | None, messages: list[dict[str, str]]) -> str:
+    """The file's `tokenizer.chat_template` rendered in jinja2's immutable sandbox, with a
+    generation prompt. (justapi.chat_template, when present, is the full implementation.)"""
+    template = gguf.get("tokenizer.chat_template")
+    if not template:
+        raise ValueError(f"{gguf.path} has no tokenizer.chat_template; drop --chat")
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    try:
+        return env.from_string(template).render(
+            messages=messages, add_generation_prompt=True,
+            bos_token=getattr(tokenizer, "bos_token", ""), eos_token=getattr(tokenizer, "eos_token", ""))
+    except TemplateError as exc:
+        raise ValueError(f"chat template of {gguf.path} failed: {exc}") from None
+
+
+def stop_token_ids(gguf: GGUFFile, tokenizer: Any | None) -> frozenset[int]:
+    """Tokens that end generation unless ignore_eos: the tokenizer's end-of-generation set, or
+    the file's EOS id."""
+    if tokenizer is not None and getattr(tokenizer, "eog_token_ids", None):
+        return frozenset(tokenizer.eog_token_ids)
+    eos = gguf.get("tokenizer.ggml.eos_token_id")
+    return frozenset() if eos is None else frozenset({int(eos)})
+
+
+class LLMEngine:
+    def __init__(self, model: str = "", device: str = "cpu", block_size: int = 16,
+                 num_blocks: int = 0, max_seqs: int = 32, chunk_size: int = 512,
+                 max_batched_tokens: int = 2048, max_context: int = 0,
+                 seed: int | None = None, progress: bool = True) -> None:
+        if torch.device(device).type == "cuda":
+            require_cuda(device)  # fail before the slow parts
+        self.path = resolve_model(model)
+        self.gguf = GGUFFile(self.path)
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        self.model = LlamaModel(load_llama(self.gguf, device, dtype, progress))
+        p = self.model.params
+        self.max_context = min(max_context or p.max_context, p.max_context)
+        if num_blocks <= 0:
+            per_block = PoolShape(p.num_layers, 1, block_size, p.num_kv_heads, p.head_dim).num_bytes(dtype)
+            num_blocks = max(1, min(DEFAULT_KV_BYTES // per_block,
+                                    max_seqs * -(-self.max_context // block_size)))
+        shape = PoolShape(p.num_layers, num_blocks, block_size, p.num_kv_heads, p.head_dim)
+        self.pool = KVPool.create(shape, "local", dtype, device)
+        self.runner = ModelRunner(self.model, self.pool, make_backend(device, block_size), Sampler(seed))
+        self.tokenizer = load_text_codec(self.gguf)
+        self.eos_token_ids = stop_token_ids(self.gguf, self.tokenizer)
+        self.policy_args = dict(num_blocks=num_blocks, block_size=block_size, max_seqs=max_seqs,
+                                chunk_size=chunk_size, max_batched_tokens=max_batched_tokens)
+        self._next_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("text prompts need justapi.tokenizer; pass token ids instead")
+        return list(self.tokenizer.encode(text))
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
+        """The model's chat template applied to `messages`, ready for generation."""
+        return render_chat(self.gguf, self.tokenizer, messages)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return "" if self.tokenizer is None else self.tokenizer.decode(list(token_ids))
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Output]:
+        """Run every prompt to completion, batched; outputs in prompt order."""
+        params = self._per_prompt(sampling, len(prompts))
+        policy = BatchPolicy(**self.policy_args)  # type: ignore[arg-type]
+        seqs = [self._sequence(prompt, p) for prompt, p in zip(prompts, params)]
+        for seq in seqs:
+            policy.add(seq)
+        with torch.inference_mode():
+            while policy.has_work():
+                plan = policy.schedule()
+                result = self.runner.execute(plan)
+                policy.update(plan, result)
+        return [Output(self.decode(s.output_ids), s.output_ids, s.token_ids[:s.num_prompt_tokens],
+                       s.finish_reason) for s in seqs]
+
+    def _per_prompt(self, sampling: SamplingParams | Sequence[SamplingParams] | None,
+                    count: int) -> list[SamplingParams]:
+        if sampling is None or isinstance(sampling, SamplingParams):
+            return [sampling or SamplingParams()] * count
+        if len(sampling) != count:
+            raise ValueError(f"got {len(sampling)} sampling params for {count} prompts")
+        return list(sampling)
+
+    def _sequence(self, prompt: str | Sequence[int], params: SamplingParams) -> Seq:
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        vocab = self.model.params.vocab_size
+        if not token_ids:
+            raise ValueError("empty prompt: at least one token is needed")
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token id out of range [0, {vocab})")
+        if len(token_ids) > self.max_context:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, more than the context length "
+                             f"{self.max_context}")
+        self._next_id += 1
+        return Seq(request_id=f"req-{self._next_id}", params=params, token_ids=token_ids,
+                   num_prompt_tokens=len(token_ids), max_context=self.max_context,
+                   eos_token_ids=self.eos_token_ids)
+
+    def close(self) -> None:
+        self.pool.close()
+

@@ -1,0 +1,140 @@
+"""ModelRunner: StepPlan in, StepResult out — the worker's whole data plane for one step.
+
+Keeps per-request state (sampling params, token history for penalties) learned from
+`plan.new_requests` and dropped on `plan.finished_request_ids`. Each chunk's tokens overwrite
+the history at their positions (truncate to the chunk's start, then extend), so a rollback
+after rejected speculative tokens, or a recompute after preemption, leaves it right.
+Owns: that state, turning a plan into tensors, picking logit rows. Does not own: block
+allocation or scheduling (the scheduler), the forward math (model.py), sampling (sampler.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from justapi.protocol import StepPlan, StepResult, offsets
+from justapi.sampling import SamplingParams
+from workers.attention import AttentionBackend, AttentionBatch
+from workers.kv_pool import KVPool
+from workers.model import LlamaModel
+from workers.sampler import Sampler, SamplingRow
+
+
+@dataclass
+class RequestState:
+    params: SamplingParams
+    num_prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # every token known, position-indexed
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
+                 sampler: Sampler | None = None, worker_id: int = 0) -> None:
+        if pool.shape.num_layers != model.params.num_layers:
+            raise ValueError(f"KV pool has {pool.shape.num_layers} layers, model {model.params.num_layers}")
+        self.model = model
+        self.pool = pool
+        self.backend = backend
+        self.sampler = sampler or Sampler()
+        self.worker_id = worker_id
+        self.requests: dict[str, RequestState] = {}
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.shape.block_size
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step: forward every chunk, sample the sequences whose sample flag is set."""
+        if np.any(plan.draft_counts > 0):
+            raise ValueError("speculative drafts (num_draft_tokens > 0) need verification, "
+                             "which this runner does not implement yet")
+        logits = self.forward_logits(plan)  # [num sampled, vocab]: drafts are 0, one row each
+        sampled = np.flatnonzero(plan.sample_flags)
+        ids = [plan.request_ids[i] for i in sampled]
+        if not len(sampled):
+            self._forget(plan.finished_request_ids)
+            return StepResult(step_id=plan.step_id, worker_id=self.worker_id, request_ids=[],
+                              num_sampled=np.zeros(0, np.int32), sampled_token_ids=np.zeros(0, np.int32))
+        ends = plan.start_positions[sampled] + plan.num_tokens[sampled]
+        rows = [self._sampling_row(rid, int(end)) for rid, end in zip(ids, ends)]
+        out = self.sampler.sample(logits, rows)
+        self._forget(plan.finished_request_ids)
+        extra = {}
+        if out.logprobs is not None:
+            extra = {"logprobs": out.logprobs, "top_logprob_ids": out.top_ids,
+                     "top_logprobs": out.top_logprobs}
+        return StepResult(step_id=plan.step_id, worker_id=self.worker_id, request_ids=ids,
+                          num_sampled=np.ones(len(ids), np.int32), sampled_token_ids=out.token_ids,
+                          **extra)
+
+    def forward_logits(self, plan: StepPlan) -> torch.Tensor:
+        """Forward the plan and return fp32 logits of the last 1 + num_draft_tokens[i] positions
+        of every sampled sequence i, in plan order: [sum over sampled (1 + drafts), vocab]."""
+        self._learn(plan)
+        if plan.num_seqs == 0:
+            return torch.zeros(0, self.model.params.vocab_size)
+        self._check(plan)
+        batch = AttentionBatch(plan.start_positions.astype(np.int64), plan.num_tokens.astype(np.int64),
+                               plan.num_blocks.astype(np.int64), plan.block_ids, self.block_size)
+        with torch.inference_mode():
+            meta = self.backend.prepare(batch)
+            token_ids = torch.from_numpy(plan.token_ids.astype(np.int64)).to(self.model.device)
+            kv_layers = [self.pool.layer(i) for i in range(self.pool.shape.num_layers)]
+            hidden = self.model.forward(token_ids, kv_layers, self.backend, meta)
+            rows = torch.from_numpy(logit_rows(plan)).to(hidden.device)
+            return self.model.logits(hidden[rows])
+
+    # ------------------------------------------------------------------ request state
+
+    def _learn(self, plan: StepPlan) -> None:
+        for new in plan.new_requests:
+            self.requests[new.request_id] = RequestState(
+                new.sampling, new.num_prompt_tokens, [int(t) for t in new.token_ids])
+        tok_off = offsets(plan.num_tokens)
+        for i, request_id in enumerate(plan.request_ids):
+            state = self.requests.get(request_id)
+            if state is None:
+                raise ValueError(f"step {plan.step_id}: request {request_id!r} was never announced "
+                                 "in new_requests (or already finished)")
+            start = int(plan.start_positions[i])
+            if start > len(state.token_ids):
+                raise ValueError(f"request {request_id!r}: chunk starts at position {start} but only "
+                                 f"{len(state.token_ids)} tokens are known")
+            del state.token_ids[start:]
+            state.token_ids.extend(plan.token_ids[tok_off[i]:tok_off[i + 1]].tolist())
+
+    def _forget(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+    def _sampling_row(self, request_id: str, position: int) -> SamplingRow:
+        state = self.requests[request_id]
+        return SamplingRow(state.params, np.asarray(state.token_ids[:position], dtype=np.int64),
+                           state.num_prompt_tokens, position)
+
+    def _check(self, plan: StepPlan) -> None:
+        p = self.model.params
+        ends = plan.start_positions.astype(np.int64) + plan.num_tokens
+        if int(ends.max()) > p.max_context:
+            bad = int(np.argmax(ends))
+            raise ValueError(f"request {plan.request_ids[bad]!r} reaches position {int(ends[bad]) - 1}, "
+                             f"beyond the context length {p.max_context}")
+        if len(plan.token_ids) and (plan.token_ids.min() < 0 or plan.token_ids.max() >= p.vocab_size):
+            raise ValueError(f"token id out of range [0, {p.vocab_size}) in step {plan.step_id}")
+        if len(plan.block_ids) and (plan.block_ids.min() < 0
+                                    or plan.block_ids.max() >= self.pool.shape.num_blocks):
+            raise ValueError(f"block id out of range [0, {self.pool.shape.num_blocks}) in step {plan.step_id}")
+
+
+def logit_rows(plan: StepPlan) -> np.ndarray:
+    """Flat row indices whose logits are needed: for each sampled sequence the last
+    1 + num_draft_tokens rows of its chunk.
+
+        rows:   | seq 0 (not sampled) | seq 1 .. [x x] | seq 2 [x] |   x = returned row
+    """
+    ends = offsets(plan.num_tokens)[1:]
+    drafts = plan.draft_counts
+    parts = [np.arange(ends[i] - 1 - drafts[i], ends[i]) for i in np.flatnonzero(plan.sample_flags)]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)

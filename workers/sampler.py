@@ -1,0 +1,172 @@
+"""Batched sampling for a whole step: one call per step, rows = sequences to sample.
+
+Order (vLLM's): raw logprobs -> penalties (repetition over prompt+output, presence and
+frequency over output only) -> greedy rows take the argmax -> temperature -> min_p -> top_k ->
+top_p -> exponential race (argmax of p / q, q ~ Exp(1)). Logprobs are those of the raw model
+distribution (log_softmax of the unprocessed logits), as vLLM reports by default.
+A seeded row draws its noise from a generator seeded by (seed, position of the sampled token),
+so its tokens do not depend on the batch, the worker, or recompute after preemption.
+Owns: the sampling math. Does not own: parameter validation (justapi.sampling), token history.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from justapi.sampling import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingRow:
+    """One sequence to sample: its parameters, known tokens and the position being sampled."""
+
+    params: SamplingParams
+    token_ids: np.ndarray  # int [num_known]: prompt then output so far
+    num_prompt_tokens: int
+    position: int  # position the sampled token will occupy
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: np.ndarray  # int32 [N]
+    logprobs: np.ndarray | None = None  # float32 [N]: the sampled tokens' raw logprobs
+    top_ids: np.ndarray | None = None  # int32 [N, max_top_n], -1 padded
+    top_logprobs: np.ndarray | None = None  # float32 [N, max_top_n], -inf padded
+
+
+def stream_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for (request seed, position): splitmix64 finalizer of both."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        self._unseeded = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(62))
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits [N, vocab] (any device) -> one token per row."""
+        assert logits.shape[0] == len(rows)
+        logits = logits.float().cpu()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
+        logits = apply_penalties(logits, rows)
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+        if sampled:
+            index = torch.tensor(sampled)
+            probs = filtered_probs(logits[index], [rows[i].params for i in sampled])
+            noise = self._exponential_noise([rows[i] for i in sampled], probs.shape[1])
+            tokens[index] = (probs / noise).argmax(dim=-1)
+        out = tokens.to(torch.int32).numpy()
+        if raw_logprobs is None:
+            return SamplerOutput(out)
+        return SamplerOutput(out, *_logprob_columns(raw_logprobs, tokens, rows))
+
+    def _exponential_noise(self, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
+        noise = torch.empty(len(rows), vocab)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self._unseeded)
+        for i, row in enumerate(rows):
+            if row.params.seed is not None:
+                gen = torch.Generator().manual_seed(stream_seed(row.params.seed, row.position))
+                noise[i].exponential_(generator=gen)
+        return noise
+
+
+def _wants_logprobs(rows: list[SamplingRow]) -> bool:
+    return any(r.params.logprobs is not None for r in rows)
+
+
+def _logprob_columns(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]):
+    chosen = raw.gather(1, tokens[:, None])[:, 0]
+    top_n = max(r.params.logprobs or 0 for r in rows)
+    top_ids = np.full((len(rows), top_n), -1, dtype=np.int32)
+    top_values = np.full((len(rows), top_n), -np.inf, dtype=np.float32)
+    if top_n:
+        values, ids = raw.topk(top_n, dim=-1)
+        for i, row in enumerate(rows):
+            n = row.params.logprobs or 0
+            top_ids[i, :n] = ids[i, :n].numpy()
+            top_values[i, :n] = values[i, :n].numpy()
+    return chosen.numpy().astype(np.float32), top_ids, top_values
+
+
+def _padded(sequences: list[np.ndarray], pad: int) -> torch.Tensor:
+    width = max((len(s) for s in sequences), default=0)
+    out = np.full((len(sequences), max(width, 1)), pad, dtype=np.int64)
+    for i, s in enumerate(sequences):
+        out[i, :len(s)] = s
+    return torch.from_numpy(out)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition (CTRL: divide positive logits, multiply negative ones) for tokens in prompt or
+    output; then logit -= frequency * count_in_output + presence * (count_in_output > 0)."""
+    chosen = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not chosen:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    index = torch.tensor(chosen)
+    params = [rows[i].params for i in chosen]
+    seen_ids = _padded([np.asarray(rows[i].token_ids) for i in chosen], vocab)
+    output_ids = _padded([np.asarray(rows[i].token_ids[rows[i].num_prompt_tokens:]) for i in chosen], vocab)
+    seen = torch.zeros(len(chosen), vocab + 1, dtype=torch.bool).scatter_(1, seen_ids, True)[:, :vocab]
+    counts = torch.zeros(len(chosen), vocab + 1).scatter_add_(
+        1, output_ids, torch.ones(output_ids.shape))[:, :vocab]  # [n, vocab]
+    rep = torch.tensor([p.repetition_penalty for p in params])[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params])[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params])[:, None]
+    sub = logits[index]
+    penalized = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(seen, penalized, sub)
+    sub = sub - freq * counts - presence * (counts > 0).float()
+    logits[index] = sub
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[n, vocab] logits of non-greedy rows -> probabilities after temperature, min_p, top_k and
+    top_p (removed tokens get probability 0, the rest renormalized)."""
+    temperature = torch.tensor([p.temperature for p in params])[:, None]
+    logits = logits / temperature
+    min_p = torch.tensor([p.min_p for p in params])[:, None]
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        too_small = probs < min_p * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(too_small, float("-inf"))
+    top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
+    if any(top_k):
+        logits = _apply_top_k(logits, top_k)
+    top_p = torch.tensor([p.top_p for p in params])
+    if bool((top_p < 1.0).any()):
+        logits = _apply_top_p(logits, top_p)
+    return logits.softmax(dim=-1)
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Keep tokens whose logit is >= the row's k-th largest (ties at the boundary stay)."""
+    vocab = logits.shape[1]
+    k = torch.tensor([min(k, vocab) if k else vocab for k in top_k])
+    values = logits.topk(int(k.max()), dim=-1).values  # [n, kmax], descending
+    threshold = values.gather(1, (k - 1)[:, None])  # [n, 1]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest prefix of tokens (by descending probability) whose mass reaches top_p:
+    a token stays when the mass strictly before it is < top_p. Rows with top_p == 1 keep all."""
+    probs = logits.softmax(dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    drop_sorted = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
