@@ -68,7 +68,8 @@ PRE_TOKENIZER_ALIASES = {
     "dbrx": "llama3", "smaug-bpe": "llama3", "pixtral": "llama3",
     "qwen2": "qwen2", "stablelm2": "qwen2", "deepseek-r1-qwen": "qwen2",
     "starcoder": "starcoder", "smollm": "starcoder", "refact": "starcoder",
-    "command-r": "starcoder", "codeshell": "starcoder", "exaone": "starcoder", "minerva": "starcoder",
+    "command-r": "starcoder", "codeshell": "starcoder", "exaone": "starcoder",
+    "minerva": "starcoder",
     "deepseek-llm": "deepseek-llm", "deepseek-coder": "deepseek-coder", "default": "default",
 }
 # Families whose merges are skipped for a word that is itself a token (llama.cpp ignore_merges).
@@ -115,7 +116,8 @@ class Tokenizer:
         if model is None or not tokens:
             raise ValueError(f"{gguf_file.path}: no tokenizer in the GGUF metadata "
                              "(tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
-        token_types = list(gguf_file.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+        token_types = list(gguf_file.get("tokenizer.ggml.token_type")
+                           or [TOKEN_NORMAL] * len(tokens))
         if len(token_types) != len(tokens):
             raise ValueError(f"{gguf_file.path}: {len(token_types)} token types for "
                              f"{len(tokens)} tokens")
@@ -180,7 +182,8 @@ class Tokenizer:
         backend = self._backend if allow_special else self._plain()
         return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str],
+                     add_special_tokens: bool = True) -> list[list[int]]:
         return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens)]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

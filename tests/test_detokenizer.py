@@ -101,7 +101,8 @@ class CountingTokenizer:
 def test_decode_work_per_step_is_bounded(smol: Tokenizer) -> None:
     ids = smol.encode("日本語 and English, 😀 emoji. " * 200)
     counting = CountingTokenizer(smol)
-    chunks = stream(IncrementalDetokenizer(counting, prompt_token_ids=ids[:50]), ids)  # type: ignore[arg-type]
+    detokenizer = IncrementalDetokenizer(counting, prompt_token_ids=ids[:50])  # type: ignore[arg-type]
+    chunks = stream(detokenizer, ids)
     assert "".join(chunks) == smol.decode(ids)
     assert len(ids) > 1500 and max(counting.sizes) <= 8
 

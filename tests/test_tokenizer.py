@@ -51,7 +51,8 @@ def _random_text(rng: random.Random) -> str:
         if roll < 0.05:
             parts.append(rng.choice(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "'s", "'ll"]))
         elif roll < 0.1:
-            parts.append(chr(rng.choice([rng.randint(0x20, 0xD7FF), rng.randint(0x10000, 0x1FFFF)])))
+            code_point = rng.choice([rng.randint(0x20, 0xD7FF), rng.randint(0x10000, 0x1FFFF)])
+            parts.append(chr(code_point))
         else:
             pool = rng.choice(pools)
             parts.append("".join(rng.choice(pool) for _ in range(rng.randint(1, 6))))
