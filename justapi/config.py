@@ -70,10 +70,23 @@ class SchedulerConfig:
     """Waiting-queue order: fcfs | priority | lpm (longest cached prefix first)."""
     scheduled: bool = True
     """True: continuous batching; False: static batching (the benchmark baseline)."""
+    lpm_max_waiting: int = 128
+    """lpm orders by cached prefix only while at most this many requests wait; above, FCFS."""
+    lpm_max_wait_steps: int = 256
+    """lpm: a request waiting more steps than this is admitted first (FCFS), so none starves."""
+    route_balance_abs: int = 8
+    """Routing: the longest-cached-prefix pool is skipped when its load exceeds the lightest
+    pool's by more than this many requests per worker..."""
+    route_balance_rel: float = 1.5
+    """...and by more than this factor (SGLang's cache_aware balance thresholds)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "max_seqs", "max_prefill", "max_decode", "chunk_size", "max_batched_tokens")
+        _positive(self, "max_seqs", "max_prefill", "max_decode", "chunk_size", "max_batched_tokens",
+                  "lpm_max_waiting", "lpm_max_wait_steps", "route_balance_abs")
         _require(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
+        _require(isinstance(self.route_balance_rel, (int, float))
+                 and not isinstance(self.route_balance_rel, bool) and self.route_balance_rel >= 1.0,
+                 f"route-balance-rel must be a number >= 1, got {self.route_balance_rel!r}")
 
 
 @dataclass(frozen=True)

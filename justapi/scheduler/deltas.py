@@ -1,0 +1,79 @@
+"""Collects one step's per-request news into a coalesced TokenDeltas message.
+
+Emitted tokens are always a prefix of what the worker sampled for the request (tokens after
+a stop are cut), so their logprobs are gathered from the StepResult by flat index.
+Owns: the delta columns. Does not own: finishing decisions (results.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from justapi.protocol import StepResult, TokenDeltas
+from justapi.scheduler.request import Request
+
+
+class DeltaBuilder:
+    """Appends (request, tokens, finish reason) rows, then builds a TokenDeltas."""
+
+    def __init__(self, step_id: int) -> None:
+        self.step_id = step_id
+        self.request_ids: list[str] = []
+        self.num_new_tokens: list[int] = []
+        self.token_ids: list[int] = []
+        self.finish_reasons: list[str] = []
+        self.num_cached_tokens: list[int] = []
+        self.source_index: list[int] = []  # flat index into the StepResult per emitted token
+        self.errors: dict[str, str] = {}
+
+    def add(self, req: Request, tokens: list[int], reason: str, first_index: int = 0) -> None:
+        self.request_ids.append(req.request_id)
+        self.num_new_tokens.append(len(tokens))
+        self.token_ids.extend(tokens)
+        self.finish_reasons.append(reason)
+        self.source_index.extend(range(first_index, first_index + len(tokens)))
+        self.num_cached_tokens.append(0 if req.has_reported else req.num_cached_tokens)
+        req.has_reported = True
+
+    def add_one(self, req: Request, token: int, reason: str, index: int) -> None:
+        """add() for exactly one token (the common decode case), without list building."""
+        self.request_ids.append(req.request_id)
+        self.num_new_tokens.append(1)
+        self.token_ids.append(token)
+        self.finish_reasons.append(reason)
+        self.source_index.append(index)
+        if req.has_reported:
+            self.num_cached_tokens.append(0)
+        else:
+            self.num_cached_tokens.append(req.num_cached_tokens)
+            req.has_reported = True
+
+    def add_error(self, req: Request, reason: str, message: str) -> None:
+        self.add(req, [], reason)
+        self.errors[req.request_id] = message
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def build(self, result: StepResult | None = None) -> TokenDeltas:
+        logprobs, top_ids, top_lps = _gather_logprobs(result, self.source_index)
+        return TokenDeltas(
+            step_id=self.step_id, request_ids=self.request_ids,
+            num_new_tokens=np.asarray(self.num_new_tokens, dtype=np.int32),
+            token_ids=np.asarray(self.token_ids, dtype=np.int32),
+            finish_reasons=self.finish_reasons,
+            num_cached_tokens=np.asarray(self.num_cached_tokens, dtype=np.int32),
+            logprobs=logprobs, top_logprob_ids=top_ids, top_logprobs=top_lps,
+            errors=self.errors)
+
+
+def _gather_logprobs(result: StepResult | None,
+                     index: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    empty_f = np.zeros(0, dtype=np.float32)
+    empty_i = np.zeros(0, dtype=np.int32)
+    if result is None or not len(result.logprobs):
+        return empty_f, empty_i, empty_f
+    idx = np.asarray(index, dtype=np.int64)
+    logprobs = result.logprobs[idx]
+    if result.top_logprob_ids.ndim == 2:
+        return logprobs, result.top_logprob_ids[idx], result.top_logprobs[idx]
+    return logprobs, empty_i, empty_f

@@ -1,0 +1,73 @@
+"""Whole-state consistency checks (O(requests + blocks): tests and simulation only).
+
+Beyond BlockPool's conservation and each tree's structure: every block's holders are exactly
+the requests whose block tables list it; a request's first num_cached_blocks blocks are the
+path to its cache_node; waiting requests hold nothing; running ones are on a healthy worker
+and hold blocks for every computed token; in-flight flags match the workers' steps.
+Owns: nothing. Does not own: the rules it checks (documented where they are kept).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from justapi.scheduler.request import Request, RequestStatus
+from justapi.scheduler.state import SchedulerState
+
+
+def check_state(state: SchedulerState) -> None:
+    state.pool.check_invariants()
+    for cache in state.kv.caches.values():
+        cache.check_invariants()
+    for queue in state.queues.values():
+        queue.check_invariants()
+    in_flight = {c.req.request_id for w in state.workers.values() if w.in_flight
+                 for c in w.in_flight.chunks}
+    holders: dict[int, set[str]] = defaultdict(set)
+    for req in state.requests.values():
+        _check_request(state, req, req.request_id in in_flight)
+        for block_id in req.block_ids:
+            holders[block_id].add(req.request_id)
+    for pool_id in state.pool.pool_ids:
+        base = state.pool.base(pool_id)
+        for block_id in range(base, base + state.pool.num_blocks(pool_id)):
+            assert state.pool.holders(block_id) == holders.get(block_id, set()), \
+                f"block {block_id}: pool holders {set(state.pool.holders(block_id))} != " \
+                f"request tables {holders.get(block_id, set())}"
+    for pool_id, queue in state.queues.items():
+        waiting = [r for r in state.requests.values()
+                   if r.status is RequestStatus.WAITING and r.pool_id == pool_id]
+        assert len(queue) == len(waiting), f"pool {pool_id} queue {len(queue)} != {len(waiting)}"
+        reserved = state.reservations[pool_id]
+        assert reserved is None or reserved.status is RequestStatus.RUNNING
+
+
+def _check_request(state: SchedulerState, req: Request, is_in_flight: bool) -> None:
+    rid = req.request_id
+    assert req.is_in_flight == is_in_flight, f"{rid}: in-flight flag disagrees with the workers"
+    assert req.num_tokens < req.max_len or req.is_in_flight, f"{rid}: past its context cap"
+    if req.status is RequestStatus.WAITING:
+        assert req.queue_entry is not None and not req.block_ids, f"{rid}: waiting but holds blocks"
+        assert req.num_computed_tokens == 0 and req.cache_node is None
+        return
+    assert req.status is RequestStatus.RUNNING, f"{rid}: finished but still tracked"
+    worker = state.workers[req.worker_id]
+    assert worker.is_healthy and worker.running.get(rid) is req and rid in worker.known
+    assert state.pool_running[req.pool_id].get(rid) is req and req.queue_entry is None
+    assert worker.pool_id == req.pool_id
+    assert all(state.pool.pool_of(b) == req.pool_id for b in req.block_ids), f"{rid}: wrong pool"
+    assert req.num_computed_tokens <= req.num_tokens + req.num_draft_tokens or is_in_flight
+    needed = state.kv.num_blocks_for(req.num_computed_tokens)
+    assert len(req.block_ids) >= needed, f"{rid}: {len(req.block_ids)} blocks < {needed} needed"
+    _check_cached_path(state, req)
+
+
+def _check_cached_path(state: SchedulerState, req: Request) -> None:
+    if req.cache_node is None:
+        assert req.num_cached_blocks == 0, f"{req.request_id}: cached blocks without a node"
+        return
+    path = [n for n in reversed(req.cache_node.path_to_root()) if not n.is_root]
+    path_ids = [b for node in path for b in node.block_ids]
+    assert req.cache_node.is_alive and req.cache_node.end_block == req.num_cached_blocks
+    assert list(req.block_ids[:req.num_cached_blocks]) == path_ids, \
+        f"{req.request_id}: block table prefix is not its cached path"
+    assert req.num_cached_blocks * state.block_size <= req.num_computed_tokens or req.is_in_flight

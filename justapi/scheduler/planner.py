@@ -1,0 +1,163 @@
+"""Chooses one worker's next step.
+
+Continuous (`scheduled=True`), decode-first like vLLM's "running before waiting":
+  1. running decodes (1 token + drafts each) - a prefill never takes their budget;
+  2. running prefills / recomputes, oldest first, chunk_size tokens each at most;
+  3. admissions from the pool's waiting queue in policy order, head-of-line, while
+     max_seqs, max_prefill, the token budget and the pool's blocks allow.
+Static (`scheduled=False`): when a worker has nothing running it admits a whole batch (each
+request with blocks reserved for its full length, so it is never preempted); no request
+joins until every one of them has finished.
+
+Out of blocks (after evicting unreferenced cache leaves): preempt the newest running request
+of the pool that is not in flight (un-scheduling it from this step if needed). If only
+requests in flight are newer, wait for them: reserve the pool's free blocks for this request
+(newer requests may not allocate until it has its blocks). If it is itself the newest
+holder, preempt it. So the oldest request always progresses and every request finishes.
+Owns: those choices. Does not own: the state they change (SchedulerState), budgets (StepBatch).
+"""
+from __future__ import annotations
+
+from justapi.scheduler.batch import StepBatch
+from justapi.scheduler.policy import AdmissionOrder, choose_victim, has_newer_holder
+from justapi.scheduler.request import Request, RequestStatus
+from justapi.scheduler.state import SchedulerState
+from justapi.scheduler.worker_state import WorkerState
+
+RUNNING = RequestStatus.RUNNING
+
+
+class StepPlanner:
+    """Fills a StepBatch for one idle worker."""
+
+    def __init__(self, state: SchedulerState) -> None:
+        self.state = state
+        self.config = state.config
+        self.kv = state.kv
+        self.order = AdmissionOrder(state.config, state.kv)
+
+    def plan(self, worker: WorkerState) -> StepBatch:
+        batch = StepBatch(self.config, self.state.block_size)
+        if not self.config.scheduled and not worker.running:
+            self._admit_static(worker, batch)
+        self._schedule_running(worker, batch)
+        if self.config.scheduled:
+            self._admit(worker, batch)
+        return batch
+
+    # ------------------------------------------------------------------ running requests
+    def _schedule_running(self, worker: WorkerState, batch: StepBatch) -> None:
+        prefills: list[Request] = []
+        served: list[Request] = []
+        is_capped = False
+        bs = self.state.block_size
+        for req in list(worker.running.values()):
+            if req.status is not RUNNING or req.worker_id != worker.worker_id:
+                continue  # preempted while this loop ran
+            num_computed = req.num_computed_tokens
+            if num_computed < len(req.token_ids) - 1:
+                prefills.append(req)
+                continue
+            if not batch.has_decode_room:
+                is_capped = True
+                continue
+            # Inlined _schedule for the hot decode path: new blocks only every block_size steps.
+            num_tokens = min(len(req.token_ids) + len(req.draft_token_ids) - num_computed,
+                             batch.budget_tokens)
+            end = num_computed + num_tokens
+            if (end + bs - 1) // bs > len(req.block_ids) and not self._ensure_blocks(req, end, batch):
+                continue
+            batch.add(req, num_tokens, False)
+            served.append(req)
+        if is_capped:  # round robin: the decodes served now go to the back of the line
+            for req in served:
+                if worker.running.pop(req.request_id, None) is not None:
+                    worker.running[req.request_id] = req
+        prefills.sort(key=lambda r: r.sort_key)
+        for req in prefills:
+            if not batch.has_prefill_room:
+                break
+            if req.status is RUNNING and req.worker_id == worker.worker_id:
+                self._schedule(req, batch, is_prefill=True)
+
+    def _schedule(self, req: Request, batch: StepBatch, is_prefill: bool) -> bool:
+        num_tokens = batch.chunk_len(req, is_prefill)
+        if num_tokens <= 0:
+            return False
+        if not self._ensure_blocks(req, req.num_computed_tokens + num_tokens, batch):
+            return False
+        batch.add(req, num_tokens, is_prefill)
+        return True
+
+    def _ensure_blocks(self, req: Request, num_tokens: int, batch: StepBatch) -> bool:
+        running = self.state.pool_running[req.pool_id]
+        while not self._allocate(req, num_tokens):
+            victim = choose_victim(req, running.values())
+            if victim is not None:
+                self._preempt(victim, batch)
+                continue
+            if has_newer_holder(req, running.values()):
+                self._reserve(req)
+            else:
+                self._preempt(req, batch)
+            return False
+        return True
+
+    def _allocate(self, req: Request, num_tokens: int) -> bool:
+        """kv.allocate, unless an older request holds the pool's reservation."""
+        pool_id = req.pool_id
+        reserved = self.state.reservations[pool_id]
+        if (reserved is not None and reserved is not req and reserved.sort_key < req.sort_key
+                and self.kv.num_new_blocks(req, num_tokens) > 0):
+            return False
+        if not self.kv.allocate(req, num_tokens):
+            return False
+        if reserved is req:
+            self.state.reservations[pool_id] = None
+        return True
+
+    def _reserve(self, req: Request) -> None:
+        current = self.state.reservations[req.pool_id]
+        if current is None or req.sort_key < current.sort_key:
+            self.state.reservations[req.pool_id] = req
+
+    def _preempt(self, req: Request, batch: StepBatch) -> None:
+        if req.request_id in batch.chunks:
+            batch.remove(req)
+        self.state.preempt(req)
+
+    # ------------------------------------------------------------------ admissions
+    def _admit(self, worker: WorkerState, batch: StepBatch) -> None:
+        queue = self.state.queues[worker.pool_id]
+        max_seqs = self.config.max_seqs
+        if not len(queue) or len(worker.running) >= max_seqs or not batch.has_prefill_room:
+            return
+        for req in self.order.candidates(queue, worker.pool_id, self.state.step_id):
+            if len(worker.running) >= max_seqs or not batch.has_prefill_room:
+                return
+            hit = self.kv.match_prefix(req)
+            num_tokens = batch.chunk_len(req, is_prefill=True)
+            if not self._allocate(req, req.num_computed_tokens + num_tokens):
+                self.kv.free(req)
+                return
+            self._admitted(req, worker, batch, hit)
+            batch.add(req, num_tokens, is_prefill=True)
+
+    def _admit_static(self, worker: WorkerState, batch: StepBatch) -> None:
+        queue = self.state.queues[worker.pool_id]
+        for req in self.order.candidates(queue, worker.pool_id, self.state.step_id):
+            if len(worker.running) >= self.config.max_seqs:
+                return
+            hit = self.kv.match_prefix(req)
+            final_len = min(req.num_prompt_tokens + req.sampling.max_tokens, req.max_len)
+            if not self._allocate(req, final_len - 1):  # the last token is never computed
+                self.kv.free(req)
+                return
+            self._admitted(req, worker, batch, hit)
+
+    def _admitted(self, req: Request, worker: WorkerState, batch: StepBatch, hit: int) -> None:
+        self.kv.record_lookup(req, hit)
+        if not req.has_reported:
+            req.num_cached_tokens = hit * self.state.block_size
+        self.state.admit(req, worker)
+        batch.new_requests[req.request_id] = req

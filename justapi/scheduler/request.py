@@ -1,0 +1,101 @@
+"""One request's scheduling state; everything else about it is derived as a property.
+
+The one rule (vLLM v1): a running request wants `num_tokens + num_draft_tokens -
+num_computed_tokens` more tokens computed. Prefill, chunked prefill, decode, recompute after
+preemption, prefix hits (which advance num_computed_tokens for free) and speculative
+verification are all that rule.
+
+    token_ids:  | prompt ............ | output ...... |  drafts (not yet accepted)
+                0                num_prompt    num_tokens   num_tokens + num_draft_tokens
+    computed:   [0, num_computed_tokens)  -- KV written at the slots of block_ids
+
+Owns: the per-request fields. Does not own: blocks (BlockPool/KvCacheManager), queues.
+"""
+from __future__ import annotations
+
+import array
+import enum
+
+from justapi.sampling import SamplingParams
+from justapi.scheduler.radix_node import RadixNode
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # in its pool's waiting queue; holds no blocks
+    RUNNING = "running"  # admitted on a worker; holds blocks
+    FINISHED = "finished"
+
+
+class Request:
+    """A request from SubmitRequest to finish."""
+
+    __slots__ = ("request_id", "sampling", "token_ids", "num_prompt_tokens", "seq", "priority",
+                 "sort_key", "arrival_time_s", "cache_salt", "max_len", "stop_ids", "status",
+                 "pool_id", "worker_id", "num_computed_tokens", "draft_token_ids", "block_ids",
+                 "cache_node", "num_cached_blocks", "num_cached_tokens", "has_reported",
+                 "is_in_flight", "is_abort_pending", "finish_reason", "num_preemptions",
+                 "queue_entry", "enqueued_step")
+
+    def __init__(self, request_id: str, sampling: SamplingParams, prompt_token_ids: array.array,
+                 seq: int, priority: int = 0) -> None:
+        self.request_id = request_id
+        self.sampling = sampling
+        self.token_ids = prompt_token_ids  # int32 array: prompt, then output tokens
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.seq = seq  # global arrival order
+        self.priority = priority  # lower value = served first (priority policy)
+        self.sort_key = (0, seq)  # queue order and preemption order: larger = preempted first
+        self.arrival_time_s = 0.0
+        self.cache_salt = ""
+        self.max_len = 0  # context cap: min(model context, pool capacity in tokens)
+        self.stop_ids: frozenset[int] = frozenset()  # stop ids, plus EOS unless ignore_eos
+        self.status = RequestStatus.WAITING
+        self.pool_id = -1
+        self.worker_id = -1  # the worker it runs on while RUNNING
+        self.num_computed_tokens = 0
+        self.draft_token_ids: list[int] = []
+        self.block_ids = array.array("i")  # global block ids covering computed (+scheduled) tokens
+        self.cache_node: RadixNode | None = None  # deepest cached node of its prefix
+        self.num_cached_blocks = 0  # block_ids[:num_cached_blocks] are in the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens served from the cache (first admission)
+        self.has_reported = False  # a delta was sent (num_cached_tokens goes with the first)
+        self.is_in_flight = False  # in a step whose result has not come back
+        self.is_abort_pending = False  # aborted while in flight: finish when the result returns
+        self.finish_reason = ""
+        self.num_preemptions = 0
+        self.queue_entry: list | None = None  # its live entry in a WaitingQueue heap
+        self.enqueued_step = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
+
+    @property
+    def num_tokens_wanted(self) -> int:
+        """The rule: tokens still to compute, drafts included."""
+        return len(self.token_ids) + len(self.draft_token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """Only the last known token (and any drafts) is left to compute."""
+        return self.num_computed_tokens >= len(self.token_ids) - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_bytes(self) -> bytes:
+        """int32 bytes of the known tokens (radix tree keys)."""
+        return self.token_ids.tobytes()
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")

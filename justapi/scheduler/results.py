@@ -1,0 +1,158 @@
+"""Applies a worker's StepResult: accept tokens, roll back rejected drafts, finish, cache.
+
+Finish checks, after each appended token, in this order: a stop token id or (unless
+ignore_eos) an end-of-generation id -> "stop"; max_tokens reached, or the context cap
+(min(model context, pool capacity)) reached -> "length". Tokens after a stop are dropped.
+An abort that arrived while the request was in flight finishes it here ("abort"), after
+the worker is done writing its blocks. Newly full computed blocks enter the prefix cache
+as soon as the result is back, so concurrent requests with a shared prefix share them.
+Owns: those rules. Does not own: the step's choice (planner.py) or the message shapes.
+"""
+from __future__ import annotations
+
+from justapi.protocol import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, StepResult,
+                              TokenDeltas)
+from justapi.scheduler.deltas import DeltaBuilder
+from justapi.scheduler.request import Request
+from justapi.scheduler.state import SchedulerState
+from justapi.scheduler.worker_state import InFlightStep, ScheduledChunk
+
+
+class ResultApplier:
+    """update(): from StepResult to request state and TokenDeltas."""
+
+    def __init__(self, state: SchedulerState) -> None:
+        self.state = state
+        self.kv = state.kv
+
+    def apply(self, result: StepResult) -> TokenDeltas:
+        worker = self.state.workers.get(result.worker_id)
+        if worker is None:
+            raise ValueError(f"StepResult from unknown worker {result.worker_id}")
+        step = worker.in_flight
+        if step is None or step.step_id != result.step_id:
+            if result.step_id in worker.discarded_step_ids:  # late answer of an unhealthy worker
+                worker.discarded_step_ids.discard(result.step_id)
+                return DeltaBuilder(result.step_id).build()
+            raise ValueError(f"worker {result.worker_id} answered step {result.step_id}, "
+                             f"expected {step.step_id if step else 'none'}")
+        worker.in_flight = None
+        for chunk in step.chunks:
+            chunk.req.is_in_flight = False
+        deltas = DeltaBuilder(result.step_id)
+        error = result.error or self._malformed(step, result)
+        if error:
+            self._fail_step(step, error, deltas)
+            return deltas.build()
+        self._apply_chunks(step, result, deltas)
+        return deltas.build(result)
+
+    @staticmethod
+    def _malformed(step: InFlightStep, result: StepResult) -> str:
+        if list(result.request_ids) != step.sampled_request_ids:
+            return (f"step {step.step_id}: result lists {len(result.request_ids)} sampled "
+                    f"requests, the plan sampled {len(step.sampled_request_ids)}")
+        return ""
+
+    def _fail_step(self, step: InFlightStep, error: str, deltas: DeltaBuilder) -> None:
+        for chunk in step.chunks:
+            req = chunk.req
+            if req.is_abort_pending:
+                self._finish(req, FINISH_ABORT, [], deltas)
+            else:
+                self.state.counters.num_errors += 1
+                self.state.finish(req, FINISH_ERROR)
+                deltas.add_error(req, FINISH_ERROR, error)
+
+    def _apply_chunks(self, step: InFlightStep, result: StepResult, deltas: DeltaBuilder) -> None:
+        sampled = result.sampled_token_ids.tolist()
+        counts = result.num_sampled.tolist()
+        position, index = 0, 0
+        for chunk in step.chunks:
+            req = chunk.req
+            if not chunk.is_sampled:
+                if req.is_abort_pending:
+                    self._finish(req, FINISH_ABORT, [], deltas)
+                else:
+                    self.kv.cache_computed(req)
+                continue
+            count = counts[index]
+            if req.is_abort_pending:
+                self._finish(req, FINISH_ABORT, [], deltas)
+            elif count == 1 and not chunk.num_drafts:
+                self._accept_one(req, sampled[position], deltas, position)
+            else:
+                self._accept(req, chunk, sampled[position:position + count], deltas, position)
+            position += count
+            index += 1
+
+    def _accept_one(self, req: Request, token: int, deltas: DeltaBuilder, index: int) -> None:
+        """The hot path: one sampled token, no drafts (decode, or a prefill's last chunk)."""
+        if req.draft_token_ids:
+            req.draft_token_ids = []  # proposed but not scheduled: stale now
+        token_ids = req.token_ids
+        token_ids.append(token)  # _append, inlined for one token
+        reason = ""
+        if token in req.stop_ids:
+            reason = self._clamp(req, FINISH_STOP)
+        elif (len(token_ids) - req.num_prompt_tokens >= req.sampling.max_tokens
+              or len(token_ids) >= req.max_len):
+            reason = self._clamp(req, FINISH_LENGTH)
+        self.state.counters.num_generated_tokens += 1
+        if req.num_computed_tokens // self.state.block_size > req.num_cached_blocks:
+            self.kv.cache_computed(req)
+        if reason:
+            self.state.finish(req, reason)
+        deltas.add_one(req, token, reason, index)
+
+    def _accept(self, req: Request, chunk: ScheduledChunk, tokens: list[int],
+                deltas: DeltaBuilder, first_index: int) -> None:
+        num_drafts = chunk.num_drafts
+        drafts = req.draft_token_ids[:num_drafts]
+        req.draft_token_ids = []
+        num_accepted = len(tokens) - 1
+        if num_accepted < 0 or num_accepted > num_drafts or tokens[:num_accepted] != drafts[:num_accepted]:
+            self.state.counters.num_errors += 1
+            self.state.finish(req, FINISH_ERROR)
+            deltas.add_error(req, FINISH_ERROR, f"step {deltas.step_id}: {len(tokens)} tokens "
+                                                f"do not verify {num_drafts} drafts")
+            return
+        counters = self.state.counters
+        counters.num_draft_tokens += num_drafts
+        counters.num_accepted_draft_tokens += num_accepted
+        if num_accepted < num_drafts:  # rejected drafts: their KV slots are garbage
+            req.num_computed_tokens -= num_drafts - num_accepted
+            self.kv.truncate(req, req.num_computed_tokens)
+        num_before = len(req.token_ids)
+        reason = self._append(req, tokens)
+        emitted = tokens[:len(req.token_ids) - num_before]
+        counters.num_generated_tokens += len(emitted)
+        self.kv.cache_computed(req)
+        if reason:
+            self.state.finish(req, reason)
+        deltas.add(req, emitted, reason, first_index)
+
+    def _append(self, req: Request, tokens: list[int]) -> str:
+        """Append tokens until one finishes the request; return the finish reason or ""."""
+        stop_ids = req.stop_ids
+        max_tokens = req.sampling.max_tokens
+        token_ids = req.token_ids
+        for token in tokens:
+            token_ids.append(token)
+            if token in stop_ids:
+                return self._clamp(req, FINISH_STOP)
+            if len(token_ids) - req.num_prompt_tokens >= max_tokens or len(token_ids) >= req.max_len:
+                return self._clamp(req, FINISH_LENGTH)
+        return ""
+
+    @staticmethod
+    def _clamp(req: Request, reason: str) -> str:
+        # Accepted drafts after the stop were computed but are not part of the output.
+        req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids))
+        return reason
+
+    def _finish(self, req: Request, reason: str, tokens: list[int], deltas: DeltaBuilder) -> None:
+        if reason == FINISH_ABORT:
+            self.state.counters.num_aborted += 1
+        self.state.finish(req, reason)
+        deltas.add(req, tokens, reason)

@@ -1,0 +1,245 @@
+"""The scheduler core: a pure, deterministic object the scheduler process drives.
+
+    add_request / abort_request  <- frontend     schedule() -> [(worker_id, StepPlan)]
+    update(StepResult) -> TokenDeltas            mark_worker_unhealthy(worker_id)
+
+A worker has at most one step in flight; its requests are not rescheduled until the result
+is back, and an abort of an in-flight request is deferred to that result (the worker may
+still be writing its blocks). No clocks, sockets or threads: times arrive in messages.
+Owns: the public API and step dispatch. Does not own: step choice (planner.py), results
+(results.py), routing (router.py), state and transitions (state.py).
+"""
+from __future__ import annotations
+
+import array
+from collections.abc import Sequence
+
+import numpy as np
+
+from justapi.config import CacheConfig, SchedulerConfig
+from justapi.protocol import (FINISH_ABORT, FINISH_ERROR, Ready, StepPlan, StepResult,
+                              SubmitRequest, TokenDeltas)
+from justapi.scheduler.batch import StepBatch
+from justapi.scheduler.deltas import DeltaBuilder
+from justapi.scheduler.invariants import check_state
+from justapi.scheduler.planner import StepPlanner
+from justapi.scheduler.policy import sort_key
+from justapi.scheduler.request import Request, RequestStatus
+from justapi.scheduler.results import ResultApplier
+from justapi.scheduler.router import Router
+from justapi.scheduler.state import SchedulerState
+from justapi.scheduler.stats import collect_stats
+from justapi.scheduler.topology import ModelLimits, PoolSpec, Topology, WorkerSpec
+from justapi.scheduler.worker_state import InFlightStep, WorkerState
+
+NOT_A_STEP = -1  # step_id of deltas that no step produced (aborts, ill health)
+
+
+class Scheduler:
+    """Continuous batching (or static batching) over one or more workers and pools."""
+
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, topology: Topology,
+                 limits: ModelLimits) -> None:
+        self.state = SchedulerState(config, cache, topology, limits)
+        self.planner = StepPlanner(self.state)
+        self.results = ResultApplier(self.state)
+        self.router = Router(self.state)
+
+    # ------------------------------------------------------------------ frontend side
+    def add_request(self, request: SubmitRequest) -> None:
+        """Queue a tokenized request; ValueError (naming the value) if it can never run."""
+        state = self.state
+        rid = request.request_id
+        if rid in state.requests:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        tokens = _token_array(request.prompt_token_ids, rid)
+        limit = state.limits.max_context
+        if len(tokens) + 1 > limit:
+            raise ValueError(f"request {rid!r}: prompt of {len(tokens)} tokens leaves no room "
+                             f"for output in the context of {limit} tokens")
+        req = Request(rid, request.sampling, tokens, state.next_seq, int(request.priority))
+        state.next_seq += 1
+        req.sort_key = sort_key(state.config.policy, req.priority, req.seq)
+        req.arrival_time_s = float(request.arrival_time_s)
+        req.cache_salt = str(request.cache_salt)
+        req.stop_ids = frozenset(request.sampling.stop_token_ids) | (
+            frozenset() if request.sampling.ignore_eos else state.eos_token_ids)
+        pool_id = self.router.choose_pool(req)
+        if pool_id is None:
+            raise ValueError(self._why_unplaceable(rid, len(tokens)))
+        state.place(req, pool_id)
+        state.requests[rid] = req
+        state.enqueue(req)
+        state.counters.num_requests += 1
+
+    def _why_unplaceable(self, rid: str, num_tokens: int) -> str:
+        pools = [p for p in self.state.queues if self.state.healthy_workers(p)]
+        if not pools:
+            return f"request {rid!r}: no healthy worker"
+        biggest = max(self.state.pool.num_blocks(p) for p in pools)
+        needed = self.state.kv.num_blocks_for(num_tokens + 1)
+        return (f"request {rid!r}: prompt of {num_tokens} tokens needs {needed} KV blocks, "
+                f"the largest pool has {biggest}")
+
+    def abort_request(self, request_id: str) -> TokenDeltas | None:
+        """Finish a request with "abort", freeing all it holds. Returns the final delta now,
+        or None when the request is unknown/finished or in flight (then the delta comes
+        from update() once the worker is done with its blocks)."""
+        req = self.state.requests.get(request_id)
+        if req is None:
+            return None
+        if req.is_in_flight:
+            req.is_abort_pending = True
+            return None
+        self.state.finish(req, FINISH_ABORT)
+        self.state.counters.num_aborted += 1
+        deltas = DeltaBuilder(NOT_A_STEP)
+        deltas.add(req, [], FINISH_ABORT)
+        return deltas.build()
+
+    def set_draft_tokens(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Speculative decoding hook: drafts to verify in the request's next step (counted by
+        the rule). Capped to the context; returns how many were kept."""
+        req = self.state.requests.get(request_id)
+        if req is None or req.status is not RequestStatus.RUNNING or req.is_in_flight:
+            raise ValueError(f"request {request_id!r} is not running between steps")
+        if not req.is_decode:
+            raise ValueError(f"request {request_id!r} is still prefilling; drafts follow decode")
+        room = req.max_len - req.num_tokens
+        req.draft_token_ids = [int(t) for t in token_ids][:max(0, room)]
+        return len(req.draft_token_ids)
+
+    # ------------------------------------------------------------------ worker side
+    def schedule(self) -> list[tuple[int, StepPlan]]:
+        """Plans for every healthy worker with no step in flight that has something to do;
+        the least loaded is planned first, so it takes the next waiting request."""
+        idle = sorted((w for w in self.state.workers.values() if w.is_idle),
+                      key=lambda w: (len(w.running), w.worker_id))
+        out = []
+        for worker in idle:
+            batch = self.planner.plan(worker)
+            if batch.chunks or batch.new_requests or worker.pending_drops:
+                out.append((worker.worker_id, self._dispatch(worker, batch)))
+        return out
+
+    def _dispatch(self, worker: WorkerState, batch: StepBatch) -> StepPlan:
+        state = self.state
+        state.step_id += 1
+        plan = batch.build(state.step_id, state.pool.base(worker.pool_id),
+                           list(worker.pending_drops))
+        worker.pending_drops.clear()
+        chunks = list(batch.chunks.values())
+        sampled = []
+        counters = state.counters
+        for chunk in chunks:
+            req = chunk.req
+            req.num_computed_tokens = chunk.start + chunk.num_tokens
+            req.is_in_flight = True
+            if chunk.is_sampled:
+                sampled.append(req.request_id)
+            if chunk.is_prefill:
+                counters.num_prefill_tokens += chunk.num_tokens
+            else:
+                counters.num_decode_tokens += chunk.num_tokens
+        counters.num_scheduled_tokens += state.config.max_batched_tokens - batch.budget_tokens
+        counters.num_steps += 1
+        worker.in_flight = InFlightStep(state.step_id, chunks, sampled)
+        return plan
+
+    def update(self, result: StepResult) -> TokenDeltas:
+        """Apply a worker's result; returns the step's coalesced deltas (maybe empty)."""
+        return self.results.apply(result)
+
+    def mark_worker_unhealthy(self, worker_id: int) -> TokenDeltas:
+        """Stop using a worker (the process shell has killed it or it died): its step in
+        flight is discarded, its requests are re-queued for recompute (their tokens are
+        known); with no healthy worker left in its pool, waiting requests move to another
+        pool or fail. Assumes the worker writes no more KV."""
+        state = self.state
+        worker = state.workers.get(worker_id)
+        if worker is None:
+            raise ValueError(f"unknown worker {worker_id}")
+        deltas = DeltaBuilder(NOT_A_STEP)
+        if not worker.is_healthy:
+            return deltas.build()
+        worker.is_healthy = False
+        if worker.in_flight is not None:
+            worker.discarded_step_ids.add(worker.in_flight.step_id)
+            for chunk in worker.in_flight.chunks:
+                chunk.req.is_in_flight = False
+            worker.in_flight = None
+        for req in list(worker.running.values()):
+            if req.is_abort_pending:
+                state.finish(req, FINISH_ABORT)
+                state.counters.num_aborted += 1
+                deltas.add(req, [], FINISH_ABORT)
+            else:
+                state.preempt(req)
+        worker.known.clear()
+        worker.pending_drops.clear()
+        if not state.healthy_workers(worker.pool_id):
+            self._evacuate(worker.pool_id, deltas)
+        return deltas.build()
+
+    def _evacuate(self, pool_id: int, deltas: DeltaBuilder) -> None:
+        state = self.state
+        queue = state.queues[pool_id]
+        for req in sorted(queue, key=lambda r: r.sort_key):
+            target = self.router.choose_pool(req, exclude=pool_id)
+            if target is None:
+                state.finish(req, FINISH_ERROR)
+                state.counters.num_errors += 1
+                deltas.add_error(req, FINISH_ERROR, f"no healthy worker can serve {req.request_id!r}")
+                continue
+            queue.remove(req)
+            state.place(req, target)
+            state.enqueue(req)
+
+    def add_worker(self, ready: Ready) -> None:
+        """A worker (re)joined: a new one, maybe with a new pool, or a healthy restart."""
+        state = self.state
+        pool_id = ready.pool.pool_id
+        if pool_id not in state.queues:
+            state.add_pool(PoolSpec(pool_id, ready.pool.num_blocks))
+        worker = state.workers.get(ready.worker_id)
+        if worker is None:
+            state.add_worker(WorkerSpec(ready.worker_id, pool_id))
+        elif worker.pool_id != pool_id:
+            raise ValueError(f"worker {ready.worker_id} moved from pool {worker.pool_id} to {pool_id}")
+        else:
+            worker.is_healthy = True
+
+    # ------------------------------------------------------------------ introspection
+    def has_work(self) -> bool:
+        """Unfinished requests, or drops a worker has not been told about yet."""
+        return bool(self.state.requests) or any(
+            w.pending_drops for w in self.state.workers.values() if w.is_healthy)
+
+    def pool_ids(self) -> list[int]:
+        return self.state.pool.pool_ids
+
+    def stats(self) -> dict[str, float]:
+        return collect_stats(self.state)
+
+    def check_invariants(self) -> None:
+        check_state(self.state)
+
+    def flush_prefix_cache(self) -> int:
+        """Drop every cached block no request holds; returns how many were freed."""
+        return sum(cache.flush() for cache in self.state.kv.caches.values())
+
+    def request(self, request_id: str) -> Request | None:
+        """The live state of an unfinished request (tests, admin tools)."""
+        return self.state.requests.get(request_id)
+
+
+def _token_array(prompt_token_ids: object, request_id: str) -> array.array:
+    prompt = np.asarray(prompt_token_ids)
+    if prompt.ndim != 1 or len(prompt) == 0:
+        raise ValueError(f"request {request_id!r}: the prompt must be a non-empty 1-D token list")
+    if not np.issubdtype(prompt.dtype, np.integer) or int(prompt.min()) < 0 \
+            or int(prompt.max()) >= 2**31:
+        raise ValueError(f"request {request_id!r}: token ids must be int32 values >= 0")
+    out = array.array("i")
+    out.frombytes(np.ascontiguousarray(prompt, dtype=np.int32).tobytes())
+    return out

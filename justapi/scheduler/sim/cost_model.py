@@ -1,0 +1,34 @@
+"""Modelled duration of one step, for capacity planning without a model:
+
+    time_s = a + b * tokens_computed + c * context_reads
+
+where context_reads sums, over every token computed, the positions it attends to (a chunk of
+n tokens at start s reads n * s + n * (n + 1) / 2). Fit a, b, c from a
+few measured steps of the real worker (tools/bench.py) to make the simulator predictive.
+Owns: the formula. Does not own: measurements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from justapi.protocol import StepPlan
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    a_s: float = 0.004  # fixed cost per step (launch, sampling, IPC)
+    b_s: float = 0.0002  # per token computed (weights pass)
+    c_s: float = 0.000001  # per (token, attended position) read
+
+    def __post_init__(self) -> None:
+        for name in ("a_s", "b_s", "c_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+
+    def step_time_s(self, plan: StepPlan) -> float:
+        num_tokens = int(np.sum(plan.num_tokens))
+        n = plan.num_tokens.astype(np.int64)
+        context_reads = int(np.sum(n * plan.start_positions + n * (n + 1) // 2))
+        return self.a_s + self.b_s * num_tokens + self.c_s * context_reads

@@ -1,0 +1,89 @@
+"""A deterministic stand-in for a language model whose output depends on the KV cache as
+read back through block tables - so scheduling mistakes change tokens.
+
+A KV slot stores (token, position, prefix hash). The prefix hash of position p chains the
+hash stored at position p - 1 with token p, like real K/V that depend on the whole prefix.
+The next token after position p is a hash of every entry read back for positions [0, p]:
+a wrong block table, a block shared between different prefixes, or a block freed while in
+use and then overwritten changes the token (or trips a position check in FakeWorker).
+`ReferenceModel` computes the same function from a plain token list, with no paging.
+Owns: the fake model function and the fake KV store. Does not own: plan checking (fake_worker).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+MASK = (1 << 64) - 1
+SEED_HASH = 0x243F6A8885A308D3  # the "hash before position 0"
+
+
+def mix(prev_hash: int, token: int, position: int) -> int:
+    """Prefix hash of `position` from the previous position's hash (splitmix64 finish)."""
+    x = (prev_hash ^ ((token + 1) * 0x9E3779B97F4A7C15) ^ (position * 0xBF58476D1CE4E5B9)) & MASK
+    x = ((x ^ (x >> 31)) * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 29)
+
+
+def next_token(tokens: np.ndarray, hashes: np.ndarray, vocab_size: int) -> int:
+    """The model: tokens/hashes are the entries for positions [0, p], in order."""
+    n = len(hashes)
+    weights = np.arange(1, n + 1, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        checksum = int(np.sum(hashes * weights + tokens.astype(np.uint64), dtype=np.uint64))
+    return mix(int(hashes[-1]), checksum & 0xFFFFFFFF, n) % vocab_size
+
+
+class ReferenceModel:
+    """The fake model evaluated densely over a token list: what any schedule must produce."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def chain(self, token_ids: Sequence[int]) -> list[int]:
+        out, h = [], SEED_HASH
+        for position, token in enumerate(token_ids):
+            h = mix(h, int(token), position)
+            out.append(h)
+        return out
+
+    def next_token(self, token_ids: Sequence[int]) -> int:
+        hashes = np.array(self.chain(token_ids), dtype=np.uint64)
+        return next_token(np.asarray(token_ids, dtype=np.int64), hashes, self.vocab_size)
+
+    def generate(self, prompt: Sequence[int], max_tokens: int, stop_ids: frozenset[int],
+                 max_len: int) -> tuple[list[int], str]:
+        """Greedy continuation under the scheduler's finish rules -> (output, reason)."""
+        tokens = [int(t) for t in prompt]
+        hashes = self.chain(tokens)
+        output: list[int] = []
+        while True:
+            token = next_token(np.asarray(tokens, dtype=np.int64),
+                               np.array(hashes, dtype=np.uint64), self.vocab_size)
+            hashes.append(mix(hashes[-1], token, len(tokens)))
+            tokens.append(token)
+            output.append(token)
+            if token in stop_ids:
+                return output, "stop"
+            if len(output) >= max_tokens or len(tokens) >= max_len:
+                return output, "length"
+
+
+class FakeKvStore:
+    """One pool's KV "tensor": per slot (token, position, prefix hash); -1 = never written."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        num_slots = num_blocks * block_size
+        self.tokens = np.full(num_slots, -1, dtype=np.int64)
+        self.positions = np.full(num_slots, -1, dtype=np.int64)
+        self.hashes = np.zeros(num_slots, dtype=np.uint64)
+        self.num_writes = 0
+
+    def slots(self, block_table: np.ndarray, start: int, stop: int) -> np.ndarray:
+        """Slots of positions [start, stop) through a block table."""
+        positions = np.arange(start, stop, dtype=np.int64)
+        return block_table[positions // self.block_size].astype(np.int64) * self.block_size \
+            + positions % self.block_size

@@ -1,0 +1,124 @@
+"""A worker stand-in that executes StepPlans against a FakeKvStore and checks them.
+
+It keeps the token history the plans taught it (NewRequest, then its own samples), and for
+each chunk checks: it knows the request; the chunk's tokens are the request's tokens at
+those positions; the block table has exactly the blocks the positions need, all inside the
+pool; the entry before the chunk reads back with the right position. It then writes the
+chunk's KV entries and, for sampled chunks, reads every position back through the table
+(positions must match) to compute the next token - verifying drafts greedily (accepted
+drafts, then one corrected/bonus token). Any violation raises FakeWorkerError.
+Owns: the fake worker's request memory. Does not own: the model function (fake_model).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from justapi.protocol import StepPlan, StepResult, offsets
+from justapi.scheduler.sim.fake_model import SEED_HASH, FakeKvStore, mix, next_token
+
+
+class FakeWorkerError(AssertionError):
+    """A plan that a real worker would have executed wrongly."""
+
+
+class FakeWorker:
+    def __init__(self, worker_id: int, store: FakeKvStore, vocab_size: int) -> None:
+        self.worker_id = worker_id
+        self.store = store
+        self.vocab_size = vocab_size
+        self.requests: dict[str, list[int]] = {}  # request id -> tokens known to this worker
+        self.wants_logprobs: dict[str, bool] = {}
+        self.num_steps = 0
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.num_steps += 1
+        for rid in plan.finished_request_ids:
+            if rid not in self.requests:
+                raise FakeWorkerError(f"step {plan.step_id}: drop of unknown request {rid!r}")
+            del self.requests[rid]
+            del self.wants_logprobs[rid]
+        for new in plan.new_requests:
+            self.requests[new.request_id] = [int(t) for t in new.token_ids]
+            self.wants_logprobs[new.request_id] = new.sampling.logprobs is not None
+        tok_off, blk_off = offsets(plan.num_tokens), offsets(plan.num_blocks)
+        drafts = plan.draft_counts
+        sampled_ids, counts, tokens = [], [], []
+        for i, rid in enumerate(plan.request_ids):
+            chunk = plan.token_ids[tok_off[i]:tok_off[i + 1]].astype(np.int64)
+            table = plan.block_ids[blk_off[i]:blk_off[i + 1]]
+            start, num_drafts = int(plan.start_positions[i]), int(drafts[i])
+            self._check_chunk(plan.step_id, rid, start, chunk, num_drafts, table)
+            self._write(start, chunk, table)
+            if plan.sample_flags[i]:
+                out = self._sample(start, chunk, num_drafts, table)
+                self.requests[rid].extend(out)
+                sampled_ids.append(rid)
+                counts.append(len(out))
+                tokens.extend(out)
+        return self._result(plan.step_id, sampled_ids, counts, tokens)
+
+    def _check_chunk(self, step_id: int, rid: str, start: int, chunk: np.ndarray,
+                     num_drafts: int, table: np.ndarray) -> None:
+        known = self.requests.get(rid)
+        if known is None:
+            raise FakeWorkerError(f"step {step_id}: no state for {rid!r} (missing NewRequest)")
+        num_known = len(chunk) - num_drafts
+        if start + num_known > len(known) or list(chunk[:num_known]) != known[start:start + num_known]:
+            raise FakeWorkerError(f"step {step_id}: {rid!r} chunk at {start} is not its tokens")
+        bs = self.store.block_size
+        needed = -(-(start + len(chunk)) // bs)
+        if len(table) != needed:
+            raise FakeWorkerError(f"step {step_id}: {rid!r} has {len(table)} blocks, needs {needed}")
+        if len(table) and (int(table.min()) < 0 or int(table.max()) >= self.store.num_blocks):
+            raise FakeWorkerError(f"step {step_id}: {rid!r} block id outside the pool")
+        if len(set(table.tolist())) != len(table):
+            raise FakeWorkerError(f"step {step_id}: {rid!r} lists a block twice")
+        if start > 0:
+            self._read_back(table, start - 1)
+
+    def _read_back(self, table: np.ndarray, last: int) -> tuple[np.ndarray, np.ndarray]:
+        """Entries of positions [0, last] through the table; their positions must match."""
+        store = self.store
+        slots = store.slots(table, 0, last + 1)
+        if not np.array_equal(store.positions[slots], np.arange(last + 1)):
+            bad = int(np.argmax(store.positions[slots] != np.arange(last + 1)))
+            raise FakeWorkerError(f"position {bad} reads slot {int(slots[bad])} holding position "
+                                  f"{int(store.positions[slots[bad]])}")
+        return store.tokens[slots], store.hashes[slots]
+
+    def _write(self, start: int, chunk: np.ndarray, table: np.ndarray) -> None:
+        store = self.store
+        slots = store.slots(table, start, start + len(chunk))
+        h = int(store.hashes[store.slots(table, start - 1, start)[0]]) if start else SEED_HASH
+        for j, token in enumerate(chunk.tolist()):
+            h = mix(h, token, start + j)
+            slot = int(slots[j])
+            store.tokens[slot] = token
+            store.positions[slot] = start + j
+            store.hashes[slot] = h
+        store.num_writes += len(chunk)
+
+    def _sample(self, start: int, chunk: np.ndarray, num_drafts: int,
+                table: np.ndarray) -> list[int]:
+        last_known = start + len(chunk) - num_drafts - 1
+        out: list[int] = []
+        for j in range(num_drafts + 1):
+            tokens, hashes = self._read_back(table, last_known + j)
+            token = next_token(tokens, hashes, self.vocab_size)
+            out.append(token)
+            if j == num_drafts or token != int(chunk[len(chunk) - num_drafts + j]):
+                break
+        return out
+
+    def _result(self, step_id: int, request_ids: list[str], counts: list[int],
+                tokens: list[int]) -> StepResult:
+        wants = any(self.wants_logprobs.get(rid, False) for rid in request_ids)
+        token_arr = np.asarray(tokens, dtype=np.int32)
+        extra = {}
+        if wants:  # fake logprobs derived from the token, top-2 alternatives
+            extra = {"logprobs": -(token_arr % 7).astype(np.float32) - 0.5,
+                     "top_logprob_ids": np.stack([token_arr, token_arr + 1], axis=1),
+                     "top_logprobs": np.zeros((len(tokens), 2), dtype=np.float32)}
+        return StepResult(step_id=step_id, worker_id=self.worker_id, request_ids=request_ids,
+                          num_sampled=np.asarray(counts, dtype=np.int32),
+                          sampled_token_ids=token_arr, **extra)

@@ -1,0 +1,107 @@
+"""Step-by-step driver of a Scheduler with fake workers, for tests and experiments.
+
+Unlike the timed Simulation, the caller decides when plans are executed and results are
+delivered (so a test can hold a step in flight, abort, then complete it).
+Owns: the fake workers of one scheduler and the outputs seen so far. Does not own: checks of
+plans (FakeWorker) or the scheduler.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from justapi.config import CacheConfig, SchedulerConfig
+from justapi.protocol import StepPlan, SubmitRequest, TokenDeltas, offsets
+from justapi.sampling import SamplingParams
+from justapi.scheduler.scheduler import Scheduler
+from justapi.scheduler.sim.fake_model import FakeKvStore
+from justapi.scheduler.sim.fake_worker import FakeWorker
+from justapi.scheduler.topology import ModelLimits, Topology
+
+
+class Harness:
+    def __init__(self, scheduler: Scheduler, vocab_size: int = 64,
+                 check_invariants: bool = True) -> None:
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self.check_invariants = check_invariants
+        state = scheduler.state
+        stores = {p: FakeKvStore(state.pool.num_blocks(p), state.block_size)
+                  for p in state.pool.pool_ids}
+        self.workers = {w.worker_id: FakeWorker(w.worker_id, stores[w.pool_id], vocab_size)
+                        for w in state.workers.values()}
+        self.outputs: dict[str, list[int]] = {}
+        self.finish_reasons: dict[str, str] = {}
+        self.cached_tokens: dict[str, int] = {}
+        self.errors: dict[str, str] = {}
+
+    def submit(self, request_id: str, prompt: Sequence[int], max_tokens: int = 8,
+               priority: int = 0, cache_salt: str = "", **sampling: object) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)  # type: ignore[arg-type]
+        self.scheduler.add_request(SubmitRequest(request_id, np.asarray(prompt, dtype=np.int32),
+                                                 params, priority=priority, cache_salt=cache_salt))
+        self.outputs[request_id] = []
+        self._check()
+
+    def schedule(self) -> list[tuple[int, StepPlan]]:
+        plans = self.scheduler.schedule()
+        self._check()
+        return plans
+
+    def complete(self, worker_id: int, plan: StepPlan) -> TokenDeltas:
+        """Execute the plan on its fake worker and deliver the result."""
+        deltas = self.scheduler.update(self.workers[worker_id].execute(plan))
+        self.record(deltas)
+        self._check()
+        return deltas
+
+    def step(self) -> list[tuple[int, StepPlan]]:
+        """One schedule() and the completion of every plan it returned."""
+        plans = self.schedule()
+        for worker_id, plan in plans:
+            self.complete(worker_id, plan)
+        return plans
+
+    def run(self, max_steps: int = 10_000) -> int:
+        """Step until nothing is left; returns the number of schedule() calls."""
+        for num in range(max_steps):
+            if not self.scheduler.has_work():
+                return num
+            if not self.step():
+                raise AssertionError("unfinished requests but no plan: the scheduler is stuck")
+        raise AssertionError(f"not done after {max_steps} steps")
+
+    def abort(self, request_id: str) -> None:
+        deltas = self.scheduler.abort_request(request_id)
+        if deltas is not None:
+            self.record(deltas)
+        self._check()
+
+    def record(self, deltas: TokenDeltas) -> None:
+        off = offsets(deltas.num_new_tokens)
+        for i, rid in enumerate(deltas.request_ids):
+            self.outputs.setdefault(rid, []).extend(deltas.token_ids[off[i]:off[i + 1]].tolist())
+            if len(deltas.num_cached_tokens):
+                self.cached_tokens[rid] = self.cached_tokens.get(rid, 0) + int(deltas.num_cached_tokens[i])
+            if deltas.finish_reasons[i]:
+                assert rid not in self.finish_reasons, f"{rid} finished twice"
+                self.finish_reasons[rid] = deltas.finish_reasons[i]
+                if rid in deltas.errors:
+                    self.errors[rid] = deltas.errors[rid]
+
+    def _check(self) -> None:
+        if self.check_invariants:
+            self.scheduler.check_invariants()
+
+
+def build_scheduler(pool_blocks: int = 64, num_workers: int = 1, block_size: int = 4,
+                    max_context: int = 1024, eos_token_ids: tuple[int, ...] = (1,),
+                    shared_pool: bool = True, enable_prefix_cache: bool = True,
+                    **config: object) -> Scheduler:
+    """A Scheduler with small, test-friendly defaults; `config` overrides SchedulerConfig."""
+    topology = (Topology.shared_pool(pool_blocks, num_workers) if shared_pool
+                else Topology.pool_per_worker(pool_blocks, num_workers))
+    return Scheduler(SchedulerConfig(**config),  # type: ignore[arg-type]
+                     CacheConfig(block_size=block_size, enable_prefix_cache=enable_prefix_cache),
+                     topology, ModelLimits(max_context, eos_token_ids))

@@ -1,0 +1,140 @@
+"""All mutable state of one scheduler core and the request lifecycle transitions.
+
+    add -> WAITING (pool queue) -> admit -> RUNNING (on a worker, holds blocks)
+              ^                                |  preempt: free blocks, keep tokens
+              +--------------------------------+  finish: free blocks (stop/length/abort/error)
+
+Shared by the planner (schedule), the result applier (update) and later a PdScheduler.
+Owns: requests, per-pool queues / running sets / block reservations, workers, counters.
+Does not own: the policy of who runs when (planner.py), block accounting (KvCacheManager).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from justapi.config import CacheConfig, SchedulerConfig
+from justapi.scheduler.block_pool import BlockPool
+from justapi.scheduler.kv_cache_manager import KvCacheManager
+from justapi.scheduler.request import Request, RequestStatus
+from justapi.scheduler.topology import ModelLimits, PoolSpec, Topology, WorkerSpec
+from justapi.scheduler.waiting_queue import WaitingQueue
+from justapi.scheduler.worker_state import WorkerState
+
+
+@dataclass
+class Counters:
+    """Monotonic totals since start (Prometheus counters)."""
+
+    num_requests: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_errors: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_scheduled_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+
+
+class SchedulerState:
+    """Requests, queues, workers and blocks of one scheduler core."""
+
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, topology: Topology,
+                 limits: ModelLimits) -> None:
+        self.config = config
+        self.block_size = cache.block_size
+        self.limits = limits
+        self.eos_token_ids = frozenset(limits.eos_token_ids)
+        self.pool = BlockPool(())
+        self.kv = KvCacheManager(self.pool, cache.block_size, cache.enable_prefix_cache)
+        self.queues: dict[int, WaitingQueue] = {}
+        self.pool_running: dict[int, dict[str, Request]] = {}
+        self.reservations: dict[int, Request | None] = {}
+        self.workers: dict[int, WorkerState] = {}
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.counters = Counters()
+        self.step_id = 0
+        self.next_seq = 0
+        for spec in topology.pools:
+            self.add_pool(spec)
+        for worker in topology.workers:
+            self.add_worker(worker)
+
+    def add_pool(self, spec: PoolSpec) -> None:
+        self.pool.add_pool(spec)
+        self.kv.add_pool(spec.pool_id)
+        self.queues[spec.pool_id] = WaitingQueue()
+        self.pool_running[spec.pool_id] = {}
+        self.reservations[spec.pool_id] = None
+
+    def add_worker(self, spec: WorkerSpec) -> None:
+        if spec.pool_id not in self.queues:
+            raise ValueError(f"worker {spec.worker_id} maps unknown pool {spec.pool_id}")
+        self.workers[spec.worker_id] = WorkerState(spec.worker_id, spec.pool_id)
+
+    # ------------------------------------------------------------------ queries
+    def pool_capacity_tokens(self, pool_id: int) -> int:
+        return self.pool.num_blocks(pool_id) * self.block_size
+
+    def healthy_workers(self, pool_id: int) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.pool_id == pool_id and w.is_healthy]
+
+    def pool_load(self, pool_id: int) -> float:
+        """Requests (running + waiting) per healthy worker of the pool; inf without one."""
+        num_workers = len(self.healthy_workers(pool_id))
+        if not num_workers:
+            return float("inf")
+        return (len(self.pool_running[pool_id]) + len(self.queues[pool_id])) / num_workers
+
+    # ------------------------------------------------------------------ transitions
+    def place(self, req: Request, pool_id: int) -> None:
+        """Bind a waiting request to a pool (routing); its context cap follows the pool."""
+        req.pool_id = pool_id
+        req.max_len = min(self.limits.max_context, self.pool_capacity_tokens(pool_id))
+
+    def enqueue(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        req.worker_id = -1
+        self.queues[req.pool_id].push(req, self.step_id)
+
+    def admit(self, req: Request, worker: WorkerState) -> None:
+        """Waiting -> running on `worker` (the caller has given it blocks)."""
+        self.queues[req.pool_id].remove(req)
+        req.status = RequestStatus.RUNNING
+        req.worker_id = worker.worker_id
+        worker.running[req.request_id] = req
+        worker.learn(req.request_id)
+        self.pool_running[req.pool_id][req.request_id] = req
+
+    def preempt(self, req: Request) -> None:
+        """Running -> waiting: free its blocks, keep its tokens, queue it by its original key."""
+        assert req.status is RequestStatus.RUNNING and not req.is_in_flight
+        self._leave_worker(req)
+        req.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        self.enqueue(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Any state -> finished, freeing whatever it held."""
+        assert not req.is_in_flight, f"{req.request_id} finished while in flight"
+        if req.status is RequestStatus.RUNNING:
+            self._leave_worker(req)
+        elif req.status is RequestStatus.WAITING:
+            self.queues[req.pool_id].remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]
+        self.counters.num_finished += 1
+
+    def _leave_worker(self, req: Request) -> None:
+        self.kv.free(req)
+        req.draft_token_ids = []
+        worker = self.workers[req.worker_id]
+        del worker.running[req.request_id]
+        worker.forget(req.request_id)
+        del self.pool_running[req.pool_id][req.request_id]
+        if self.reservations[req.pool_id] is req:
+            self.reservations[req.pool_id] = None

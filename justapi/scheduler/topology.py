@@ -1,0 +1,89 @@
+"""What the scheduler is built over: KV pools, the workers that map them, and model limits.
+
+Owns: the static shape handed to `Scheduler` and its validation. Does not own: worker
+health (Scheduler.mark_worker_unhealthy) or block allocation (BlockPool).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _check_id(value: object, what: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{what} must be an integer >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One device KV pool: `num_blocks` blocks of `block_size` tokens."""
+
+    pool_id: int
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        _check_id(self.pool_id, "pool_id")
+        if not isinstance(self.num_blocks, int) or self.num_blocks < 1:
+            raise ValueError(f"pool {self.pool_id}: num_blocks must be >= 1, got {self.num_blocks!r}")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker process and the pool it reads and writes."""
+
+    worker_id: int
+    pool_id: int
+
+    def __post_init__(self) -> None:
+        _check_id(self.worker_id, "worker_id")
+        _check_id(self.pool_id, "pool_id")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Pools and workers. CPU: one shared pool mapped by every worker; GPU: a pool per device."""
+
+    pools: tuple[PoolSpec, ...]
+    workers: tuple[WorkerSpec, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pools", tuple(self.pools))
+        object.__setattr__(self, "workers", tuple(self.workers))
+        if not self.pools or not self.workers:
+            raise ValueError("a topology needs at least one pool and one worker")
+        pool_ids = [p.pool_id for p in self.pools]
+        worker_ids = [w.worker_id for w in self.workers]
+        if len(set(pool_ids)) != len(pool_ids):
+            raise ValueError(f"duplicate pool ids in {pool_ids}")
+        if len(set(worker_ids)) != len(worker_ids):
+            raise ValueError(f"duplicate worker ids in {worker_ids}")
+        for worker in self.workers:
+            if worker.pool_id not in pool_ids:
+                raise ValueError(f"worker {worker.worker_id} maps unknown pool {worker.pool_id}")
+        for pool_id in pool_ids:
+            if not any(w.pool_id == pool_id for w in self.workers):
+                raise ValueError(f"pool {pool_id} has no worker")
+
+    @classmethod
+    def shared_pool(cls, num_blocks: int, num_workers: int = 1) -> Topology:
+        """CPU layout: every worker maps the one pool 0."""
+        return cls((PoolSpec(0, num_blocks),),
+                   tuple(WorkerSpec(w, 0) for w in range(num_workers)))
+
+    @classmethod
+    def pool_per_worker(cls, num_blocks: int, num_workers: int) -> Topology:
+        """GPU layout: worker w owns pool w."""
+        return cls(tuple(PoolSpec(w, num_blocks) for w in range(num_workers)),
+                   tuple(WorkerSpec(w, w) for w in range(num_workers)))
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """Model facts the scheduler enforces: the context cap and end-of-generation ids."""
+
+    max_context: int
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        if not isinstance(self.max_context, int) or self.max_context < 2:
+            raise ValueError(f"max_context must be an integer >= 2, got {self.max_context!r}")

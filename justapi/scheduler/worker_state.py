@@ -1,0 +1,63 @@
+"""What the scheduler tracks per worker: its running requests, its step in flight, health.
+
+Owns: per-worker bookkeeping (which requests the worker holds state for, ids it must be
+told to drop). Does not own: the requests themselves (SchedulerState) or heartbeats (the
+process shell's HealthMonitor).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from justapi.scheduler.request import Request
+
+
+class ScheduledChunk:
+    """Tokens [start, start + num_tokens) of a request in one step; the last num_drafts of
+    them are draft tokens to verify."""
+
+    __slots__ = ("req", "start", "num_tokens", "num_drafts", "is_sampled", "is_prefill")
+
+    def __init__(self, req: Request, start: int, num_tokens: int, num_drafts: int,
+                 is_sampled: bool, is_prefill: bool) -> None:
+        self.req = req
+        self.start = start
+        self.num_tokens = num_tokens
+        self.num_drafts = num_drafts
+        self.is_sampled = is_sampled
+        self.is_prefill = is_prefill
+
+
+@dataclass(eq=False)
+class InFlightStep:
+    """A plan sent to a worker whose StepResult has not come back."""
+
+    step_id: int
+    chunks: list[ScheduledChunk]
+    sampled_request_ids: list[str]
+
+
+@dataclass(eq=False)
+class WorkerState:
+    worker_id: int
+    pool_id: int
+    running: dict[str, Request] = field(default_factory=dict)  # admission order
+    in_flight: InFlightStep | None = None
+    known: set[str] = field(default_factory=set)  # requests the worker holds state for
+    pending_drops: dict[str, None] = field(default_factory=dict)  # for finished_request_ids
+    discarded_step_ids: set[int] = field(default_factory=set)  # steps lost to ill health
+    is_healthy: bool = True
+
+    @property
+    def is_idle(self) -> bool:
+        return self.is_healthy and self.in_flight is None
+
+    def forget(self, request_id: str) -> None:
+        """The request left this worker: tell the worker to drop its state with the next plan."""
+        if request_id in self.known:
+            self.known.discard(request_id)
+            self.pending_drops[request_id] = None
+
+    def learn(self, request_id: str) -> None:
+        """The next plan carries a NewRequest for it (which replaces any stale state)."""
+        self.known.add(request_id)
+        self.pending_drops.pop(request_id, None)
