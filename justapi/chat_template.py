@@ -84,7 +84,7 @@ class ChatTemplate:
     @classmethod
     def from_gguf(cls, gguf_file: GGUFFile, special_tokens: dict[str, str]) -> ChatTemplate:
         """The file's `tokenizer.chat_template`, or ChatML (logged) when it has none.
-        special_tokens: bos_token / eos_token ... as text, e.g. Tokenizer.bos_token."""
+        special_tokens: bos_token / eos_token ... as text (Tokenizer.template_tokens)."""
         source = gguf_file.get("tokenizer.chat_template")
         if not source:
             logger.warning("%s has no tokenizer.chat_template; using ChatML", gguf_file.path)

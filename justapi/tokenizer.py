@@ -159,6 +159,13 @@ class Tokenizer:
     def eos_token(self) -> str:
         return self._text_of(self.special.eos_token_id)
 
+    @property
+    def template_tokens(self) -> dict[str, str]:
+        """bos_token / eos_token / unk_token / pad_token as text, for chat templates."""
+        ids = {"bos_token": self.special.bos_token_id, "eos_token": self.special.eos_token_id,
+               "unk_token": self.special.unk_token_id, "pad_token": self.special.pad_token_id}
+        return {name: self._tokens[i] for name, i in ids.items() if i is not None}
+
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary entry spelled as stored (e.g. 'Ġthe', '▁the', '<|im_end|>')."""
         return self._token_ids.get(token)
@@ -184,6 +191,7 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str],
                      add_special_tokens: bool = True) -> list[list[int]]:
+        """encode() of each text (special-token text allowed), in parallel threads."""
         return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens)]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -72,8 +72,9 @@ def smol_gguf() -> GGUFFile:
 @pytest.fixture(scope="module")
 def smol_template(smol_gguf: GGUFFile) -> ChatTemplate:
     tokenizer = Tokenizer.from_gguf(smol_gguf)
-    return ChatTemplate.from_gguf(smol_gguf, {"bos_token": tokenizer.bos_token,
-                                              "eos_token": tokenizer.eos_token})
+    assert tokenizer.template_tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                                         "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>"}
+    return ChatTemplate.from_gguf(smol_gguf, tokenizer.template_tokens)
 
 
 @pytest.fixture(scope="module")
