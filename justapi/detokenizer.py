@@ -76,7 +76,7 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    """Cuts streamed text at the first stop string, across any chunk boundaries.
+    """Cuts streamed text at the first stop string to complete, across any chunk boundaries.
 
     `feed(text)` returns (text safe to show now, matched). The stop string itself is never
     returned; text that could be the start of a stop string is held until it cannot be, and
@@ -111,12 +111,14 @@ class StopStringMatcher:
         return "" if self.matched_stop is not None else held
 
     def _earliest_match(self, buffer: str) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
-        for stop in self._stops:  # ties on the start position go to the earlier-listed stop
+        """The stop occurrence that ends first (ties: the one starting first), i.e. the one a
+        token-by-token stream would have completed first: the result is chunking-independent."""
+        best: tuple[int, int, str] | None = None
+        for stop in self._stops:
             start = buffer.find(stop)
-            if start >= 0 and (best is None or start < best[0]):
-                best = (start, stop)
-        return best
+            if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+                best = (start + len(stop), start, stop)
+        return None if best is None else (best[1], best[2])
 
     def _num_held(self, buffer: str) -> int:
         """Length of the longest suffix of `buffer` that is a proper prefix of a stop string."""

@@ -182,6 +182,10 @@ def test_overlapping_candidates() -> None:
     assert matcher.matched_stop == "bcx"
     matcher = StopStringMatcher(["aab"])
     assert feed_all(matcher, ["a", "a", "a", "b", "c"]) == (["", "", "a", ""], True)
+    matcher = StopStringMatcher([" ", "a a"])  # ' ' completes first, whatever the chunking
+    assert feed_all(matcher, ["a a"]) == (["a"], True) and matcher.matched_stop == " "
+    matcher = StopStringMatcher(["b", "ab"])  # both complete at once: the earlier start wins
+    assert feed_all(matcher, ["xab"]) == (["x"], True) and matcher.matched_stop == "ab"
     matcher = StopStringMatcher(["\n\n", "User:"])
     assert feed_all(matcher, ["Hi\n", "Use", "r: x"]) == (["Hi", "\n", ""], True)
 
@@ -200,8 +204,9 @@ def test_stop_matcher_property(text: str, stops: list[str], cuts: list[int]) -> 
     bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
     chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     out, matched = feed_all(StopStringMatcher(stops), chunks)
-    hits = [text.find(s) for s in stops if s in text]
-    expected = text[:min(hits)] if hits else text
+    # The first stop to be completed wins (earliest end, then earliest start).
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+    expected = text[:min(hits)[1]] if hits else text
     assert "".join(out) == expected and matched == bool(hits)
 
 
