@@ -210,6 +210,80 @@ class Heartbeat:
 
 
 # --------------------------------------------------------------------------------------
+# client <-> frontend (justapi.client DEALER <-> the frontend's ROUTER, see docs/api.md)
+# --------------------------------------------------------------------------------------
+
+
+@register("SubmitGeneration")
+@dataclass(frozen=True)
+class SubmitGeneration:
+    """A programmatic client's request: exactly one of `prompt` (text, tokenized by the
+    frontend), `prompt_token_ids` or `messages` (chat, rendered with the model's template).
+
+    `client_request_id` is the client's own name for it, unique per connection; every chunk
+    echoes it. `stop` strings are matched by the frontend across token boundaries and never
+    returned. Semantic checks happen in the frontend, which answers bad input with a
+    GenerationChunk carrying `error` (so a client never waits on a dropped message)."""
+
+    client_request_id: str
+    sampling: SamplingParams
+    prompt: str = ""
+    prompt_token_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [n]
+    messages: list = field(default_factory=list)
+    stop: list = field(default_factory=list)
+    add_special_tokens: bool = True
+
+
+@register("AbortGeneration")
+@dataclass(frozen=True)
+class AbortGeneration:
+    client_request_ids: list[str]
+
+
+@register("QueryStats")
+@dataclass(frozen=True)
+class QueryStats:
+    query_id: str
+
+
+@register("GenerationChunk")
+@dataclass(frozen=True)
+class GenerationChunk:
+    """New output of one generation since its last chunk: token ids and their text.
+
+    The last chunk has a finish_reason (FINISH_*); `error` is set with FINISH_ERROR (bad
+    input or an engine failure). Logprob arrays are filled when the request asked for them:
+    logprobs [len(token_ids)], top_logprob_ids / top_logprobs [len(token_ids), n] padded with
+    -1 / -inf."""
+
+    client_request_id: str
+    token_ids: np.ndarray  # int32 [num_new_tokens]
+    text: str
+    finish_reason: str = ""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
+    top_logprob_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    top_logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
+    error: str | None = None
+
+
+@register("StatsReport")
+@dataclass(frozen=True)
+class StatsReport:
+    """Answer to QueryStats: the latest scheduler snapshot as the frontend sees it."""
+
+    query_id: str
+    model_name: str
+    max_context: int
+    healthy: bool
+    problems: list
+    stats: dict
+    workers: list
+    num_in_flight: int
+
+
+# --------------------------------------------------------------------------------------
 # frontend <-> scheduler
 # --------------------------------------------------------------------------------------
 

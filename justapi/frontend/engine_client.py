@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import zmq
@@ -81,8 +82,8 @@ class EngineClient:
         self._context = zmq.asyncio.Context.instance()
         self._to_scheduler = transport.make_socket(self._context, zmq.PUSH, scheduler_endpoint,
                                                    bind=False)
-        self._from_scheduler = transport.make_socket(self._context, zmq.PULL, frontend_endpoint,
-                                                     bind=True)
+        self._from_scheduler = cast(zmq.asyncio.Socket, transport.make_socket(
+            self._context, zmq.PULL, frontend_endpoint, bind=True))
         self._streams: dict[str, RequestStream] = {}
         self._reader: asyncio.Task | None = None
         self.stats: SchedulerStats | None = None
@@ -116,9 +117,20 @@ class EngineClient:
             transport.send(self._to_scheduler, AbortRequest(request_ids=[request_id]))
 
     def is_healthy(self) -> bool:
-        fresh = time.monotonic() - self.stats_received_s < STATS_STALE_S
-        return (not self.scheduler_lost and self.stats is not None and fresh
-                and self.stats.healthy)
+        return not self.health_problems()
+
+    def health_problems(self) -> list[str]:
+        """Why the engine cannot serve now, one line each; [] when healthy."""
+        if self.scheduler_lost:
+            return ["the scheduler is gone"]
+        if self.stats is None:
+            return ["no status from the scheduler yet"]
+        age_s = time.monotonic() - self.stats_received_s
+        if age_s >= STATS_STALE_S:
+            return [f"no status from the scheduler for {age_s:.1f}s"]
+        if not self.stats.healthy:
+            return [str(p) for p in self.stats.problems] or ["the scheduler reports unhealthy"]
+        return []
 
     async def _read_loop(self) -> None:
         while True:

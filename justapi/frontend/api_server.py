@@ -1,0 +1,186 @@
+"""The OpenAI-compatible HTTP API: FastAPI app factory, routes, error bodies, uvicorn server.
+
+Routes: /v1/completions, /v1/chat/completions (SSE when stream=true), /v1/models, /tokenize,
+/detokenize, /health, /metrics (and FastAPI's /openapi.json). Every refusal is an
+OpenAI-style error body (validation errors are 400, like vLLM, not FastAPI's 422). A client
+that disconnects, streaming or not, gets its scheduler requests aborted at once.
+Owns: the HTTP surface. Does not own: request semantics (serving*.py) or the process shell.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+import orjson
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from justapi.frontend import metrics as metrics_module
+from justapi.frontend.errors import (INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, ApiError,
+                                     error_body, from_validation_errors)
+from justapi.frontend.openai_models import (ChatCompletionRequest, ChatCompletionResponse,
+                                            CompletionRequest, CompletionResponse,
+                                            DetokenizeRequest, DetokenizeResponse,
+                                            ErrorResponse, HealthResponse, ModelList,
+                                            TokenizeRequest, TokenizeResponse)
+from justapi.frontend.serving import Serving
+from justapi.frontend.serving_chat import create_chat_completion, message_dicts
+from justapi.frontend.serving_completions import create_completion
+
+logger = logging.getLogger(__name__)
+
+CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request"; nobody reads it
+ERRORS: dict[int | str, dict[str, Any]] = {400: {"model": ErrorResponse},
+                                           500: {"model": ErrorResponse}}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def json_response(payload: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
+
+
+def build_app(serving: Serving) -> FastAPI:
+    """The FastAPI app over one Serving (engine link, tokenizer, template, metrics)."""
+    app = FastAPI(title="JustAPI inference", version="0.1.0",
+                  description="OpenAI-compatible completions and chat completions.")
+    _add_error_handlers(app)
+    _add_generation_routes(app, serving)
+    _add_model_routes(app, serving)
+    _add_ops_routes(app, serving)
+    return app
+
+
+def make_http_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
+                     log_level: str = "info") -> uvicorn.Server:
+    """uvicorn with httptools; `await server.serve()` in the frontend's (uvloop) event loop,
+    set `server.should_exit = True` to stop it."""
+    config = uvicorn.Config(app, host=host, port=port, http="httptools", loop="uvloop",
+                            log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)
+
+
+# ------------------------------------------------------------------------ errors
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        error = from_validation_errors(exc.errors())
+        return json_response(error.body(), error.status)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> Response:
+        return json_response(exc.body(), exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
+        return json_response(error_body(str(exc.detail), kind), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> Response:
+        logger.exception("internal error")
+        return json_response(error_body(f"internal error: {type(exc).__name__}: {exc}",
+                                         SERVER_ERROR), 500)
+
+
+# ------------------------------------------------------------------------ generation
+def _add_generation_routes(app: FastAPI, serving: Serving) -> None:
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERRORS})
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _respond(request, create_completion(serving, body, time.perf_counter()))
+
+    @app.post("/v1/chat/completions",
+              responses={200: {"model": ChatCompletionResponse}, **ERRORS})
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _respond(request, create_chat_completion(serving, body,
+                                                              time.perf_counter()))
+
+
+async def _respond(request: Request, work: Awaitable[dict | AsyncIterator[bytes]]) -> Response:
+    """Run a handler while watching for the client going away: a disconnect cancels the work
+    (whose cleanup aborts its scheduler requests). A stream is handed to StreamingResponse,
+    whose own disconnect watch cancels it the same way."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():  # the client left first
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return Response(status_code=CLIENT_CLOSED_STATUS)
+    result = task.result()
+    if isinstance(result, dict):
+        return json_response(result)
+    return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ------------------------------------------------------------------------ model & tokens
+def _add_model_routes(app: FastAPI, serving: Serving) -> None:
+    created = int(time.time())
+    config = serving.config
+
+    @app.get("/v1/models", responses={200: {"model": ModelList}})
+    async def models() -> Response:
+        card = {"id": config.model_name, "object": "model", "created": created,
+                "owned_by": "justapi", "root": config.model_name,
+                "max_model_len": config.max_context}
+        return json_response({"object": "list", "data": [card]})
+
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **ERRORS})
+    async def tokenize(body: TokenizeRequest) -> Response:
+        serving.check_model(body.model)
+        token_ids = _tokenize(serving, body)
+        payload: dict[str, Any] = {"count": len(token_ids), "max_model_len": config.max_context,
+                                   "tokens": token_ids, "token_strs": None}
+        if body.return_token_strs:
+            payload["token_strs"] = [serving.tokenizer.id_to_token(t) for t in token_ids]
+        return json_response(payload)
+
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **ERRORS})
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        serving.check_model(body.model)
+        token_ids = serving.check_token_ids(body.tokens, "tokens")
+        text = serving.tokenizer.decode(token_ids, skip_special_tokens=False)
+        return json_response({"prompt": text})
+
+
+def _tokenize(serving: Serving, body: TokenizeRequest) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError("pass exactly one of prompt and messages", param="prompt")
+    if body.prompt is not None:
+        add_special = True if body.add_special_tokens is None else body.add_special_tokens
+        return serving.encode_text(body.prompt, add_special)
+    assert body.messages is not None
+    prompt = serving.chat_prompt(message_dicts(body.messages), body.add_generation_prompt)
+    if body.add_special_tokens:  # the template's text tokenized with BOS as the model asks
+        assert prompt.text is not None
+        return serving.encode_text(prompt.text, True)
+    return prompt.token_ids
+
+
+# ------------------------------------------------------------------------ operations
+def _add_ops_routes(app: FastAPI, serving: Serving) -> None:
+    @app.get("/health", responses={200: {"model": HealthResponse},
+                                   503: {"model": HealthResponse}})
+    async def health() -> Response:
+        problems = serving.engine.health_problems()
+        if problems:
+            return json_response({"status": "unhealthy", "problems": problems}, 503)
+        return json_response({"status": "ok", "problems": []})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(serving.metrics.render(), media_type=metrics_module.CONTENT_TYPE)

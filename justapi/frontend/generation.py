@@ -1,0 +1,173 @@
+"""One scheduler request's output as text: incremental detokenization, stop strings, EOS hiding.
+
+A Generation submits one SubmitRequest through the EngineClient and turns its token deltas
+into GenerationOutputs: new text (never a broken UTF-8 sequence, never a stop string or the
+token that ended the request), the new token ids, per-token logprobs when asked, and the
+finish reason. A matched stop string aborts the scheduler request at once. Latency and
+token metrics are recorded on the way. Owns: one request's text state. Does not own: API
+shapes (serving_*.py), the request stream (EngineClient), what text a token is (tokenizer).
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from justapi.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, StopStringMatcher
+from justapi.frontend.engine_client import EngineClient, RequestDelta
+from justapi.frontend.metrics import RequestTimer
+from justapi.protocol import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, SubmitRequest
+from justapi.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """How a request's tokens become text."""
+
+    stop: tuple[str, ...] = ()
+    """Stop strings: the text ends before the first match and the request is aborted."""
+    hidden_token_ids: frozenset[int] = frozenset()
+    """Tokens that show no text when they end the request (end-of-generation, stop ids)."""
+    skip_special_tokens: bool = True
+    with_logprobs: bool = False
+    """Keep one TokenLogprob per token (and decode token by token, for text offsets)."""
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    text_offset: int
+    """Characters of this generation's text before this token's text."""
+
+
+@dataclass
+class GenerationOutput:
+    """What one delta added. token_ids may be more than the text shows (a hidden stop token)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+
+
+class Generation:
+    """Submit one request and iterate its outputs; `close()` aborts it if still running."""
+
+    def __init__(self, engine: EngineClient, request: SubmitRequest, tokenizer: Tokenizer,
+                 options: TextOptions, timer: RequestTimer | None = None) -> None:
+        self.request_id = request.request_id
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0
+        self.finish_reason = ""
+        self._engine = engine
+        self._options = options
+        self._timer = timer
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer, skip_special_tokens=options.skip_special_tokens,
+            prompt_token_ids=request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:].tolist())
+        self._matcher = StopStringMatcher(list(options.stop)) if options.stop else None
+        self._num_chars = 0
+        self._stream = engine.submit(request)
+
+    async def outputs(self) -> AsyncIterator[GenerationOutput]:
+        """Outputs until (and including) the one with a finish_reason. Empty deltas are skipped."""
+        try:
+            async for delta in self._stream:
+                output = self._process(delta)
+                if output.text or output.token_ids or output.finish_reason:
+                    yield output
+                if self.finish_reason:
+                    return
+        finally:
+            self.close()
+
+    async def collect(self) -> GenerationOutput:
+        """The whole generation as one output."""
+        text: list[str] = []
+        token_ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        last = GenerationOutput("", [])
+        async for last in self.outputs():
+            text.append(last.text)
+            token_ids.extend(last.token_ids)
+            logprobs.extend(last.logprobs)
+        return GenerationOutput("".join(text), token_ids, self.finish_reason, logprobs, last.error)
+
+    def close(self) -> None:
+        """Abort the scheduler request unless it finished (idempotent)."""
+        if not self.finish_reason:
+            self._engine.abort(self.request_id)
+            self._finish(FINISH_ABORT)
+
+    # ---------------------------------------------------------------- per delta
+    def _process(self, delta: RequestDelta) -> GenerationOutput:
+        if delta.num_cached_tokens:
+            self.num_cached_tokens = delta.num_cached_tokens
+        token_ids = delta.token_ids
+        self.num_output_tokens += len(token_ids)
+        if self._timer is not None:
+            self._timer.on_tokens(len(token_ids))
+        if delta.finish_reason == FINISH_ERROR or delta.error:
+            self._finish(FINISH_ERROR)
+            return GenerationOutput("", token_ids, FINISH_ERROR, error=delta.error or "engine error")
+        shown = token_ids
+        if (delta.finish_reason == FINISH_STOP and token_ids
+                and token_ids[-1] in self._options.hidden_token_ids):
+            shown = token_ids[:-1]
+        if self._matcher is None and not self._options.with_logprobs:
+            output = GenerationOutput(self._detokenizer.add(shown), token_ids)
+        else:
+            output = self._token_by_token(delta, shown)
+        if delta.finish_reason and not self.finish_reason:
+            output.text += self._flush()
+            output.finish_reason = delta.finish_reason
+            self._finish(delta.finish_reason)
+        self._num_chars += len(output.text)
+        return output
+
+    def _token_by_token(self, delta: RequestDelta, shown: list[int]) -> GenerationOutput:
+        """Decode one token at a time so stop strings cut at the right token and each
+        token's text offset is known."""
+        texts: list[str] = []
+        num_chars = self._num_chars
+        logprobs: list[TokenLogprob] = []
+        for index, token_id in enumerate(delta.token_ids):
+            if self._options.with_logprobs:
+                top = delta.top_logprobs[index] if index < len(delta.top_logprobs) else []
+                logprob = delta.logprobs[index] if index < len(delta.logprobs) else float("nan")
+                logprobs.append(TokenLogprob(token_id, logprob, top, num_chars))
+            if index >= len(shown):
+                break  # the hidden stop token: counted, never shown
+            text = self._detokenizer.add([token_id])
+            if self._matcher is not None:
+                text, matched = self._matcher.feed(text)
+                if matched:
+                    texts.append(text)
+                    return self._stopped_by_string(delta.token_ids, index + 1, texts, logprobs)
+            texts.append(text)
+            num_chars += len(text)
+        return GenerationOutput("".join(texts), delta.token_ids, logprobs=logprobs)
+
+    def _stopped_by_string(self, token_ids: list[int], num_kept: int, texts: list[str],
+                           logprobs: list[TokenLogprob]) -> GenerationOutput:
+        """A stop string matched in the text of token_ids[num_kept - 1]: later tokens of the
+        delta are dropped and the scheduler request is aborted."""
+        self.num_output_tokens -= len(token_ids) - num_kept
+        self._engine.abort(self.request_id)
+        self._finish(FINISH_STOP)
+        return GenerationOutput("".join(texts), token_ids[:num_kept], FINISH_STOP, logprobs)
+
+    def _flush(self) -> str:
+        text = self._detokenizer.flush()
+        if self._matcher is None:
+            return text
+        text, matched = self._matcher.feed(text)
+        return text if matched else text + self._matcher.flush()
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        if self._timer is not None:
+            self._timer.on_finish(reason)

@@ -1,0 +1,222 @@
+"""Prometheus metrics of the frontend, in its own CollectorRegistry, rendered for /metrics.
+
+Token counters and latency histograms are measured here from each request's deltas (like
+vLLM); gauges and scheduler totals are read from the latest SchedulerStats snapshot at
+scrape time, and totals stay monotonic across a scheduler restart. Every metric carries a
+`model_name` label. Owns: metric definitions and their registry. Does not own: the snapshot
+(EngineClient keeps it) nor what the scheduler counts (justapi/scheduler/).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from justapi.protocol import SchedulerStats
+
+PREFIX = "justapi:"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                  2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0)
+E2E_BUCKETS_S = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+@dataclass(frozen=True)
+class StatMetric:
+    """One scheduler figure (a key of the scheduler core's stats()) exported as a metric."""
+
+    name: str
+    doc: str
+    stat_key: str
+    is_counter: bool = False
+
+
+# Keys as justapi/scheduler/stats.py reports them.
+SCHEDULER_METRICS = (
+    StatMetric(PREFIX + "num_requests_running", "Requests running (scheduled on a worker).",
+               "num_requests_running"),
+    StatMetric(PREFIX + "num_requests_waiting", "Requests waiting to be scheduled.",
+               "num_requests_waiting"),
+    StatMetric(PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+               "kv_usage"),
+    StatMetric("prefix_cache_hit_ratio", "Prefix cache hits / lookups, counted in blocks.",
+               "prefix_cache_hit_ratio"),
+    StatMetric("prefix_cache_blocks", "Blocks held by the prefix cache.", "prefix_cache_blocks"),
+    StatMetric("prefix_cache_hits", "Prefix cache block lookups that hit.",
+               "prefix_cache_hits", is_counter=True),
+    StatMetric("prefix_cache_misses", "Prefix cache block lookups that missed.",
+               "prefix_cache_misses", is_counter=True),
+    StatMetric(PREFIX + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+               "prefix_cache_query_tokens", is_counter=True),
+    StatMetric(PREFIX + "prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+               "prefix_cache_hit_tokens", is_counter=True),
+    StatMetric(PREFIX + "num_preemptions", "Requests preempted (blocks freed, re-queued).",
+               "num_preemptions", is_counter=True),
+)
+WORKER_LABELS = ["model_name", "worker_id"]
+
+
+class MonotonicTotal:
+    """A scheduler total that restarts at 0 when the scheduler does -> a monotonic counter."""
+
+    def __init__(self) -> None:
+        self._base = 0.0
+        self._last = 0.0
+
+    def update(self, value: float) -> float:
+        if value < self._last:  # the source restarted: keep what was counted before
+            self._base += self._last
+        self._last = value
+        return self._base + value
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+class SchedulerStatsCollector(Collector):
+    """Reads the latest SchedulerStats at scrape time; figures it lacks are left out."""
+
+    def __init__(self, model_name: str, source: Callable[[], SchedulerStats | None]) -> None:
+        self._model_name = model_name
+        self._source = source
+        self._totals = {m.name: MonotonicTotal() for m in SCHEDULER_METRICS if m.is_counter}
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._source()
+        healthy = GaugeMetricFamily(PREFIX + "scheduler_healthy",
+                                    "1 when the scheduler reports itself healthy.",
+                                    labels=["model_name"])
+        healthy.add_metric([self._model_name], float(bool(snapshot and snapshot.healthy)))
+        yield healthy
+        if snapshot is None:
+            return
+        yield from self._scheduler_figures(snapshot.stats)
+        yield from self._worker_figures(snapshot)
+
+    def _scheduler_figures(self, stats: dict) -> Iterator[Metric]:
+        for spec in SCHEDULER_METRICS:
+            value = _number(stats.get(spec.stat_key))
+            if value is None:
+                continue
+            family: Metric
+            if spec.is_counter:
+                family = CounterMetricFamily(spec.name, spec.doc, labels=["model_name"])
+                value = self._totals[spec.name].update(value)
+            else:
+                family = GaugeMetricFamily(spec.name, spec.doc, labels=["model_name"])
+            family.add_metric([self._model_name], value)
+            yield family
+
+    def _worker_figures(self, snapshot: SchedulerStats) -> Iterator[Metric]:
+        """Per worker: running requests (`worker_<id>_num_requests_running`), the KV usage of
+        its pool (`pool_<pool_id>_kv_usage`) and the health verdict of the scheduler's table."""
+        running = GaugeMetricFamily(PREFIX + "worker_num_requests_running",
+                                    "Requests running on a worker.", labels=WORKER_LABELS)
+        kv_usage = GaugeMetricFamily(PREFIX + "worker_kv_cache_usage_perc",
+                                     "Fraction of the KV pool a worker uses that is in use "
+                                     "(workers sharing one pool report the same value).",
+                                     labels=WORKER_LABELS)
+        healthy = GaugeMetricFamily(PREFIX + "worker_healthy",
+                                    "1 when the scheduler considers the worker healthy.",
+                                    labels=WORKER_LABELS)
+        stats = snapshot.stats
+        for worker in snapshot.workers:
+            if not isinstance(worker, dict) or "worker_id" not in worker:
+                continue
+            labels = [self._model_name, str(worker["worker_id"])]
+            for family, value in (
+                    (running, stats.get(f"worker_{worker['worker_id']}_num_requests_running")),
+                    (kv_usage, stats.get(f"pool_{worker.get('pool_id')}_kv_usage")),
+                    (healthy, worker.get("healthy"))):
+                if _number(value) is not None:
+                    family.add_metric(labels, float(value))  # type: ignore[arg-type]
+        for family in (running, kv_usage, healthy):
+            if family.samples:
+                yield family
+
+
+class RequestTimer:
+    """One request's latency and token accounting, fed from its deltas as they arrive."""
+
+    __slots__ = ("_metrics", "_arrival_s", "_last_s", "_num_prompt_tokens", "num_output_tokens")
+
+    def __init__(self, metrics: FrontendMetrics, num_prompt_tokens: int, arrival_s: float) -> None:
+        self._metrics = metrics
+        self._arrival_s = arrival_s
+        self._last_s: float | None = None
+        self._num_prompt_tokens = num_prompt_tokens
+        self.num_output_tokens = 0
+
+    def on_tokens(self, num_tokens: int, now_s: float | None = None) -> None:
+        """Observe TTFT on the first tokens, then one inter-token latency per token (a
+        coalesced delta of k tokens after a gap g counts k gaps of g / k)."""
+        if num_tokens <= 0:
+            return
+        now = time.perf_counter() if now_s is None else now_s
+        metrics = self._metrics
+        if self._last_s is None:
+            metrics.time_to_first_token.observe(now - self._arrival_s)
+            metrics.prompt_tokens.inc(self._num_prompt_tokens)
+            gaps = num_tokens - 1  # tokens after the first in the same delta arrived with it
+            gap_s = 0.0
+        else:
+            gaps = num_tokens
+            gap_s = (now - self._last_s) / num_tokens
+        for _ in range(gaps):
+            metrics.inter_token_latency.observe(gap_s)
+        metrics.generation_tokens.inc(num_tokens)
+        self.num_output_tokens += num_tokens
+        self._last_s = now
+
+    def on_finish(self, finish_reason: str, now_s: float | None = None) -> None:
+        now = time.perf_counter() if now_s is None else now_s
+        metrics = self._metrics
+        if self._last_s is None:  # finished without a token: its prompt was still processed
+            metrics.prompt_tokens.inc(self._num_prompt_tokens)
+        metrics.e2e_request_latency.observe(now - self._arrival_s)
+        metrics.request_success.labels(metrics.model_name, finish_reason or "unknown").inc()
+
+
+class FrontendMetrics:
+    """The frontend's metrics: request counters/histograms plus the scheduler snapshot."""
+
+    def __init__(self, model_name: str,
+                 stats_source: Callable[[], SchedulerStats | None] = lambda: None) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        reg = self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.",
+                                     labels, registry=reg).labels(model_name)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.",
+                                         labels, registry=reg).labels(model_name)
+        self.request_success = Counter(PREFIX + "request_success",
+                                       "Finished requests by finish reason.",
+                                       ["model_name", "finished_reason"], registry=reg)
+        self.time_to_first_token = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Arrival to first generated token.",
+            labels, buckets=TTFT_BUCKETS_S, registry=reg).labels(model_name)
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between generated tokens.",
+            labels, buckets=ITL_BUCKETS_S, registry=reg).labels(model_name)
+        self.e2e_request_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
+            labels, buckets=E2E_BUCKETS_S, registry=reg).labels(model_name)
+        reg.register(SchedulerStatsCollector(model_name, stats_source))
+
+    def start_request(self, num_prompt_tokens: int, arrival_s: float | None = None) -> RequestTimer:
+        """arrival_s is a time.perf_counter() reading; default now."""
+        arrival = time.perf_counter() if arrival_s is None else arrival_s
+        return RequestTimer(self, num_prompt_tokens, arrival)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,254 @@
+"""OpenAI-compatible request and response models (pydantic), as served and documented.
+
+Requests are validated strictly (a string where a number belongs is a 400, not a guess);
+range checks of sampling values are left to `SamplingParams`, the one place that defines
+them. Response models describe what the routes return (and /openapi.json); the hot path
+builds plain dicts of the same shape and serializes them with orjson.
+Owns: field names, types and defaults of the HTTP API. Does not own: their meaning (serving).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_N = 32
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class RequestModel(BaseModel):
+    """Strict types; unknown fields (other vendors' extensions) are ignored."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+    """Send a last chunk with `usage` (and `choices: []`) before `data: [DONE]`."""
+
+
+class GenerationFields(RequestModel):
+    """What completions and chat completions share: model, sampling, stopping, streaming."""
+
+    model: str | None = None
+    """The served model name (see /v1/models); omitted means the served model."""
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    """With n > 1, choice i samples with a seed derived from (seed, i)."""
+    stop: str | list[str] | None = None
+    """Matched across token boundaries, never part of the output."""
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    """Accepted and ignored."""
+    logit_bias: dict[str, float] | None = None
+    """Not supported: a non-empty value is refused."""
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    """Text, token ids, or a batch of either (choices are numbered prompt-major)."""
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    """Log-probabilities of the sampled token and of the `logprobs` most likely ones."""
+    echo: bool = False
+    """Prefix each choice's text with its prompt."""
+    suffix: str | None = None
+    """Not supported: a value is refused."""
+    best_of: int | None = None
+    """Only best_of == n (the default) is supported."""
+
+
+class TextPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(RequestModel):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    """Deprecated by OpenAI in favour of max_completion_tokens; both are accepted."""
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    """Render the template's assistant header after the messages (vLLM's extension)."""
+    tools: list[dict[str, Any]] | None = None
+    """Not supported: a non-empty list is refused."""
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    """Only {"type": "text"} is supported."""
+
+
+class TokenizeRequest(RequestModel):
+    """vLLM's /tokenize: exactly one of `prompt` (text) or `messages` (rendered as for chat)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
+    """Default: True for a prompt (BOS as the model asks), False for messages (the
+    template writes it)."""
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ------------------------------------------------------------------ responses
+
+
+class ResponseModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int
+    """Prompt tokens served from the prefix cache."""
+
+
+class Usage(ResponseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(ResponseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(ResponseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+
+
+class CompletionResponse(ResponseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    """Always set on a full response; on a stream only in the include_usage chunk."""
+
+
+class TopLogprob(ResponseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(ResponseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(ResponseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(ResponseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+
+
+class ChatCompletionResponse(ResponseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(ResponseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(ResponseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+
+
+class ChatCompletionChunk(ResponseModel):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(ResponseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str
+
+
+class ErrorDetail(ResponseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(ResponseModel):
+    error: ErrorDetail
+
+
+class HealthResponse(ResponseModel):
+    status: Literal["ok", "unhealthy"]
+    problems: list[str] = []

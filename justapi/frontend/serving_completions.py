@@ -1,0 +1,126 @@
+"""/v1/completions: text or token-id prompts (or batches of them) -> choices, whole or as SSE.
+
+Choices are numbered prompt-major (prompt p, sample j -> index p * n + j). `echo` prefixes
+the prompt text (cheap: it is known); prompt logprobs are not computed, so echo with
+logprobs is refused. Owns: the completion response/chunk shapes and their logprobs.
+Does not own: limits and sampling checks (serving.py) or text state (generation.py).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from justapi.frontend.errors import SERVER_ERROR, ApiError, error_body
+from justapi.frontend.generation import Generation, GenerationOutput, TokenLogprob
+from justapi.frontend.openai_models import CompletionRequest
+from justapi.frontend.serving import (SSE_DONE, Prompt, Serving, close_all, collect_all,
+                                      fan_in, sse_event, usage)
+from justapi.protocol import FINISH_ERROR
+
+
+def completion_prompts(serving: Serving, prompt: str | list) -> list[Prompt]:
+    if isinstance(prompt, str):
+        return [Prompt(serving.encode_text(prompt), prompt)]
+    if not prompt:
+        raise ApiError("the prompt is empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [Prompt(serving.check_token_ids(prompt, "prompt"))]
+    if isinstance(prompt[0], str):
+        return [Prompt(serving.encode_text(text), text) for text in prompt]
+    return [Prompt(serving.check_token_ids(ids, "prompt")) for ids in prompt]
+
+
+def check_supported(request: CompletionRequest) -> None:
+    if request.suffix:
+        raise ApiError("suffix is not supported", param="suffix")
+    if request.logit_bias:
+        raise ApiError("logit_bias is not supported", param="logit_bias")
+    if request.best_of is not None and request.best_of != request.n:
+        raise ApiError("best_of other than n is not supported", param="best_of")
+    if request.echo and request.logprobs is not None:
+        raise ApiError("echo with logprobs is not supported (prompt logprobs are not "
+                       "computed)", param="echo")
+    if request.stream_options is not None and not request.stream:
+        raise ApiError("stream_options needs stream: true", param="stream_options")
+
+
+async def create_completion(serving: Serving, request: CompletionRequest,
+                            arrival_s: float) -> dict | AsyncIterator[bytes]:
+    """A full response dict, or (stream=True) an async iterator of SSE event bytes."""
+    serving.check_model(request.model)
+    check_supported(request)
+    prompts = completion_prompts(serving, request.prompt)
+    limits = [serving.max_tokens_for(request.max_tokens, len(p.token_ids)) for p in prompts]
+    generations = serving.start_choices(request, prompts, limits, request.logprobs, arrival_s)
+    header = {"id": serving.new_id("cmpl"), "object": "text_completion",
+              "created": int(time.time()), "model": serving.config.model_name}
+    echoes = [_echo_text(serving, p) if request.echo else "" for p in prompts for _ in
+              range(request.n)]
+    if request.stream:
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        return _stream(serving, generations, prompts, header, echoes, include_usage)
+    outputs = await collect_all(generations)
+    for output in outputs:
+        if output.finish_reason == FINISH_ERROR:
+            raise ApiError(f"generation failed: {output.error}", status=500,
+                           error_type=SERVER_ERROR)
+    with_logprobs = request.logprobs is not None
+    choices = [_choice(serving, index, echoes[index] + output.text, output, len(echoes[index]),
+                       with_logprobs) for index, output in enumerate(outputs)]
+    return {**header, "choices": choices,
+            "usage": usage([len(p.token_ids) for p in prompts], generations)}
+
+
+def _echo_text(serving: Serving, prompt: Prompt) -> str:
+    if prompt.text is not None:
+        return prompt.text
+    return serving.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+
+
+def _choice(serving: Serving, index: int, text: str, output: GenerationOutput,
+            offset_base: int, with_logprobs: bool) -> dict:
+    logprobs = completion_logprobs(serving, output.logprobs, offset_base) if with_logprobs else None
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": output.finish_reason or None}
+
+
+def completion_logprobs(serving: Serving, entries: list[TokenLogprob], offset_base: int) -> dict:
+    """Legacy completions logprobs: parallel lists, top_logprobs keyed by token text (the
+    sampled token is always among them, as OpenAI documents)."""
+    text = serving.token_text
+    top_logprobs = []
+    for entry in entries:
+        top = {text(token_id): logprob for token_id, logprob in entry.top}
+        top.setdefault(text(entry.token_id), entry.logprob)
+        top_logprobs.append(top)
+    return {"tokens": [text(e.token_id) for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": top_logprobs,
+            "text_offset": [offset_base + e.text_offset for e in entries]}
+
+
+async def _stream(serving: Serving, generations: list[Generation], prompts: list[Prompt],
+                  header: dict, echoes: list[str], include_usage: bool) -> AsyncIterator[bytes]:
+    extra = {"usage": None} if include_usage else {}
+    try:
+        for index, echo in enumerate(echoes):
+            if echo:
+                yield sse_event({**header, "choices": [
+                    {"index": index, "text": echo, "logprobs": None, "finish_reason": None}],
+                    **extra})
+        async for index, output in fan_in(generations):
+            if output.finish_reason == FINISH_ERROR:
+                yield sse_event(error_body(f"generation failed: {output.error}", SERVER_ERROR))
+                break
+            logprobs = None
+            if output.logprobs:
+                logprobs = completion_logprobs(serving, output.logprobs, len(echoes[index]))
+            yield sse_event({**header, "choices": [
+                {"index": index, "text": output.text, "logprobs": logprobs,
+                 "finish_reason": output.finish_reason or None}], **extra})
+        if include_usage:
+            yield sse_event({**header, "choices": [],
+                             "usage": usage([len(p.token_ids) for p in prompts], generations)})
+        yield SSE_DONE
+    finally:
+        close_all(generations)

@@ -1,0 +1,183 @@
+"""The frontend's ZeroMQ endpoint for programmatic clients (justapi.client).
+
+One ROUTER socket in the frontend's event loop; each client is a DEALER whose identity
+namespaces its request ids, so clients can neither collide nor abort each other. Requests
+go through the same Serving rules as HTTP (tokenizer, chat template, context limit, stop
+strings); each running generation streams GenerationChunks back. A client that has gone
+(the ROUTER cannot route to it any more) gets its generations aborted.
+Owns: client sessions (identity, request id) -> generation. Does not own: request rules
+(serving.py), text state (generation.py), the client library (justapi/client.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import cast
+
+import numpy as np
+import zmq
+import zmq.asyncio
+from pydantic import ValidationError
+
+from justapi import transport
+from justapi.codec import ProtocolError, decode, encode
+from justapi.frontend.errors import ApiError, from_validation_errors
+from justapi.frontend.generation import Generation, GenerationOutput
+from justapi.frontend.openai_models import ChatMessage
+from justapi.frontend.serving import Serving
+from justapi.frontend.serving_chat import message_dicts
+from justapi.protocol import (FINISH_ERROR, AbortGeneration, GenerationChunk, QueryStats,
+                              StatsReport, SubmitGeneration)
+
+logger = logging.getLogger(__name__)
+
+SessionKey = tuple[bytes, str]  # (client identity, client_request_id)
+
+
+class ZmqServer:
+    """Serve SubmitGeneration / AbortGeneration / QueryStats on `endpoint` until cancelled."""
+
+    def __init__(self, serving: Serving, endpoint: str,
+                 context: zmq.asyncio.Context | None = None) -> None:
+        self._serving = serving
+        self._context = context or zmq.asyncio.Context.instance()
+        self._socket = cast(zmq.asyncio.Socket, transport.make_socket(
+            self._context, zmq.ROUTER, endpoint, bind=True))
+        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._running: dict[SessionKey, Generation] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                frames = await self._socket.recv_multipart(copy=False)
+                if len(frames) < 2:
+                    continue
+                identity = bytes(frames[0].buffer)
+                try:
+                    message = decode(frames[1:])
+                except ProtocolError as exc:
+                    logger.warning("dropped malformed client message: %s", exc)
+                    continue
+                await self._handle(identity, message)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for generation in list(self._running.values()):
+            generation.close()
+        self._running.clear()
+        self._socket.close(0)
+
+    async def _handle(self, identity: bytes, message: object) -> None:
+        if isinstance(message, SubmitGeneration):
+            await self._submit(identity, message)
+        elif isinstance(message, AbortGeneration):
+            for client_request_id in message.client_request_ids:
+                generation = self._running.get((identity, str(client_request_id)))
+                if generation is not None:  # the stream then ends with the "abort" delta
+                    self._serving.engine.abort(generation.request_id)
+        elif isinstance(message, QueryStats):
+            await self._send(identity, self._stats_report(message.query_id))
+        else:
+            logger.warning("unexpected client message %s", type(message).__name__)
+
+    async def _submit(self, identity: bytes, submit: SubmitGeneration) -> None:
+        key = (identity, submit.client_request_id)
+        try:
+            if key in self._running:
+                raise ApiError(f"request id {submit.client_request_id!r} is already running")
+            generation = self._start(submit)
+        except ApiError as exc:
+            await self._send(identity, GenerationChunk(
+                submit.client_request_id, np.zeros(0, dtype=np.int32), "",
+                finish_reason=FINISH_ERROR, error=exc.message))
+            return
+        self._running[key] = generation
+        task = asyncio.ensure_future(self._pump(key, generation))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _start(self, submit: SubmitGeneration) -> Generation:
+        serving = self._serving
+        token_ids = self._prompt_ids(submit)
+        sampling = submit.sampling
+        serving.max_tokens_for(sampling.max_tokens, len(token_ids))  # the context rule
+        stop = serving.stop_strings([str(s) for s in submit.stop])
+        serving.check_available()
+        return serving.start(token_ids, sampling, serving.text_options(sampling, stop),
+                             time.perf_counter())
+
+    def _prompt_ids(self, submit: SubmitGeneration) -> list[int]:
+        serving = self._serving
+        given = [bool(submit.prompt), len(submit.prompt_token_ids) > 0, bool(submit.messages)]
+        if sum(given) != 1:
+            raise ApiError("give exactly one of prompt, prompt_token_ids and messages")
+        if submit.prompt:
+            return serving.encode_text(submit.prompt, submit.add_special_tokens)
+        if len(submit.prompt_token_ids):
+            return serving.check_token_ids(submit.prompt_token_ids.tolist(), "prompt_token_ids")
+        try:
+            messages = [ChatMessage.model_validate(m) for m in submit.messages]
+        except ValidationError as exc:
+            raise from_validation_errors(exc.errors()) from None
+        return serving.chat_prompt(message_dicts(messages), True).token_ids
+
+    async def _pump(self, key: SessionKey, generation: Generation) -> None:
+        identity, client_request_id = key
+        try:
+            async for output in generation.outputs():
+                chunk = _chunk(client_request_id, generation, output)
+                if not await self._send(identity, chunk):
+                    return  # the client is gone: `finally` aborts the generation
+        except Exception:  # one bad generation must not stop the endpoint
+            logger.exception("client generation %s failed", generation.request_id)
+        finally:
+            generation.close()
+            self._running.pop(key, None)
+
+    async def _send(self, identity: bytes, message: object) -> bool:
+        try:
+            await self._socket.send_multipart([identity, *encode(message)], copy=False)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer disconnected
+            logger.info("client %r unreachable: %s", identity, exc)
+            return False
+        return True
+
+    def _stats_report(self, query_id: str) -> StatsReport:
+        serving = self._serving
+        snapshot = serving.engine.stats
+        return StatsReport(query_id=query_id, model_name=serving.config.model_name,
+                           max_context=serving.config.max_context,
+                           healthy=serving.engine.is_healthy(),
+                           problems=serving.engine.health_problems(),
+                           stats=dict(snapshot.stats) if snapshot else {},
+                           workers=list(snapshot.workers) if snapshot else [],
+                           num_in_flight=serving.engine.num_in_flight)
+
+
+def _chunk(client_request_id: str, generation: Generation,
+           output: GenerationOutput) -> GenerationChunk:
+    arrays = {}
+    if output.logprobs:
+        width = max(len(entry.top) for entry in output.logprobs)
+        top_ids = np.full((len(output.logprobs), width), -1, dtype=np.int32)
+        top_lps = np.full((len(output.logprobs), width), -np.inf, dtype=np.float32)
+        for row, entry in enumerate(output.logprobs):
+            for col, (token_id, logprob) in enumerate(entry.top):
+                top_ids[row, col], top_lps[row, col] = token_id, logprob
+        arrays = {"logprobs": np.asarray([e.logprob for e in output.logprobs], dtype=np.float32),
+                  "top_logprob_ids": top_ids, "top_logprobs": top_lps}
+    return GenerationChunk(client_request_id=client_request_id,
+                           token_ids=np.asarray(output.token_ids, dtype=np.int32),
+                           text=output.text, finish_reason=output.finish_reason,
+                           num_prompt_tokens=generation.num_prompt_tokens,
+                           num_cached_tokens=generation.num_cached_tokens,
+                           error=output.error, **arrays)
