@@ -4,7 +4,9 @@ Continuous (`scheduled=True`), decode-first like vLLM's "running before waiting"
   1. running decodes (1 token + drafts each) - a prefill never takes their budget;
   2. running prefills / recomputes, oldest first, chunk_size tokens each at most;
   3. admissions from the pool's waiting queue in policy order, head-of-line, while
-     max_seqs, max_prefill, the token budget and the pool's blocks allow.
+     max_seqs, max_prefill, the token budget and the pool's blocks allow, and while this
+     worker runs fewer than its fair share of the pool's requests (running + waiting over
+     the pool's healthy workers, rounded up).
 Static (`scheduled=False`): when a worker has nothing running it admits a whole batch (each
 request with blocks reserved for its full length, so it is never preempted); no request
 joins until every one of them has finished.
@@ -132,8 +134,12 @@ class StepPlanner:
         max_seqs = self.config.max_seqs
         if not len(queue) or len(worker.running) >= max_seqs or not batch.has_prefill_room:
             return
+        # Fair share: with one shared pool, no worker takes more than its part of the pool's
+        # requests, so the other workers (planned next, or back from their step) get theirs.
+        num_peers = len(self.state.healthy_workers(worker.pool_id))
+        share = -(-(len(self.state.pool_running[worker.pool_id]) + len(queue)) // num_peers)
         for req in self.order.candidates(queue, worker.pool_id, self.state.step_id):
-            if len(worker.running) >= max_seqs or not batch.has_prefill_room:
+            if (len(worker.running) >= min(max_seqs, share) or not batch.has_prefill_room):
                 return
             hit = self.kv.match_prefix(req)
             num_tokens = batch.chunk_len(req, is_prefill=True)

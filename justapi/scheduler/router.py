@@ -7,8 +7,9 @@ load(best) > load(lightest) + route_balance_abs AND load(best) > load(lightest) 
 route_balance_rel, where load = (running + waiting requests) / healthy workers. With no
 cached prefix anywhere, or one pool, the lightest pool wins.
 Within a pool the worker is chosen at admission: idle workers are planned lightest first
-(fewest running requests), so with one shared pool the least loaded worker takes the next
-request. A request stays on its worker while it runs (its blocks are in that pool).
+(fewest running requests) and none admits beyond its fair share of the pool's requests, so
+with one shared pool the least loaded worker takes the next request. A request stays on its
+worker while it runs (its blocks are in that pool).
 Owns: the pool choice. Does not own: loads or caches (SchedulerState, KvCacheManager).
 """
 from __future__ import annotations

@@ -1,0 +1,62 @@
+"""Build the scheduler core from what the process shell knows: the serve config and the
+workers' Ready messages (pools, block sizes, context lengths).
+
+End-of-generation ids come from `extra["eos_token_ids"]` when the launcher passes them,
+else from the GGUF tokenizer at `extra["model_path"]` (or the configured model).
+Owns: that translation and its validation. Does not own: the shell (scheduler_process.py).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from justapi.gguf_file import GGUFFile, resolve_model_path
+from justapi.protocol import Ready
+from justapi.scheduler.scheduler import Scheduler
+from justapi.scheduler.topology import ModelLimits, PoolSpec, Topology, WorkerSpec
+from justapi.serve_config import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+
+def build_scheduler(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, Any]) -> Scheduler:
+    if not readies:
+        raise ValueError("cannot build a scheduler without a ready worker")
+    return Scheduler(config.scheduler, config.cache, topology_of(readies, config.cache.block_size),
+                     limits_of(config, readies, extra))
+
+
+def topology_of(readies: Sequence[Ready], block_size: int) -> Topology:
+    pools: dict[int, int] = {}
+    for ready in readies:
+        info = ready.pool
+        if info.block_size != block_size:
+            raise ValueError(f"worker {ready.worker_id} reports block size {info.block_size}, "
+                             f"the config says {block_size}")
+        if pools.setdefault(info.pool_id, info.num_blocks) != info.num_blocks:
+            raise ValueError(f"workers disagree on the size of pool {info.pool_id}: "
+                             f"{pools[info.pool_id]} vs {info.num_blocks} blocks")
+    return Topology(tuple(PoolSpec(p, n) for p, n in sorted(pools.items())),
+                    tuple(WorkerSpec(r.worker_id, r.pool.pool_id)
+                          for r in sorted(readies, key=lambda r: r.worker_id)))
+
+
+def limits_of(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, Any]) -> ModelLimits:
+    max_context = min(r.max_context for r in readies)
+    if config.model.max_context:
+        max_context = min(max_context, config.model.max_context)
+    eos = extra.get("eos_token_ids")
+    if eos is None:
+        eos = eos_token_ids(str(extra.get("model_path") or config.model.model))
+    return ModelLimits(max_context, tuple(int(t) for t in eos))
+
+
+def eos_token_ids(model: str) -> tuple[int, ...]:
+    """End-of-generation ids of a GGUF model (EOS, EOT, EOM and llama.cpp's end-of-turn list)."""
+    from justapi.tokenizer import Tokenizer  # tokenizers is heavy: only when needed
+
+    if model.startswith("synthetic:"):
+        logger.warning("model %r: no tokenizer path given, EOS is not enforced", model)
+        return ()
+    return tuple(sorted(Tokenizer.from_gguf(GGUFFile(resolve_model_path(model))).eog_token_ids))
