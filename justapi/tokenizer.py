@@ -192,7 +192,8 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str],
                      add_special_tokens: bool = True) -> list[list[int]]:
         """encode() of each text (special-token text allowed), in parallel threads."""
-        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens)]
+        encodings = self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [encoding.ids for encoding in encodings]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; invalid UTF-8 byte runs come out as U+FFFD."""

@@ -298,6 +298,17 @@ def test_bos_eos_flags_and_eot_ids(smol_gguf) -> None:
     assert ours.eog_token_ids == {0, 2, 5}
 
 
+def test_tokens_stored_as_raw_text_are_respelled(smol_gguf, smol: Tokenizer) -> None:
+    """Some converters store a byte-level token as plain text (' the' for 'Ġthe')."""
+    tokens = list(smol_gguf.get("tokenizer.ggml.tokens"))
+    the_id = tokens.index("Ġthe")
+    tokens[the_id] = " the"
+    ours = Tokenizer.from_gguf(OverriddenGGUF(smol_gguf, {"tokenizer.ggml.tokens": tokens}))
+    text = "over the lazy dog, the end"
+    assert ours.encode(text) == smol.encode(text) and the_id in ours.encode(text)
+    assert ours.encode_batch([text, "the"]) == [smol.encode(text), smol.encode("the")]
+
+
 def test_unsupported_model_is_refused(smol_gguf) -> None:
     gguf_file = OverriddenGGUF(smol_gguf, {"tokenizer.ggml.model": "bert"})
     with pytest.raises(ValueError, match="bert"):
