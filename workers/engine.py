@@ -119,6 +119,7 @@ class LLMEngine:
         self.policy_args = dict(num_blocks=num_blocks, block_size=block_size, max_seqs=max_seqs,
                                 chunk_size=chunk_size, max_batched_tokens=max_batched_tokens)
         self._next_id = 0
+        self.num_preemptions = 0  # over all generate calls: the policy preempted to free blocks
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -145,6 +146,7 @@ class LLMEngine:
                 plan = policy.schedule()
                 result = self.runner.execute(plan)
                 policy.update(plan, result)
+        self.num_preemptions += policy.num_preemptions
         return [Output(self.decode(s.output_ids), s.output_ids, s.token_ids[:s.num_prompt_tokens],
                        s.finish_reason) for s in seqs]
 
