@@ -43,6 +43,18 @@ def test_out_of_blocks_preempts_the_newest_and_keeps_its_tokens():
     assert h.outputs["new"] == reference(prompt(8, base=9), 14)
 
 
+def test_the_newest_of_several_is_preempted_first():
+    h = Harness(build_scheduler(pool_blocks=11, block_size=4))
+    for i, n in enumerate((6, 8, 8)):  # r0 runs out of blocks last: it must pick a victim
+        h.submit(f"r{i}", prompt(n, base=3 + i), max_tokens=14, ignore_eos=True)
+    reqs = [h.scheduler.request(f"r{i}") for i in range(3)]
+    while not any(r.num_preemptions for r in reqs):
+        h.step()
+    assert [r.num_preemptions for r in reqs] == [0, 0, 1]
+    h.run()
+    assert reqs[0].num_preemptions == 0
+
+
 def test_recompute_after_preemption_resends_all_known_tokens():
     h = Harness(build_scheduler(pool_blocks=7, block_size=4, enable_prefix_cache=False))
     h.submit("old", prompt(8), max_tokens=14, ignore_eos=True)
@@ -61,11 +73,12 @@ def test_priority_policy_preempts_the_lowest_priority_first():
     h.submit("low", prompt(8), max_tokens=20, ignore_eos=True, priority=5)
     h.submit("high", prompt(8, base=9), max_tokens=20, ignore_eos=True, priority=0)
     h.submit("mid", prompt(8, base=17), max_tokens=20, ignore_eos=True, priority=1)
-    low = h.scheduler.request("low")
-    while low.num_preemptions == 0:
+    reqs = {rid: h.scheduler.request(rid) for rid in ("low", "high", "mid")}
+    while not any(r.num_preemptions for r in reqs.values()):
         h.step()
-        assert h.scheduler.request("high").num_preemptions == 0
+    assert [rid for rid, r in reqs.items() if r.num_preemptions] == ["low"]
     h.run()
+    assert reqs["high"].num_preemptions == 0
     for rid, base in (("low", 2), ("high", 9), ("mid", 17)):
         assert h.outputs[rid] == reference(prompt(8, base=base), 20)
 

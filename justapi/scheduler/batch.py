@@ -2,12 +2,15 @@
 
 Budgets (SchedulerConfig): max_seqs sequences, max_decode decoding and max_prefill
 prefilling ones, chunk_size tokens per prefill chunk, max_batched_tokens in all.
-The plan is columnar; block ids in it are relative to the worker's pool (global id -
-BlockPool.base(pool)), i.e. the index of the block in that device's KV tensor:
+Chunks are kept as columns (one entry per sequence, plan order), like the plan itself.
+Block ids in the plan are relative to the worker's pool (global id - BlockPool.base(pool)),
+i.e. the index of the block in that device's KV tensor:
 
     token_ids: | chunk 0 (prefill, chunk_size) | chunk 1 (decode: 1) | chunk 2 (1 + drafts) |
     block_ids: | table 0 ....... | table 1 ........ | table 2 ..... |
 
+Chunk i covers positions [starts[i], starts[i] + num_tokens[i]); its last num_drafts[i]
+tokens are drafts; is_sampled[i] when it reaches the request's last known token.
 Owns: budget arithmetic and plan assembly. Does not own: who is chosen (planner.py).
 """
 from __future__ import annotations
@@ -19,7 +22,6 @@ import numpy as np
 from justapi.config import SchedulerConfig
 from justapi.protocol import NewRequest, StepPlan
 from justapi.scheduler.request import Request
-from justapi.scheduler.worker_state import ScheduledChunk
 
 
 class StepBatch:
@@ -29,20 +31,32 @@ class StepBatch:
         self.config = config
         self.block_size = block_size
         self.budget_tokens = config.max_batched_tokens
-        self.chunks: dict[str, ScheduledChunk] = {}
+        self.reqs: list[Request] = []
+        self.starts: list[int] = []
+        self.num_tokens: list[int] = []
+        self.num_drafts: list[int] = []
+        self.is_sampled: list[bool] = []
+        self.is_prefill: list[bool] = []
+        self.num_blocks: list[int] = []  # table[:num_blocks] covers positions < start + n
         self.num_prefill = 0
         self.num_decode = 0
         self.new_requests: dict[str, Request] = {}
 
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def __contains__(self, req: Request) -> bool:
+        return any(r is req for r in self.reqs)
+
     @property
     def has_decode_room(self) -> bool:
-        return (self.num_decode < self.config.max_decode and len(self.chunks) < self.config.max_seqs
+        return (self.num_decode < self.config.max_decode and len(self.reqs) < self.config.max_seqs
                 and self.budget_tokens > 0)
 
     @property
     def has_prefill_room(self) -> bool:
         return (self.num_prefill < self.config.max_prefill
-                and len(self.chunks) < self.config.max_seqs and self.budget_tokens > 0)
+                and len(self.reqs) < self.config.max_seqs and self.budget_tokens > 0)
 
     def chunk_len(self, req: Request, is_prefill: bool) -> int:
         """How many of the tokens the request wants fit this step."""
@@ -54,31 +68,50 @@ class StepBatch:
     def add(self, req: Request, num_tokens: int, is_prefill: bool) -> None:
         start = req.num_computed_tokens
         known = len(req.token_ids) - start  # known tokens left; beyond them come drafts
-        self.chunks[req.request_id] = ScheduledChunk(
-            req, start, num_tokens, max(0, num_tokens - known), num_tokens >= known, is_prefill)
+        self.reqs.append(req)
+        self.starts.append(start)
+        self.num_tokens.append(num_tokens)
+        self.num_drafts.append(max(0, num_tokens - known))
+        self.is_sampled.append(num_tokens >= known)
+        self.is_prefill.append(is_prefill)
+        self.num_blocks.append((start + num_tokens + self.block_size - 1) // self.block_size)
         self.budget_tokens -= num_tokens
         if is_prefill:
             self.num_prefill += 1
         else:
             self.num_decode += 1
 
+    def add_decode(self, req: Request, num_tokens: int) -> None:
+        """add() for a decoding request (one known token, then drafts): the hot path."""
+        start = req.num_computed_tokens
+        self.reqs.append(req)
+        self.starts.append(start)
+        self.num_tokens.append(num_tokens)
+        self.num_drafts.append(num_tokens - 1)
+        self.is_sampled.append(True)
+        self.is_prefill.append(False)
+        self.num_blocks.append((start + num_tokens + self.block_size - 1) // self.block_size)
+        self.budget_tokens -= num_tokens
+        self.num_decode += 1
+
     def remove(self, req: Request) -> None:
-        """Un-schedule (the request is being preempted for an older one)."""
-        chunk = self.chunks.pop(req.request_id)
-        self.budget_tokens += chunk.num_tokens
-        if chunk.is_prefill:
+        """Un-schedule (the request is being preempted for an older one). O(batch): rare."""
+        i = next(i for i, r in enumerate(self.reqs) if r is req)
+        self.budget_tokens += self.num_tokens[i]
+        if self.is_prefill[i]:
             self.num_prefill -= 1
         else:
             self.num_decode -= 1
+        for column in (self.reqs, self.starts, self.num_tokens, self.num_drafts, self.is_sampled,
+                       self.is_prefill, self.num_blocks):
+            del column[i]
         self.new_requests.pop(req.request_id, None)
 
     def build(self, step_id: int, pool_base: int, finished_request_ids: list[str]) -> StepPlan:
         token_ids = array.array("i")
         block_ids = array.array("i")
-        starts, num_tokens, num_blocks, flags, drafts = [], [], [], [], []
-        bs = self.block_size
-        for chunk in self.chunks.values():
-            req, start, n, d = chunk.req, chunk.start, chunk.num_tokens, chunk.num_drafts
+        for req, start, n, d, needed in zip(self.reqs, self.starts, self.num_tokens,
+                                            self.num_drafts, self.num_blocks):
             if n == 1:
                 token_ids.append(req.token_ids[start])
             else:
@@ -86,24 +119,19 @@ class StepBatch:
                 if d:
                     token_ids.extend(array.array("i", req.draft_token_ids[:d]))
             table = req.block_ids
-            needed = (start + n + bs - 1) // bs  # table[:needed] covers positions < start + n
             block_ids.extend(table if needed == len(table) else table[:needed])
-            starts.append(start)
-            num_tokens.append(n)
-            num_blocks.append(needed)
-            flags.append(chunk.is_sampled)
-            drafts.append(d)
         blocks = np.frombuffer(block_ids, dtype=np.int32) if block_ids else _empty()
         if pool_base:
             blocks = blocks - np.int32(pool_base)
         return StepPlan(
-            step_id=step_id, request_ids=list(self.chunks),
-            start_positions=np.asarray(starts, dtype=np.int32),
-            num_tokens=np.asarray(num_tokens, dtype=np.int32),
+            step_id=step_id, request_ids=[req.request_id for req in self.reqs],
+            start_positions=np.asarray(self.starts, dtype=np.int32),
+            num_tokens=np.asarray(self.num_tokens, dtype=np.int32),
             token_ids=np.frombuffer(token_ids, dtype=np.int32) if token_ids else _empty(),
-            num_blocks=np.asarray(num_blocks, dtype=np.int32), block_ids=blocks,
-            sample_flags=np.asarray(flags, dtype=np.bool_),
-            num_draft_tokens=np.asarray(drafts, dtype=np.int32) if any(drafts) else _empty(),
+            num_blocks=np.asarray(self.num_blocks, dtype=np.int32), block_ids=blocks,
+            sample_flags=np.asarray(self.is_sampled, dtype=np.bool_),
+            num_draft_tokens=(np.asarray(self.num_drafts, dtype=np.int32) if any(self.num_drafts)
+                              else _empty()),
             new_requests=[_new_request(r) for r in self.new_requests.values()],
             finished_request_ids=finished_request_ids)
 

@@ -26,6 +26,7 @@ class DeltaBuilder:
         self.errors: dict[str, str] = {}
 
     def add(self, req: Request, tokens: list[int], reason: str, first_index: int = 0) -> None:
+        self._fill_ones()
         self.request_ids.append(req.request_id)
         self.num_new_tokens.append(len(tokens))
         self.token_ids.extend(tokens)
@@ -37,15 +38,11 @@ class DeltaBuilder:
     def add_one(self, req: Request, token: int, reason: str, index: int) -> None:
         """add() for exactly one token (the common decode case), without list building."""
         self.request_ids.append(req.request_id)
-        self.num_new_tokens.append(1)
         self.token_ids.append(token)
         self.finish_reasons.append(reason)
         self.source_index.append(index)
-        if req.has_reported:
-            self.num_cached_tokens.append(0)
-        else:
-            self.num_cached_tokens.append(req.num_cached_tokens)
-            req.has_reported = True
+        self.num_cached_tokens.append(0 if req.has_reported else req.num_cached_tokens)
+        req.has_reported = True
 
     def add_error(self, req: Request, reason: str, message: str) -> None:
         self.add(req, [], reason)
@@ -54,7 +51,14 @@ class DeltaBuilder:
     def __len__(self) -> int:
         return len(self.request_ids)
 
+    def _fill_ones(self) -> None:
+        """Rows added by add_one have one token each: fill in num_new_tokens lazily."""
+        missing = len(self.request_ids) - len(self.num_new_tokens)
+        if missing:
+            self.num_new_tokens.extend([1] * missing)
+
     def build(self, result: StepResult | None = None) -> TokenDeltas:
+        self._fill_ones()
         logprobs, top_ids, top_lps = _gather_logprobs(result, self.source_index)
         return TokenDeltas(
             step_id=self.step_id, request_ids=self.request_ids,

@@ -20,8 +20,8 @@ def check_state(state: SchedulerState) -> None:
         cache.check_invariants()
     for queue in state.queues.values():
         queue.check_invariants()
-    in_flight = {c.req.request_id for w in state.workers.values() if w.in_flight
-                 for c in w.in_flight.chunks}
+    in_flight = {r.request_id for w in state.workers.values() if w.in_flight
+                 for r in w.in_flight.reqs}
     holders: dict[int, set[str]] = defaultdict(set)
     for req in state.requests.values():
         _check_request(state, req, req.request_id in in_flight)

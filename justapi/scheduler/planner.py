@@ -50,11 +50,10 @@ class StepPlanner:
     # ------------------------------------------------------------------ running requests
     def _schedule_running(self, worker: WorkerState, batch: StepBatch) -> None:
         prefills: list[Request] = []
-        served: list[Request] = []
         is_capped = False
         bs = self.state.block_size
         for req in list(worker.running.values()):
-            if req.status is not RUNNING or req.worker_id != worker.worker_id:
+            if req.status is not RUNNING:
                 continue  # preempted while this loop ran
             num_computed = req.num_computed_tokens
             if num_computed < len(req.token_ids) - 1:
@@ -63,16 +62,14 @@ class StepPlanner:
             if not batch.has_decode_room:
                 is_capped = True
                 continue
-            # Inlined _schedule for the hot decode path: new blocks only every block_size steps.
-            num_tokens = min(len(req.token_ids) + len(req.draft_token_ids) - num_computed,
-                             batch.budget_tokens)
+            # The hot path (_schedule inlined): a decode needs a new block every block_size steps.
+            num_tokens = min(1 + len(req.draft_token_ids), batch.budget_tokens)
             end = num_computed + num_tokens
             if (end + bs - 1) // bs > len(req.block_ids) and not self._ensure_blocks(req, end, batch):
                 continue
-            batch.add(req, num_tokens, False)
-            served.append(req)
+            batch.add_decode(req, num_tokens)
         if is_capped:  # round robin: the decodes served now go to the back of the line
-            for req in served:
+            for req in batch.reqs:
                 if worker.running.pop(req.request_id, None) is not None:
                     worker.running[req.request_id] = req
         prefills.sort(key=lambda r: r.sort_key)
@@ -124,7 +121,7 @@ class StepPlanner:
             self.state.reservations[req.pool_id] = req
 
     def _preempt(self, req: Request, batch: StepBatch) -> None:
-        if req.request_id in batch.chunks:
+        if req in batch:
             batch.remove(req)
         self.state.preempt(req)
 
@@ -155,8 +152,7 @@ class StepPlanner:
             if len(worker.running) >= self.config.max_seqs:
                 return
             hit = self.kv.match_prefix(req)
-            final_len = min(req.num_prompt_tokens + req.sampling.max_tokens, req.max_len)
-            if not self._allocate(req, final_len - 1):  # the last token is never computed
+            if not self._allocate(req, req.final_len - 1):  # the last token is never computed
                 self.kv.free(req)
                 return
             self._admitted(req, worker, batch, hit)

@@ -30,7 +30,8 @@ class Request:
     """A request from SubmitRequest to finish."""
 
     __slots__ = ("request_id", "sampling", "token_ids", "num_prompt_tokens", "seq", "priority",
-                 "sort_key", "arrival_time_s", "cache_salt", "max_len", "stop_ids", "status",
+                 "sort_key", "arrival_time_s", "cache_salt", "max_len", "final_len", "stop_ids",
+                 "status",
                  "pool_id", "worker_id", "num_computed_tokens", "draft_token_ids", "block_ids",
                  "cache_node", "num_cached_blocks", "num_cached_tokens", "has_reported",
                  "is_in_flight", "is_abort_pending", "finish_reason", "num_preemptions",
@@ -48,6 +49,7 @@ class Request:
         self.arrival_time_s = 0.0
         self.cache_salt = ""
         self.max_len = 0  # context cap: min(model context, pool capacity in tokens)
+        self.final_len = 0  # finishes with "length" here: min(max_len, prompt + max_tokens)
         self.stop_ids: frozenset[int] = frozenset()  # stop ids, plus EOS unless ignore_eos
         self.status = RequestStatus.WAITING
         self.pool_id = -1

@@ -15,7 +15,7 @@ from justapi.protocol import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_
 from justapi.scheduler.deltas import DeltaBuilder
 from justapi.scheduler.request import Request
 from justapi.scheduler.state import SchedulerState
-from justapi.scheduler.worker_state import InFlightStep, ScheduledChunk
+from justapi.scheduler.worker_state import InFlightStep
 
 
 class ResultApplier:
@@ -37,14 +37,15 @@ class ResultApplier:
             raise ValueError(f"worker {result.worker_id} answered step {result.step_id}, "
                              f"expected {step.step_id if step else 'none'}")
         worker.in_flight = None
-        for chunk in step.chunks:
-            chunk.req.is_in_flight = False
+        for req in step.reqs:
+            req.is_in_flight = False
         deltas = DeltaBuilder(result.step_id)
         error = result.error or self._malformed(step, result)
         if error:
             self._fail_step(step, error, deltas)
             return deltas.build()
         self._apply_chunks(step, result, deltas)
+        self.state.counters.num_generated_tokens += len(deltas.token_ids)
         return deltas.build(result)
 
     @staticmethod
@@ -55,8 +56,7 @@ class ResultApplier:
         return ""
 
     def _fail_step(self, step: InFlightStep, error: str, deltas: DeltaBuilder) -> None:
-        for chunk in step.chunks:
-            req = chunk.req
+        for req in step.reqs:
             if req.is_abort_pending:
                 self._finish(req, FINISH_ABORT, [], deltas)
             else:
@@ -66,48 +66,41 @@ class ResultApplier:
 
     def _apply_chunks(self, step: InFlightStep, result: StepResult, deltas: DeltaBuilder) -> None:
         sampled = result.sampled_token_ids.tolist()
-        counts = result.num_sampled.tolist()
-        position, index = 0, 0
-        for chunk in step.chunks:
-            req = chunk.req
-            if not chunk.is_sampled:
+        counts = iter(result.num_sampled.tolist())
+        position = 0
+        bs = self.state.block_size
+        add_one = deltas.add_one
+        for req, num_drafts, is_sampled in zip(step.reqs, step.num_drafts, step.is_sampled):
+            if not is_sampled:  # a prefill chunk short of the prompt's end
                 if req.is_abort_pending:
                     self._finish(req, FINISH_ABORT, [], deltas)
                 else:
                     self.kv.cache_computed(req)
                 continue
-            count = counts[index]
+            count = next(counts)
             if req.is_abort_pending:
                 self._finish(req, FINISH_ABORT, [], deltas)
-            elif count == 1 and not chunk.num_drafts:
-                self._accept_one(req, sampled[position], deltas, position)
+            elif count == 1 and num_drafts == 0 and not req.draft_token_ids:
+                # The hot path (decode, or a prompt's last chunk): one token, _append inlined.
+                token = sampled[position]
+                token_ids = req.token_ids
+                token_ids.append(token)
+                reason = ""
+                if token in req.stop_ids:
+                    reason = self._clamp(req, FINISH_STOP)
+                elif len(token_ids) >= req.final_len:
+                    reason = self._clamp(req, FINISH_LENGTH)
+                if req.num_computed_tokens // bs > req.num_cached_blocks:
+                    self.kv.cache_computed(req)
+                if reason:
+                    self.state.finish(req, reason)
+                add_one(req, token, reason, position)
             else:
-                self._accept(req, chunk, sampled[position:position + count], deltas, position)
+                self._accept(req, num_drafts, sampled[position:position + count], deltas, position)
             position += count
-            index += 1
 
-    def _accept_one(self, req: Request, token: int, deltas: DeltaBuilder, index: int) -> None:
-        """The hot path: one sampled token, no drafts (decode, or a prefill's last chunk)."""
-        if req.draft_token_ids:
-            req.draft_token_ids = []  # proposed but not scheduled: stale now
-        token_ids = req.token_ids
-        token_ids.append(token)  # _append, inlined for one token
-        reason = ""
-        if token in req.stop_ids:
-            reason = self._clamp(req, FINISH_STOP)
-        elif (len(token_ids) - req.num_prompt_tokens >= req.sampling.max_tokens
-              or len(token_ids) >= req.max_len):
-            reason = self._clamp(req, FINISH_LENGTH)
-        self.state.counters.num_generated_tokens += 1
-        if req.num_computed_tokens // self.state.block_size > req.num_cached_blocks:
-            self.kv.cache_computed(req)
-        if reason:
-            self.state.finish(req, reason)
-        deltas.add_one(req, token, reason, index)
-
-    def _accept(self, req: Request, chunk: ScheduledChunk, tokens: list[int],
+    def _accept(self, req: Request, num_drafts: int, tokens: list[int],
                 deltas: DeltaBuilder, first_index: int) -> None:
-        num_drafts = chunk.num_drafts
         drafts = req.draft_token_ids[:num_drafts]
         req.draft_token_ids = []
         num_accepted = len(tokens) - 1
@@ -126,7 +119,6 @@ class ResultApplier:
         num_before = len(req.token_ids)
         reason = self._append(req, tokens)
         emitted = tokens[:len(req.token_ids) - num_before]
-        counters.num_generated_tokens += len(emitted)
         self.kv.cache_computed(req)
         if reason:
             self.state.finish(req, reason)
@@ -135,13 +127,12 @@ class ResultApplier:
     def _append(self, req: Request, tokens: list[int]) -> str:
         """Append tokens until one finishes the request; return the finish reason or ""."""
         stop_ids = req.stop_ids
-        max_tokens = req.sampling.max_tokens
         token_ids = req.token_ids
         for token in tokens:
             token_ids.append(token)
             if token in stop_ids:
                 return self._clamp(req, FINISH_STOP)
-            if len(token_ids) - req.num_prompt_tokens >= max_tokens or len(token_ids) >= req.max_len:
+            if len(token_ids) >= req.final_len:  # max_tokens or the context cap
                 return self._clamp(req, FINISH_LENGTH)
         return ""
 

@@ -118,7 +118,7 @@ class Scheduler:
         out = []
         for worker in idle:
             batch = self.planner.plan(worker)
-            if batch.chunks or batch.new_requests or worker.pending_drops:
+            if len(batch) or batch.new_requests or worker.pending_drops:
                 out.append((worker.worker_id, self._dispatch(worker, batch)))
         return out
 
@@ -128,22 +128,19 @@ class Scheduler:
         plan = batch.build(state.step_id, state.pool.base(worker.pool_id),
                            list(worker.pending_drops))
         worker.pending_drops.clear()
-        chunks = list(batch.chunks.values())
-        sampled = []
-        counters = state.counters
-        for chunk in chunks:
-            req = chunk.req
-            req.num_computed_tokens = chunk.start + chunk.num_tokens
+        for req, start, num_tokens in zip(batch.reqs, batch.starts, batch.num_tokens):
+            req.num_computed_tokens = start + num_tokens
             req.is_in_flight = True
-            if chunk.is_sampled:
-                sampled.append(req.request_id)
-            if chunk.is_prefill:
-                counters.num_prefill_tokens += chunk.num_tokens
-            else:
-                counters.num_decode_tokens += chunk.num_tokens
-        counters.num_scheduled_tokens += state.config.max_batched_tokens - batch.budget_tokens
+        counters = state.counters
+        num_tokens = state.config.max_batched_tokens - batch.budget_tokens
+        num_prefill = sum(n for n, p in zip(batch.num_tokens, batch.is_prefill) if p)
+        counters.num_scheduled_tokens += num_tokens
+        counters.num_prefill_tokens += num_prefill
+        counters.num_decode_tokens += num_tokens - num_prefill
         counters.num_steps += 1
-        worker.in_flight = InFlightStep(state.step_id, chunks, sampled)
+        sampled = [req.request_id for req, s in zip(batch.reqs, batch.is_sampled) if s]
+        worker.in_flight = InFlightStep(state.step_id, batch.reqs, batch.num_drafts,
+                                        batch.is_sampled, sampled)
         return plan
 
     def update(self, result: StepResult) -> TokenDeltas:
@@ -165,8 +162,8 @@ class Scheduler:
         worker.is_healthy = False
         if worker.in_flight is not None:
             worker.discarded_step_ids.add(worker.in_flight.step_id)
-            for chunk in worker.in_flight.chunks:
-                chunk.req.is_in_flight = False
+            for req in worker.in_flight.reqs:
+                req.is_in_flight = False
             worker.in_flight = None
         for req in list(worker.running.values()):
             if req.is_abort_pending:

@@ -11,28 +11,14 @@ from dataclasses import dataclass, field
 from justapi.scheduler.request import Request
 
 
-class ScheduledChunk:
-    """Tokens [start, start + num_tokens) of a request in one step; the last num_drafts of
-    them are draft tokens to verify."""
-
-    __slots__ = ("req", "start", "num_tokens", "num_drafts", "is_sampled", "is_prefill")
-
-    def __init__(self, req: Request, start: int, num_tokens: int, num_drafts: int,
-                 is_sampled: bool, is_prefill: bool) -> None:
-        self.req = req
-        self.start = start
-        self.num_tokens = num_tokens
-        self.num_drafts = num_drafts
-        self.is_sampled = is_sampled
-        self.is_prefill = is_prefill
-
-
 @dataclass(eq=False)
 class InFlightStep:
-    """A plan sent to a worker whose StepResult has not come back."""
+    """A plan sent to a worker whose StepResult has not come back (StepBatch's columns)."""
 
     step_id: int
-    chunks: list[ScheduledChunk]
+    reqs: list[Request]
+    num_drafts: list[int]
+    is_sampled: list[bool]
     sampled_request_ids: list[str]
 
 
