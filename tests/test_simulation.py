@@ -192,3 +192,31 @@ def test_static_batches_never_admit_mid_batch():
             assert not unfinished, f"worker {plan.worker_id} admitted mid-batch"
             batch[plan.worker_id] = set(plan.new_request_ids)
         assert set(plan.request_ids) <= batch[plan.worker_id]
+
+
+def test_trace_round_trip_and_simulate_tool(tmp_path):
+    import io
+    import subprocess
+    import sys
+
+    from justapi.scheduler.sim.trace import dump_trace, load_trace
+
+    trace = fixed_trace(4)
+    buffer = io.StringIO()
+    dump_trace(trace, buffer)
+    assert load_trace(io.StringIO(buffer.getvalue())) == trace
+    path = tmp_path / "trace.jsonl"
+    path.write_text(buffer.getvalue())
+    done = subprocess.run(
+        [sys.executable, "tools/simulate.py", "--trace", str(path), "--pool-blocks", "64",
+         "--block-size", "4", "--workers", "2", "--compare-static", "--check-invariants",
+         "--per-request", "3"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "== continuous batching" in out and "== static batching" in out
+    for needle in ("steps", "seqs/step", "prefix cache hit ratio", "preemptions", "TTFT s",
+                   "TPOT st", "queue s", "req-0"):
+        assert needle in out
+    bad = subprocess.run([sys.executable, "tools/simulate.py"], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert bad.returncode == 2 and "--trace" in bad.stderr

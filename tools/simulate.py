@@ -36,31 +36,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
-    src = p.add_argument_group("trace")
-    src.add_argument("--trace", help="JSON-lines trace file ('-' for stdin)")
-    src.add_argument("--generate", type=int, metavar="N", help="generate N requests instead")
-    src.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per s (0: all at t=0)")
-    src.add_argument("--prompt-len", type=span, default=(32, 512), metavar="MIN:MAX")
-    src.add_argument("--output-len", type=span, default=(16, 256), metavar="MIN:MAX")
-    src.add_argument("--prefix-groups", type=int, default=0, help="shared-prefix groups")
-    src.add_argument("--prefix-len", type=int, default=0, help="tokens of each shared prefix")
-    src.add_argument("--prefix-fraction", type=float, default=0.5)
-    src.add_argument("--abort-fraction", type=float, default=0.0)
-    src.add_argument("--seed", type=int, default=0)
-    src.add_argument("--save-trace", metavar="FILE", help="write the generated trace")
-    sch = p.add_argument_group("scheduler (same names as justapi serve)")
-    defaults = SchedulerConfig()
-    for name in ("max_seqs", "max_prefill", "max_decode", "chunk_size", "max_batched_tokens"):
-        sch.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    sch.add_argument("--policy", choices=("fcfs", "priority", "lpm"), default="fcfs")
-    sch.add_argument("--no-scheduled", action="store_true", help="static batching")
-    sch.add_argument("--compare-static", action="store_true", help="also run static batching")
-    sch.add_argument("--pool-blocks", type=int, default=4096)
-    sch.add_argument("--block-size", type=int, default=16)
-    sch.add_argument("--workers", type=int, default=1)
-    sch.add_argument("--separate-pools", action="store_true", help="a pool per worker (GPUs)")
-    sch.add_argument("--max-context", type=int, default=8192)
-    sch.add_argument("--no-prefix-cache", action="store_true")
+    _trace_args(p.add_argument_group("trace"))
+    _scheduler_args(p.add_argument_group("scheduler (same names as justapi serve)"))
     cost = p.add_argument_group("step cost model")
     cost.add_argument("--cost-a", type=float, default=StepCostModel.a_s, help="s per step")
     cost.add_argument("--cost-b", type=float, default=StepCostModel.b_s, help="s per token")
@@ -73,6 +50,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if (args.trace is None) == (args.generate is None):
         p.error("give exactly one of --trace FILE or --generate N")
     return args
+
+
+def _trace_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--trace", help="JSON-lines trace file ('-' for stdin)")
+    group.add_argument("--generate", type=int, metavar="N", help="generate N requests instead")
+    group.add_argument("--rate", type=float, default=0.0,
+                       help="Poisson arrivals per s (0: all at t=0)")
+    group.add_argument("--prompt-len", type=span, default=(32, 512), metavar="MIN:MAX")
+    group.add_argument("--output-len", type=span, default=(16, 256), metavar="MIN:MAX")
+    group.add_argument("--prefix-groups", type=int, default=0, help="shared-prefix groups")
+    group.add_argument("--prefix-len", type=int, default=0, help="tokens of each shared prefix")
+    group.add_argument("--prefix-fraction", type=float, default=0.5)
+    group.add_argument("--abort-fraction", type=float, default=0.0)
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--save-trace", metavar="FILE", help="write the generated trace")
+
+
+def _scheduler_args(group: argparse._ArgumentGroup) -> None:
+    defaults = SchedulerConfig()
+    for name in ("max_seqs", "max_prefill", "max_decode", "chunk_size", "max_batched_tokens"):
+        group.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
+    group.add_argument("--policy", choices=("fcfs", "priority", "lpm"), default="fcfs")
+    group.add_argument("--no-scheduled", action="store_true", help="static batching")
+    group.add_argument("--compare-static", action="store_true", help="also run static batching")
+    group.add_argument("--pool-blocks", type=int, default=4096)
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--workers", type=int, default=1)
+    group.add_argument("--separate-pools", action="store_true", help="a pool per worker (GPUs)")
+    group.add_argument("--max-context", type=int, default=8192)
+    group.add_argument("--no-prefix-cache", action="store_true")
 
 
 def load(args: argparse.Namespace) -> list:

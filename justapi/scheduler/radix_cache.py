@@ -97,7 +97,8 @@ class RadixPrefixCache:
     def _walk(self, tokens: bytes, salt: str, max_blocks: int,
               split: bool) -> tuple[RadixNode | None, int, list[int]]:
         bb = self._block_bytes
-        node, depth, block_ids = self._roots.get(salt), 0, []
+        node, depth = self._roots.get(salt), 0
+        block_ids: list[int] = []
         if node is None:
             return None, 0, []
         max_blocks = min(max_blocks, len(tokens) // bb)

@@ -11,6 +11,9 @@ Owns: the fake worker's request memory. Does not own: the model function (fake_m
 """
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import numpy as np
 
 from justapi.protocol import StepPlan, StepResult, offsets
@@ -19,6 +22,18 @@ from justapi.scheduler.sim.fake_model import SEED_HASH, FakeKvStore, mix, next_t
 
 class FakeWorkerError(AssertionError):
     """A plan that a real worker would have executed wrongly."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One sequence of a plan: tokens at positions [start, start + len(tokens)), the last
+    num_drafts of them drafts, and its block table."""
+
+    request_id: str
+    start: int
+    tokens: np.ndarray  # int64 [num_tokens]
+    num_drafts: int
+    table: np.ndarray  # int32 [num_blocks]
 
 
 class FakeWorker:
@@ -44,21 +59,21 @@ class FakeWorker:
         drafts = plan.draft_counts
         sampled_ids, counts, tokens = [], [], []
         for i, rid in enumerate(plan.request_ids):
-            chunk = plan.token_ids[tok_off[i]:tok_off[i + 1]].astype(np.int64)
-            table = plan.block_ids[blk_off[i]:blk_off[i + 1]]
-            start, num_drafts = int(plan.start_positions[i]), int(drafts[i])
-            self._check_chunk(plan.step_id, rid, start, chunk, num_drafts, table)
-            self._write(start, chunk, table)
+            chunk = Chunk(rid, int(plan.start_positions[i]),
+                          plan.token_ids[tok_off[i]:tok_off[i + 1]].astype(np.int64),
+                          int(drafts[i]), plan.block_ids[blk_off[i]:blk_off[i + 1]])
+            self._check_chunk(plan.step_id, chunk)
+            self._write(chunk.start, chunk.tokens, chunk.table)
             if plan.sample_flags[i]:
-                out = self._sample(start, chunk, num_drafts, table)
+                out = self._sample(chunk)
                 self.requests[rid].extend(out)
                 sampled_ids.append(rid)
                 counts.append(len(out))
                 tokens.extend(out)
         return self._result(plan.step_id, sampled_ids, counts, tokens)
 
-    def _check_chunk(self, step_id: int, rid: str, start: int, chunk: np.ndarray,
-                     num_drafts: int, table: np.ndarray) -> None:
+    def _check_chunk(self, step_id: int, c: Chunk) -> None:
+        rid, start, chunk, num_drafts, table = c.request_id, c.start, c.tokens, c.num_drafts, c.table
         known = self.requests.get(rid)
         if known is None:
             raise FakeWorkerError(f"step {step_id}: no state for {rid!r} (missing NewRequest)")
@@ -98,8 +113,8 @@ class FakeWorker:
             store.hashes[slot] = h
         store.num_writes += len(chunk)
 
-    def _sample(self, start: int, chunk: np.ndarray, num_drafts: int,
-                table: np.ndarray) -> list[int]:
+    def _sample(self, c: Chunk) -> list[int]:
+        start, chunk, num_drafts, table = c.start, c.tokens, c.num_drafts, c.table
         last_known = start + len(chunk) - num_drafts - 1
         out: list[int] = []
         for j in range(num_drafts + 1):
@@ -114,11 +129,12 @@ class FakeWorker:
                 tokens: list[int]) -> StepResult:
         wants = any(self.wants_logprobs.get(rid, False) for rid in request_ids)
         token_arr = np.asarray(tokens, dtype=np.int32)
-        extra = {}
-        if wants:  # fake logprobs derived from the token, top-2 alternatives
-            extra = {"logprobs": -(token_arr % 7).astype(np.float32) - 0.5,
-                     "top_logprob_ids": np.stack([token_arr, token_arr + 1], axis=1),
-                     "top_logprobs": np.zeros((len(tokens), 2), dtype=np.float32)}
-        return StepResult(step_id=step_id, worker_id=self.worker_id, request_ids=request_ids,
-                          num_sampled=np.asarray(counts, dtype=np.int32),
-                          sampled_token_ids=token_arr, **extra)
+        result = StepResult(step_id=step_id, worker_id=self.worker_id, request_ids=request_ids,
+                            num_sampled=np.asarray(counts, dtype=np.int32),
+                            sampled_token_ids=token_arr)
+        if not wants:
+            return result
+        return dataclasses.replace(  # fake logprobs derived from the token, top-2 alternatives
+            result, logprobs=-(token_arr % 7).astype(np.float32) - 0.5,
+            top_logprob_ids=np.stack([token_arr, token_arr + 1], axis=1),
+            top_logprobs=np.zeros((len(tokens), 2), dtype=np.float32))

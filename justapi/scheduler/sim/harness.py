@@ -7,6 +7,7 @@ plans (FakeWorker) or the scheduler.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -95,13 +96,22 @@ class Harness:
             self.scheduler.check_invariants()
 
 
-def build_scheduler(pool_blocks: int = 64, num_workers: int = 1, block_size: int = 4,
-                    max_context: int = 1024, eos_token_ids: tuple[int, ...] = (1,),
-                    shared_pool: bool = True, enable_prefix_cache: bool = True,
-                    **config: object) -> Scheduler:
-    """A Scheduler with small, test-friendly defaults; `config` overrides SchedulerConfig."""
+def build_scheduler(pool_blocks: int = 64, num_workers: int = 1, shared_pool: bool = True,
+                    **options: object) -> Scheduler:
+    """A Scheduler with small, test-friendly defaults (block_size 4, max_context 1024, EOS 1).
+
+    `options` go to CacheConfig, ModelLimits or SchedulerConfig by field name."""
+    sections: dict[type, dict[str, object]] = {
+        CacheConfig: {"block_size": 4}, ModelLimits: {"max_context": 1024, "eos_token_ids": (1,)},
+        SchedulerConfig: {}}
+    for name, value in options.items():
+        owner = next((cls for cls in sections if name in {f.name for f in dataclasses.fields(cls)}),
+                     None)
+        if owner is None:
+            raise TypeError(f"unknown option {name!r}")
+        sections[owner][name] = value
     topology = (Topology.shared_pool(pool_blocks, num_workers) if shared_pool
                 else Topology.pool_per_worker(pool_blocks, num_workers))
-    return Scheduler(SchedulerConfig(**config),  # type: ignore[arg-type]
-                     CacheConfig(block_size=block_size, enable_prefix_cache=enable_prefix_cache),
-                     topology, ModelLimits(max_context, eos_token_ids))
+    return Scheduler(SchedulerConfig(**sections[SchedulerConfig]),  # type: ignore[arg-type]
+                     CacheConfig(**sections[CacheConfig]),  # type: ignore[arg-type]
+                     topology, ModelLimits(**sections[ModelLimits]))  # type: ignore[arg-type]

@@ -69,8 +69,8 @@ def load_trace(handle: TextIO) -> list[TraceRequest]:
 
 def dump_trace(trace: list[TraceRequest], handle: TextIO) -> None:
     for req in trace:
-        data = {k: v for k, v in asdict(req).items() if v not in (None, [], "", False)}
-        data.setdefault("arrival_s", req.arrival_s)
+        data = {k: v for k, v in asdict(req).items()
+                if not (v is None or v is False or v == [] or v == "")}
         handle.write(json.dumps(data) + "\n")
 
 
