@@ -186,6 +186,9 @@ def test_a_restarted_worker_is_used_again():
     sched.add_worker(Ready(2, 124, "m", V, 1024, PoolInfo(5, "cuda_ipc", "", "cuda:1", "f", 2,
                                                           16, 4, 1, 8)))
     assert sorted(sched.pool_ids()) == [0, 5]
+    with pytest.raises(ValueError, match="reports 16 blocks in pool 0"):
+        sched.add_worker(Ready(3, 125, "m", V, 1024, PoolInfo(0, "shm", "", "cpu", "f", 2, 16, 4,
+                                                              1, 8)))
     sched.check_invariants()
     h = Harness(sched)
     h.submit("x", prompt(4), max_tokens=2)

@@ -105,7 +105,7 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} is not running between steps")
         if not req.is_decode:
             raise ValueError(f"request {request_id!r} is still prefilling; drafts follow decode")
-        room = req.max_len - req.num_tokens
+        room = req.final_len - req.num_tokens  # drafts past the finish could never be emitted
         req.draft_token_ids = [int(t) for t in token_ids][:max(0, room)]
         return len(req.draft_token_ids)
 
@@ -198,6 +198,9 @@ class Scheduler:
         pool_id = ready.pool.pool_id
         if pool_id not in state.queues:
             state.add_pool(PoolSpec(pool_id, ready.pool.num_blocks))
+        elif state.pool.num_blocks(pool_id) != ready.pool.num_blocks:
+            raise ValueError(f"worker {ready.worker_id} reports {ready.pool.num_blocks} blocks in "
+                             f"pool {pool_id}, which has {state.pool.num_blocks(pool_id)}")
         worker = state.workers.get(ready.worker_id)
         if worker is None:
             state.add_worker(WorkerSpec(ready.worker_id, pool_id))
