@@ -95,11 +95,13 @@ def test_abort_waiting_request_finishes_at_once():
     h.scheduler.check_invariants()
 
 
-def test_abort_running_between_steps_frees_blocks_and_tells_the_worker():
-    h = Harness(build_scheduler(pool_blocks=16, block_size=4, enable_prefix_cache=False))
+@pytest.mark.parametrize("chunk_size, held", [(4, 1), (64, 3)])  # mid-prefill, decoding
+def test_abort_running_between_steps_frees_blocks_and_tells_the_worker(chunk_size, held):
+    h = Harness(build_scheduler(pool_blocks=16, block_size=4, enable_prefix_cache=False,
+                                chunk_size=chunk_size))
     h.submit("a", prompt(9), max_tokens=10)
     h.step()
-    assert in_use(h) == 3
+    assert in_use(h) == held
     h.abort("a")
     assert h.finish_reasons == {"a": "abort"} and in_use(h) == 0
     (_, plan), = h.schedule()

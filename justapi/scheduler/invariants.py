@@ -55,7 +55,8 @@ def _check_request(state: SchedulerState, req: Request, is_in_flight: bool) -> N
     assert state.pool_running[req.pool_id].get(rid) is req and req.queue_entry is None
     assert worker.pool_id == req.pool_id
     assert all(state.pool.pool_of(b) == req.pool_id for b in req.block_ids), f"{rid}: wrong pool"
-    assert req.num_computed_tokens <= req.num_tokens + req.num_draft_tokens or is_in_flight
+    assert req.num_computed_tokens < req.num_tokens or is_in_flight, \
+        f"{rid}: nothing left to compute between steps"
     needed = state.kv.num_blocks_for(req.num_computed_tokens)
     assert len(req.block_ids) >= needed, f"{rid}: {len(req.block_ids)} blocks < {needed} needed"
     _check_cached_path(state, req)

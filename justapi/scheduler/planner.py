@@ -106,6 +106,8 @@ class StepPlanner:
         """kv.allocate, unless an older request holds the pool's reservation."""
         pool_id = req.pool_id
         reserved = self.state.reservations[pool_id]
+        if reserved is not None and reserved.is_in_flight:  # it got its blocks since
+            reserved = self.state.reservations[pool_id] = None
         if (reserved is not None and reserved is not req and reserved.sort_key < req.sort_key
                 and self.kv.num_new_blocks(req, num_tokens) > 0):
             return False
