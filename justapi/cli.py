@@ -64,3 +64,12 @@ def _one_line(exc: BaseException) -> str:
 
 if __name__ == "__main__":
     main()
+
+
+def _register_serve() -> None:
+    from justapi.serve_cli import serve
+
+    main.add_command(serve)
+
+
+_register_serve()

@@ -110,7 +110,7 @@ class Launcher:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         process = subprocess.Popen([sys.executable, "-m", ROLE_MODULES[role], spec.to_json()],
-                                   env=env, stdin=subprocess.DEVNULL)
+                                   env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         self.children.append(Child(role, index, process))
 
     def _wait_ready(self, timeout_s: float) -> None:

@@ -9,6 +9,7 @@ Does not own: scheduling decisions (justapi/scheduler/), tokens-to-text (fronten
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Any
@@ -64,7 +65,7 @@ class SchedulerProcess:
                         self.readies[message.worker_id] = message
                         self.health.add_worker(message.worker_id, message.pool.pool_id)
         self.core = build_scheduler(self.spec.config, list(self.readies.values()),
-                                    self.spec.extra)
+                                    {**self.spec.extra, "model_path": self.spec.model_path})
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> None:
@@ -88,7 +89,7 @@ class SchedulerProcess:
                 self._reject(message.request_id, str(exc))
         elif isinstance(message, AbortRequest):
             for request_id in message.request_ids:
-                self.core.abort_request(request_id)
+                self._send_deltas(self.core.abort_request(request_id))
         else:
             logger.warning("ignored unexpected %s from the frontend", type(message).__name__)
 
@@ -98,9 +99,7 @@ class SchedulerProcess:
             if message.error:
                 logger.error("worker %d step %d failed: %s", message.worker_id, message.step_id,
                              message.error)
-            deltas = self.core.update(message)
-            if deltas is not None and deltas.request_ids:
-                transport.send(self.outbox, deltas)
+            self._send_deltas(self.core.update(message))
         elif isinstance(message, Heartbeat):
             self.health.on_heartbeat(message)
         elif isinstance(message, Ready):
@@ -109,6 +108,10 @@ class SchedulerProcess:
             self.core.add_worker(message)
         else:
             logger.warning("ignored unexpected %s from %r", type(message).__name__, sender)
+
+    def _send_deltas(self, deltas: TokenDeltas | None) -> None:
+        if deltas is not None and deltas.request_ids:
+            transport.send(self.outbox, deltas)
 
     def _reject(self, request_id: str, error: str) -> None:
         transport.send(self.outbox, TokenDeltas(
@@ -119,9 +122,7 @@ class SchedulerProcess:
     def _check_health(self) -> None:
         for worker_id, reason in self.health.newly_unhealthy(time.monotonic()):
             logger.error("worker %d is unhealthy: %s; re-queueing its requests", worker_id, reason)
-            deltas = self.core.mark_worker_unhealthy(worker_id)
-            if deltas is not None and deltas.request_ids:
-                transport.send(self.outbox, deltas)
+            self._send_deltas(self.core.mark_worker_unhealthy(worker_id))
 
     def _maybe_push_stats(self) -> None:
         now = time.monotonic()
@@ -156,6 +157,7 @@ def main() -> None:
         report(spec, error=str(exc))
         raise SystemExit(1) from None
     report(spec, info={"num_workers": len(process.readies)})
+    gc.freeze()  # start-up objects never die: keep full collections short in the loop
     try:
         process.run()
     finally:

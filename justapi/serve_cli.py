@@ -1,0 +1,104 @@
+"""`justapi serve`: flags (+ a TOML config) -> a running process pool, stopped in order on
+SIGINT/SIGTERM. Errors are one readable line and a non-zero exit.
+
+Owns: the serve flags and the start-up banner. Does not own: the processes (launcher.py).
+"""
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Any
+
+import click
+
+from justapi.child import StopFlag
+from justapi.config import ConfigError
+from justapi.gguf_file import GGUFError, GGUFFile
+from justapi.launcher import Deployment, LaunchError, Launcher
+from justapi.model_info import ModelInfo, resolve_model
+from justapi.serve_config import ServeConfig, build_config, load_toml
+
+
+def _flags(fn: Any) -> Any:
+    options = [
+        click.option("--config", "config_path", type=click.Path(dir_okay=False),
+                     help="TOML file; keys named as these flags, flags win."),
+        click.option("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct), "
+                                     "or synthetic:layers=2,hidden=64,... for random weights."),
+        click.option("--workers", type=int, help="Worker processes (default 1)."),
+        click.option("--gpu", "device", flag_value="cuda", default=None,
+                     help="Run workers on CUDA GPUs (one per GPU)."),
+        click.option("--scheduled/--no-scheduled", default=None,
+                     help="Continuous batching (default) or static batching."),
+        click.option("--max-seqs", type=int, help="Most requests per step (32)."),
+        click.option("--max-prefill", type=int, help="Most requests mid-prefill per step (4)."),
+        click.option("--max-decode", type=int, help="Most decoding requests per step (32)."),
+        click.option("--chunk-size", type=int, help="Prompt tokens per request per step (512)."),
+        click.option("--max-batched-tokens", type=int, help="Token budget of one step (2048)."),
+        click.option("--policy", type=click.Choice(["fcfs", "priority", "lpm"]),
+                     help="Waiting-queue order (fcfs)."),
+        click.option("--pool-blocks", type=int, help="KV blocks per pool (0: size from memory)."),
+        click.option("--block-size", type=int, help="Tokens per KV block (16)."),
+        click.option("--max-context", type=int, help="Cap on the model's context length."),
+        click.option("--host", help="HTTP bind address (127.0.0.1)."),
+        click.option("--port", type=int, help="HTTP port (8000; 0 picks a free one)."),
+        click.option("--zmq", help="ZMQ client endpoint, e.g. tcp://127.0.0.1:5555."),
+        click.option("--served-model-name", help="Model id for /v1/models."),
+        click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"])),
+        click.option("--ready-timeout-s", type=float, help="Start-up timeout per process (120)."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+@click.command()
+@_flags
+def serve(config_path: str | None, **flags: Any) -> None:
+    """Serve a GGUF model over an OpenAI-compatible HTTP API and a ZMQ client API."""
+    try:
+        file_values = load_toml(config_path) if config_path else {}
+        config = build_config(file_values, {k: v for k, v in flags.items() if v is not None})
+        model = ModelInfo.from_gguf(GGUFFile(resolve_model(config.model.model)))
+    except (ConfigError, GGUFError, ValueError) as exc:
+        _fail(str(exc))
+    sys.exit(run_server(config, model))
+
+
+def run_server(config: ServeConfig, model: ModelInfo) -> int:
+    stop = StopFlag()
+    signal.signal(signal.SIGINT, stop.set)
+    signal.signal(signal.SIGTERM, stop.set)
+    try:
+        launcher = Launcher(config, model)
+        deployment = launcher.start()
+    except (LaunchError, ConfigError, ValueError, OSError) as exc:
+        _fail(str(exc))
+    click.echo(banner(config, deployment), err=True)
+    reason = launcher.wait(lambda: stop.is_set)
+    click.echo(f"justapi: stopping ({reason})", err=True)
+    launcher.shutdown()
+    return 0 if reason == "stop requested" else 1
+
+
+def banner(config: ServeConfig, deployment: Deployment) -> str:
+    m, pool = deployment.model, deployment.pool
+    if pool:
+        pool_text = (f"{pool['num_blocks']} blocks x {pool['block_size']} tokens, "
+                     f"{pool['num_blocks'] * m.kv_bytes_per_token() * pool['block_size'] / 2**20:.0f} MiB"
+                     " shared by the CPU workers")
+    else:
+        pool_text = "one pool per GPU worker (sized on the device)"
+    lines = [
+        f"justapi: model {m.name} ({m.architecture}, {m.num_layers} layers, context "
+        f"{m.context_length}) from {m.path}",
+        f"justapi: {config.server.workers} worker(s) on {config.model.device}; KV pool {pool_text}",
+        f"justapi: HTTP  {deployment.http_url}/v1 (OpenAI-compatible), /health, /metrics",
+        f"justapi: ZMQ   {deployment.endpoints.client} (justapi.client)",
+    ]
+    return "\n".join(lines)
+
+
+def _fail(message: str) -> None:
+    click.echo(f"justapi: error: {message}", err=True)
+    sys.exit(2)

@@ -1,0 +1,189 @@
+"""The worker process: loads the model, maps its KV pool, runs the steps the scheduler plans.
+
+CPU workers map the launcher's shared-memory pool (all CPU workers share one pool); a GPU
+worker allocates its own pool on its device and exports a CUDA IPC handle in its Ready.
+A heartbeat thread (own socket) reports every HEARTBEAT_INTERVAL_S with process figures.
+Owns: its model, its ModelRunner state, its sockets. Does not own: which blocks hold what.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import threading
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from justapi import transport
+from justapi.child import ChildSpec, StopFlag, report, start_child
+from justapi.gguf_file import GGUFFile
+from justapi.health import HEARTBEAT_INTERVAL_S
+from justapi.protocol import Heartbeat, PoolInfo, Ready, Shutdown, StepPlan, StepResult
+from justapi.shm_pool import available_memory_bytes
+from workers.attention import make_backend, require_cuda
+from workers.gguf_loader import load_llama
+from workers.kv_pool import KVPool, PoolShape
+from workers.model import LlamaModel
+from workers.runner import ModelRunner
+from workers.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+POLL_TIMEOUT_MS = 200
+
+
+def worker_identity(worker_id: int) -> bytes:
+    return f"worker-{worker_id}".encode()
+
+
+def device_of(spec: ChildSpec) -> str:
+    return f"cuda:{spec.index}" if spec.config.model.device == "cuda" else "cpu"
+
+
+def set_cpu_threads(spec: ChildSpec) -> int:
+    """Each CPU worker gets its share of the cores (at least one)."""
+    num_workers = int(spec.extra.get("num_workers", spec.config.server.workers))
+    threads = max(1, (os.cpu_count() or 1) // num_workers)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def open_pool(spec: ChildSpec, model: LlamaModel, device: str) -> KVPool:
+    p = model.params
+    if spec.pool:  # CPU: the launcher's shared segment
+        info = PoolInfo(pool_id=0, kind=spec.pool["kind"], handle=spec.pool["name"], device="cpu",
+                        dtype=spec.pool["dtype"], num_layers=spec.pool["num_layers"],
+                        num_blocks=spec.pool["num_blocks"], block_size=spec.pool["block_size"],
+                        num_kv_heads=spec.pool["num_kv_heads"], head_dim=spec.pool["head_dim"])
+        if (info.num_layers, info.num_kv_heads, info.head_dim) != (p.num_layers, p.num_kv_heads, p.head_dim):
+            raise ValueError("the shared KV pool's shape does not match the model")
+        return KVPool.attach(info)
+    require_cuda(device)
+    cache = spec.config.cache
+    one = PoolShape(p.num_layers, 1, cache.block_size, p.num_kv_heads, p.head_dim)
+    num_blocks = cache.pool_blocks
+    if num_blocks == 0:
+        free_bytes, _ = torch.cuda.mem_get_info(torch.device(device))
+        num_blocks = max(4, int(free_bytes * cache.kv_memory_fraction) // one.num_bytes(torch.bfloat16))
+    shape = PoolShape(p.num_layers, num_blocks, cache.block_size, p.num_kv_heads, p.head_dim)
+    return KVPool.create(shape, "cuda_ipc", torch.bfloat16, device, pool_id=spec.index)
+
+
+class Worker:
+    def __init__(self, spec: ChildSpec, stop: StopFlag) -> None:
+        self.spec = spec
+        self.stop = stop
+        self.device = device_of(spec)
+        if self.device != "cpu":
+            require_cuda(self.device)
+        else:
+            set_cpu_threads(spec)
+        gguf = GGUFFile(spec.model_path)
+        dtype = torch.bfloat16 if self.device != "cpu" else torch.float32
+        self.model = LlamaModel(load_llama(gguf, self.device, dtype, progress=False))
+        self.model_name = gguf.name
+        self.pool = open_pool(spec, self.model, self.device)
+        block_size = self.pool.shape.block_size
+        self.runner = ModelRunner(self.model, self.pool, make_backend(self.device, block_size),
+                                  Sampler(), worker_id=spec.index)
+        self.context = zmq.Context()
+        self.sock = transport.make_socket(self.context, zmq.DEALER, spec.endpoints.workers,
+                                          bind=False, identity=worker_identity(spec.index))
+        self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True)
+
+    def ready_message(self) -> Ready:
+        p = self.model.params
+        max_context = min(p.max_context, self.spec.config.model.max_context or p.max_context)
+        return Ready(worker_id=self.spec.index, pid=os.getpid(), model_name=self.model_name,
+                     vocab_size=p.vocab_size, max_context=max_context, pool=self.pool.info())
+
+    def run(self) -> None:
+        transport.send(self.sock, self.ready_message())
+        self._beat.start()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        with torch.inference_mode():
+            while not self.stop.is_set:
+                if not poller.poll(POLL_TIMEOUT_MS):
+                    continue
+                for _, message in transport.drain(self.sock):
+                    if isinstance(message, Shutdown):
+                        self.stop.set()
+                    elif isinstance(message, StepPlan):
+                        transport.send(self.sock, self.execute(message))
+                    else:
+                        logger.warning("ignored unexpected %s", type(message).__name__)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        try:
+            return self.runner.execute(plan)
+        except Exception as exc:  # one bad step fails its requests, not the worker
+            logger.error("step %d failed: %s", plan.step_id, traceback.format_exc())
+            return StepResult(step_id=plan.step_id, worker_id=self.spec.index, request_ids=[],
+                              num_sampled=np.zeros(0, np.int32),
+                              sampled_token_ids=np.zeros(0, np.int32),
+                              error=f"{type(exc).__name__}: {exc}")
+
+    def _heartbeat_loop(self) -> None:
+        sock = transport.make_socket(self.context, zmq.DEALER, self.spec.endpoints.workers,
+                                     bind=False,
+                                     identity=worker_identity(self.spec.index) + b"-heartbeat")
+        try:
+            while not self.stop.is_set:
+                transport.send(sock, self.heartbeat())
+                time.sleep(HEARTBEAT_INTERVAL_S)
+        finally:
+            sock.close(0)
+
+    def heartbeat(self) -> Heartbeat:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return Heartbeat(worker_id=self.spec.index, time_s=time.time(),
+                         rss_bytes=_rss_bytes(), cpu_time_s=usage.ru_utime + usage.ru_stime,
+                         gpu=self._gpu_figures())
+
+    def _gpu_figures(self) -> dict[str, Any]:
+        if self.device == "cpu":
+            return {}
+        index = torch.device(self.device).index or 0
+        return {"memory_allocated_bytes": torch.cuda.memory_allocated(index)}
+
+    def close(self) -> None:
+        self.stop.set()
+        if self._beat.is_alive():
+            self._beat.join(timeout=2 * HEARTBEAT_INTERVAL_S)
+        self.sock.close(0)
+        self.pool.close()
+        self.context.term()
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def main() -> None:
+    spec, stop = start_child()
+    try:
+        worker = Worker(spec, stop)
+    except Exception as exc:  # report any start-up failure as one line, then exit
+        logger.debug("start-up failed", exc_info=True)
+        report(spec, error=f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
+    report(spec, info={"device": worker.device, "pool_blocks": worker.pool.shape.num_blocks,
+                       "free_memory_bytes": available_memory_bytes()})
+    try:
+        worker.run()
+    finally:
+        worker.close()
+
+
+if __name__ == "__main__":
+    main()
