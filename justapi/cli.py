@@ -73,3 +73,6 @@ def _register_serve() -> None:
 
 
 _register_serve()
+
+if __name__ == "__main__":
+    main()
