@@ -18,23 +18,21 @@ import torch
 from justapi.protocol import NewRequest, StepPlan
 from justapi.sampling import SamplingParams
 from workers.engine import LLMEngine
-from workers.model import linear
 
 
 def matmul_tokens_per_s(engine: LLMEngine, num_rows: int, with_head: bool, repeats: int = 3) -> float:
     """Tokens/s if a step were only the model's matmuls at M = num_rows (best of `repeats`)."""
-    w, p = engine.model.weights, engine.model.params
+    model, p = engine.model, engine.model.params
     x = torch.randn(num_rows, p.hidden_size)
     x_ffn = torch.randn(num_rows, p.ffn_size)
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeats):
             start = time.perf_counter()
-            for layer in w.layers:
-                linear(x, layer.qkv), linear(x, layer.attn_out)
-                linear(x, layer.gate_up), linear(x_ffn, layer.down)
+            for layer in model.layers:
+                layer.qkv(x), layer.attn_out(x), layer.gate_up(x), layer.down(x_ffn)
             if with_head:
-                linear(x[-1:] if num_rows > 64 else x, w.output)
+                model.output(x[-1:] if num_rows > 64 else x)
             best = min(best, time.perf_counter() - start)
     return num_rows / best
 
@@ -75,7 +73,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     need = max(batches) * -(-(args.prompt_tokens + args.decode_steps + 1) // 16) + 64
     engine = LLMEngine(args.model, num_blocks=need, max_seqs=max(batches), progress=False)
-    print(f"model {engine.model.weights.name}: load {time.perf_counter() - start:.2f} s "
+    print(f"model {engine.model.name}: load {time.perf_counter() - start:.2f} s "
           f"(GGUF parse + dequantize + tokenizer), torch threads {torch.get_num_threads()}")
     rng = np.random.default_rng(0)
     vocab = engine.model.params.vocab_size

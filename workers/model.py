@@ -7,24 +7,60 @@ Owns: the math of one step. Does not own: weights loading, KV memory, sampling.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from workers.attention import AttentionBackend, AttentionMetadata
-from workers.gguf_loader import LlamaWeights
+from workers.gguf_loader import LayerWeights, LlamaWeights
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, in] @ w[out, in].T -> [M, out], contiguous.
+ONEDNN_BATCH_HINT = 16
+"""Rows per step the oneDNN weight layout is tuned for; measured fastest from 1 to 512 rows."""
 
-    On CPU computed as (w @ x.T).T: with MKL on the target machine that ran 1.5-2x faster than
-    x @ w.T for M >= 2, and M = 1 is padded to 2 (a lone row dispatches to a gemv that
-    reads the weights at half the speed)."""
-    if x.device.type != "cpu":
-        return x @ w.T
-    if x.shape[0] == 1:
-        return (w @ torch.cat([x, x]).T)[:, :1].T.contiguous()
-    return (w @ x.T).T.contiguous()
+
+def has_onednn_linear() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class Linear:
+    """y = x @ W.T for one weight W [out, in], on the fastest kernel measured for the device.
+
+    CPU fp32: W is reordered once into oneDNN's blocked layout and multiplied with oneDNN's
+    inner product. On the 2-core target this took 25 ms per decode step of SmolLM2's layer
+    matmuls at 16 rows versus 44 ms for MKL (W @ x.T) and 57 ms for x @ W[in, out] (see
+    docs/runtime.md). Elsewhere (CUDA, or a torch without oneDNN): x @ W.T."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.is_onednn = (weight.device.type == "cpu" and weight.dtype == torch.float32
+                          and has_onednn_linear())
+        if self.is_onednn:
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_BATCH_HINT)
+        else:
+            self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_onednn:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        return x @ self.weight.T
+
+
+@dataclass
+class LayerLinears:
+    qkv: Linear
+    attn_out: Linear
+    gate_up: Linear
+    down: Linear
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+
+    @classmethod
+    def of(cls, layer: LayerWeights) -> LayerLinears:
+        return cls(Linear(layer.qkv), Linear(layer.attn_out), Linear(layer.gate_up),
+                   Linear(layer.down), layer.attn_norm, layer.ffn_norm)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,39 +91,41 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class LlamaModel:
-    """Weights + the forward. `forward` returns the last hidden states (before the final
-    norm); `logits` applies the final norm and the output head to chosen rows only."""
+    """The forward. `forward` returns the last hidden states (before the final norm);
+    `logits` applies the final norm and the output head to chosen rows only.
+    Keeps the dense embedding (row lookups) and kernel-ready matrices, not the loader's copies."""
 
     def __init__(self, weights: LlamaWeights) -> None:
-        self.weights = weights
-        self.params = weights.params
-        self.device = weights.token_embd.device
-        self.dtype = weights.token_embd.dtype
-        p = self.params
+        p = self.params = weights.params
+        self.name = weights.name
+        self.token_embd = weights.token_embd  # [vocab, hidden]
+        self.device, self.dtype = self.token_embd.device, self.token_embd.dtype
+        self.layers = [LayerLinears.of(layer) for layer in weights.layers]
+        self.output_norm = weights.output_norm
+        self.output = Linear(weights.output)
         self.rotary = Rotary(p.head_dim, p.rope_theta, p.rope_scale, weights.rope_freq_factors, self.device)
 
     def forward(self, token_ids: torch.Tensor, kv_layers: list[torch.Tensor],
                 backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         """token_ids [T] (int64) -> hidden [T, hidden]. Writes the step's K/V into the pool."""
-        w, p = self.weights, self.params
-        x = w.token_embd[token_ids]  # [T, hidden]
+        p = self.params
+        x = self.token_embd[token_ids]  # [T, hidden]
         cos, sin = self.rotary.tables(meta.positions, self.dtype)
         num_rows, num_qk = token_ids.shape[0], p.num_heads + p.num_kv_heads
-        for layer, kv in zip(w.layers, kv_layers):
+        for layer, kv in zip(self.layers, kv_layers):
             h = rms_norm(x, layer.attn_norm, p.rms_eps)
-            qkv = linear(h, layer.qkv)  # [T, (heads + 2 * kv_heads) * head_dim]
+            qkv = layer.qkv(h)  # [T, (heads + 2 * kv_heads) * head_dim]
             qk = apply_rotary(qkv[:, :num_qk * p.head_dim].view(num_rows, num_qk, p.head_dim), cos, sin)
             q, k = qk[:, :p.num_heads], qk[:, p.num_heads:]  # [T, heads, hd], [T, kv_heads, hd]
             v = qkv[:, num_qk * p.head_dim:].view(num_rows, p.num_kv_heads, p.head_dim)
             backend.write_kv(kv, k, v, meta)
             attn = backend.attend(kv, q, meta)  # [T, heads, head_dim]
-            x = x + linear(attn.reshape(num_rows, p.q_size), layer.attn_out)
+            x = x + layer.attn_out(attn.reshape(num_rows, p.q_size))
             h = rms_norm(x, layer.ffn_norm, p.rms_eps)
-            gate_up = linear(h, layer.gate_up)  # [T, 2 * ffn]
-            x = x + linear(F.silu(gate_up[:, :p.ffn_size]) * gate_up[:, p.ffn_size:], layer.down)
+            gate_up = layer.gate_up(h)  # [T, 2 * ffn]
+            x = x + layer.down(F.silu(gate_up[:, :p.ffn_size]) * gate_up[:, p.ffn_size:])
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (rows to sample) -> fp32 logits [N, vocab]."""
-        h = rms_norm(hidden, self.weights.output_norm, self.params.rms_eps)
-        return linear(h, self.weights.output).float()
+        return self.output(rms_norm(hidden, self.output_norm, self.params.rms_eps)).float()

@@ -111,8 +111,8 @@ class ModelRunner:
 
     def _sampling_row(self, request_id: str, position: int) -> SamplingRow:
         state = self.requests[request_id]
-        return SamplingRow(state.params, np.asarray(state.token_ids[:position], dtype=np.int64),
-                           state.num_prompt_tokens, position)
+        history = state.token_ids[:position] if state.params.has_penalties else []  # only penalties read it
+        return SamplingRow(state.params, np.asarray(history, dtype=np.int64), state.num_prompt_tokens, position)
 
     def _check(self, plan: StepPlan) -> None:
         p = self.model.params

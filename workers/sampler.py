@@ -26,7 +26,7 @@ class SamplingRow:
     """One sequence to sample: its parameters, known tokens and the position being sampled."""
 
     params: SamplingParams
-    token_ids: np.ndarray  # int [num_known]: prompt then output so far
+    token_ids: np.ndarray  # int [num_known]: prompt then output so far (may be empty without penalties)
     num_prompt_tokens: int
     position: int  # position the sampled token will occupy
 
