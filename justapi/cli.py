@@ -62,10 +62,6 @@ def _one_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _register_serve() -> None:
     from justapi.serve_cli import serve
 

@@ -61,6 +61,7 @@ class Deployment:
     model: ModelInfo
     endpoints: Endpoints
     http_url: str
+    zmq_url: str
     pool: dict[str, Any]
     children: list[Child] = field(default_factory=list)
 
@@ -89,8 +90,9 @@ class Launcher:
             raise
         frontend = next(c for c in self.children if c.role == "frontend")
         assert frontend.ready is not None
-        return Deployment(self.model, self.endpoints, frontend.ready.info.get("http_url", ""),
-                          pool, self.children)
+        info = frontend.ready.info
+        return Deployment(self.model, self.endpoints, info.get("http_url", ""),
+                          info.get("zmq", self.endpoints.client), pool, self.children)
 
     def _roles(self) -> list[tuple[str, int]]:
         workers = [("worker", i) for i in range(self.config.server.workers)]

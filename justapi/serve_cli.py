@@ -94,7 +94,7 @@ def banner(config: ServeConfig, deployment: Deployment) -> str:
         f"{m.context_length}) from {m.path}",
         f"justapi: {config.server.workers} worker(s) on {config.model.device}; KV pool {pool_text}",
         f"justapi: HTTP  {deployment.http_url}/v1 (OpenAI-compatible), /health, /metrics",
-        f"justapi: ZMQ   {deployment.endpoints.client} (justapi.client)",
+        f"justapi: ZMQ   {deployment.zmq_url} (justapi.client)",
     ]
     return "\n".join(lines)
 

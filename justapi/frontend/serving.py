@@ -21,7 +21,7 @@ import orjson
 
 from justapi.detokenizer import StopStringMatcher
 from justapi.frontend.engine_client import EngineClient
-from justapi.frontend.errors import UNAVAILABLE, ApiError, sampling_error
+from justapi.frontend.errors import NOT_FOUND, UNAVAILABLE, ApiError, sampling_error
 from justapi.frontend.generation import Generation, GenerationOutput, TextOptions
 from justapi.frontend.metrics import FrontendMetrics
 from justapi.frontend.openai_models import GenerationFields
@@ -99,7 +99,8 @@ class Serving:
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.config.model_name:
             raise ApiError(f"model {model!r} is not served here (this server serves "
-                           f"{self.config.model_name!r})", param="model", code="model_not_found")
+                           f"{self.config.model_name!r})", param="model", code="model_not_found",
+                           status=404, error_type=NOT_FOUND)
 
     def check_available(self) -> None:
         if self.engine.scheduler_lost:

@@ -90,8 +90,9 @@ def completion_logprobs(serving: Serving, entries: list[TokenLogprob], offset_ba
     text = serving.token_text
     top_logprobs = []
     for entry in entries:
-        top = {text(token_id): logprob for token_id, logprob in entry.top}
-        top.setdefault(text(entry.token_id), entry.logprob)
+        top: dict[str, float] = {}
+        for token_id, logprob in [(entry.token_id, entry.logprob), *entry.top]:
+            top.setdefault(text(token_id), logprob)  # tokens that render alike: keep the likeliest
         top_logprobs.append(top)
     return {"tokens": [text(e.token_id) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
