@@ -138,6 +138,8 @@ class Scheduler:
         counters.num_prefill_tokens += num_prefill
         counters.num_decode_tokens += num_tokens - num_prefill
         counters.num_steps += 1
+        worker.num_steps += 1
+        worker.num_scheduled_tokens += num_tokens
         sampled = [req.request_id for req, s in zip(batch.reqs, batch.is_sampled) if s]
         worker.in_flight = InFlightStep(state.step_id, batch.reqs, batch.num_drafts,
                                         batch.is_sampled, sampled)
@@ -209,6 +211,26 @@ class Scheduler:
         else:
             worker.is_healthy = True
 
+    def set_draining(self, worker_id: int, is_draining: bool = True) -> int:
+        """Drain (admit nothing new; running requests finish) or undrain a worker. Waiting
+        requests of a pool where no worker admits any more move to a pool where one does
+        (they wait where they are if there is none). Returns the requests it still runs."""
+        state = self.state
+        worker = state.workers.get(worker_id)
+        if worker is None:
+            raise ValueError(f"unknown worker {worker_id} (workers: {sorted(state.workers)})")
+        worker.is_draining = bool(is_draining)
+        for pool_id, queue in state.queues.items():
+            if state.accepting_workers(pool_id):
+                continue
+            for req in sorted(queue, key=lambda r: r.sort_key):
+                target = self.router.choose_pool(req, exclude=pool_id)
+                if target is not None and state.accepting_workers(target):
+                    queue.remove(req)
+                    state.place(req, target)
+                    state.enqueue(req)
+        return len(worker.running)
+
     # ------------------------------------------------------------------ introspection
     def has_work(self) -> bool:
         """Unfinished requests, or drops a worker has not been told about yet."""
@@ -224,9 +246,14 @@ class Scheduler:
     def check_invariants(self) -> None:
         check_state(self.state)
 
-    def flush_prefix_cache(self) -> int:
-        """Drop every cached block no request holds; returns how many were freed."""
-        return sum(cache.flush() for cache in self.state.kv.caches.values())
+    def flush_prefix_cache(self, pool_id: int | None = None) -> int:
+        """Drop every cached block no request holds (in one pool, or all); returns how many
+        were freed."""
+        caches = self.state.kv.caches
+        if pool_id is not None and pool_id not in caches:
+            raise ValueError(f"unknown pool {pool_id} (pools: {sorted(caches)})")
+        chosen = [caches[pool_id]] if pool_id is not None else list(caches.values())
+        return sum(cache.flush() for cache in chosen)
 
     def request(self, request_id: str) -> Request | None:
         """The live state of an unfinished request (tests, admin tools)."""

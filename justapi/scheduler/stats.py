@@ -34,6 +34,9 @@ def collect_stats(state: SchedulerState) -> dict[str, float]:
         out[prefix + "num_requests_running"] = len(worker.running)
         out[prefix + "is_healthy"] = float(worker.is_healthy)
         out[prefix + "is_busy"] = float(worker.in_flight is not None)
+        out[prefix + "is_draining"] = float(worker.is_draining)
+        out[prefix + "num_steps"] = worker.num_steps
+        out[prefix + "num_scheduled_tokens"] = worker.num_scheduled_tokens
     for pool_id in pool.pool_ids:
         prefix = f"pool_{pool_id}_"
         out[prefix + "num_requests_waiting"] = len(state.queues[pool_id])

@@ -32,10 +32,18 @@ class WorkerState:
     pending_drops: dict[str, None] = field(default_factory=dict)  # for finished_request_ids
     discarded_step_ids: set[int] = field(default_factory=set)  # steps lost to ill health
     is_healthy: bool = True
+    is_draining: bool = False  # admin drain: finishes what it runs, admits nothing new
+    num_steps: int = 0  # counters, exported per worker on /metrics
+    num_scheduled_tokens: int = 0
 
     @property
     def is_idle(self) -> bool:
         return self.is_healthy and self.in_flight is None
+
+    @property
+    def is_accepting(self) -> bool:
+        """Healthy and not draining: may admit new requests."""
+        return self.is_healthy and not self.is_draining
 
     def forget(self, request_id: str) -> None:
         """The request left this worker: tell the worker to drop its state with the next plan."""

@@ -1,0 +1,69 @@
+"""End-to-end with two CPU workers mapping one shared KV pool: prefixes cached by one worker
+serve requests on the other; outputs match; SIGTERM leaves nothing behind."""
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+
+import httpx
+import pytest
+from serve_harness import TINY_MODEL, ServedPool, free_port
+
+from justapi.client import Client
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+PREFIX = "a long shared system prompt that both workers will reuse " * 6
+
+
+@pytest.fixture(scope="module")
+def pool():
+    zmq = f"tcp://127.0.0.1:{free_port()}"
+    served = ServedPool("--model", TINY_MODEL, "--workers", "2", "--zmq", zmq,
+                        "--pool-blocks", "512")
+    served.zmq = zmq
+    yield served
+    assert served.stop(signal.SIGTERM) == 0, served.log()
+    assert served.leftovers() == []
+
+
+def complete(pool, prompt: str, max_tokens: int = 8) -> dict:
+    response = httpx.post(f"{pool.base_url}/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def scheduled_tokens(pool) -> dict[int, float]:
+    with Client(pool.zmq) as client:
+        stats = client.stats().stats
+    return {w: stats.get(f"worker_{w}_num_scheduled_tokens", 0.0) for w in (0, 1)}
+
+
+def test_both_workers_serve_and_outputs_do_not_depend_on_the_worker(pool):
+    prompts = [f"question number {i}: what is {i} plus {i}?" for i in range(8)]
+    alone = [complete(pool, p)["choices"][0]["text"] for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(8) as executor:
+        together = list(executor.map(lambda p: complete(pool, p)["choices"][0]["text"], prompts))
+    assert together == alone
+    time.sleep(0.6)  # one stats period
+    tokens = scheduled_tokens(pool)
+    assert tokens[0] > 0 and tokens[1] > 0, tokens
+
+
+def test_prefix_cached_by_one_worker_serves_the_other(pool):
+    complete(pool, PREFIX + "warm the cache")
+    time.sleep(0.6)
+    before = scheduled_tokens(pool)
+    # Two at once: the router spreads them over both idle workers.
+    with concurrent.futures.ThreadPoolExecutor(2) as executor:
+        outs = list(executor.map(lambda q: complete(pool, PREFIX + q, max_tokens=32),
+                                 ["first follow-up", "second follow-up"]))
+    time.sleep(0.6)
+    after = scheduled_tokens(pool)
+    assert after[0] > before[0] and after[1] > before[1], (before, after)
+    prefix_tokens = outs[0]["usage"]["prompt_tokens"] - 16
+    for out in outs:
+        cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= prefix_tokens - 16, out["usage"]
