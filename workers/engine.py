@@ -3,20 +3,20 @@
 The loop is three lines (schedule, execute, update) between a small continuous-batching
 policy (workers/batch_policy.py, to be replaced by the real scheduler) and the runtime
 (ModelRunner: model + KV pool + attention backend + sampler), which stays as it is.
-Text goes through a seam: `justapi.tokenizer.Tokenizer` when it is importable, else prompts
-must be token ids and outputs carry no text.
-Owns: wiring the runtime together and the text seam. Does not own: the policy or the runtime.
+Text: the model's own tokenizer and chat template (justapi.tokenizer, justapi.chat_template).
+Owns: wiring the runtime together. Does not own: the policy or the runtime.
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Sequence
 
 import torch
 
+from justapi.chat_template import ChatTemplate
 from justapi.gguf_file import GGUFFile, resolve_model_path
 from justapi.sampling import SamplingParams
+from justapi.tokenizer import Tokenizer
 from workers.attention import make_backend, require_cuda
 from workers.batch_policy import BatchPolicy, Sequence as Seq
 from workers.gguf_loader import load_llama
@@ -26,20 +26,8 @@ from workers.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.synthetic import SPEC_PREFIX, materialize
 
-logger = logging.getLogger(__name__)
 DEFAULT_KV_BYTES = 2 << 30
 """KV pool size when num_blocks is 0 (an anonymous mapping: pages cost nothing until used)."""
-
-
-class TextCodec(Protocol):
-    """What the engine needs from a tokenizer (justapi.tokenizer.Tokenizer satisfies it)."""
-
-    def encode(self, text: str) -> list[int]: ...
-    def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        """The model's chat template applied to `messages`, ready for generation."""
-        return render_chat(self.gguf, self.tokenizer, messages)
-
-    def decode(self, token_ids: Sequence[int]) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -55,43 +43,6 @@ def resolve_model(model: str) -> str:
     if model.startswith(SPEC_PREFIX):
         return materialize(model)
     return resolve_model_path(model)
-
-
-def load_text_codec(gguf: GGUFFile) -> Any | None:
-    """The project tokenizer for this file, or None while justapi.tokenizer is not installed."""
-    try:
-        from justapi.tokenizer import Tokenizer
-    except ImportError:
-        logger.warning("justapi.tokenizer is not available: text prompts are not supported")
-        return None
-    return Tokenizer.from_gguf(gguf)
-
-
-def render_chat(gguf: GGUFFile, tokenizer: Any | None, messages: list[dict[str, str]]) -> str:
-    """The file's `tokenizer.chat_template` rendered in jinja2's immutable sandbox, with a
-    generation prompt. (justapi.chat_template, when present, is the full implementation.)"""
-    template = gguf.get("tokenizer.chat_template")
-    if not template:
-        raise ValueError(f"{gguf.path} has no tokenizer.chat_template; drop --chat")
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    try:
-        return env.from_string(template).render(
-            messages=messages, add_generation_prompt=True,
-            bos_token=getattr(tokenizer, "bos_token", ""), eos_token=getattr(tokenizer, "eos_token", ""))
-    except TemplateError as exc:
-        raise ValueError(f"chat template of {gguf.path} failed: {exc}") from None
-
-
-def stop_token_ids(gguf: GGUFFile, tokenizer: Any | None) -> frozenset[int]:
-    """Tokens that end generation unless ignore_eos: the tokenizer's end-of-generation set, or
-    the file's EOS id."""
-    if tokenizer is not None and getattr(tokenizer, "eog_token_ids", None):
-        return frozenset(tokenizer.eog_token_ids)
-    eos = gguf.get("tokenizer.ggml.eos_token_id")
-    return frozenset() if eos is None else frozenset({int(eos)})
 
 
 class LLMEngine:
@@ -114,24 +65,23 @@ class LLMEngine:
         shape = PoolShape(p.num_layers, num_blocks, block_size, p.num_kv_heads, p.head_dim)
         self.pool = KVPool.create(shape, "local", dtype, device)
         self.runner = ModelRunner(self.model, self.pool, make_backend(device, block_size), Sampler(seed))
-        self.tokenizer = load_text_codec(self.gguf)
-        self.eos_token_ids = stop_token_ids(self.gguf, self.tokenizer)
+        self.tokenizer = Tokenizer.from_gguf(self.gguf)
+        self.eos_token_ids = self.tokenizer.eog_token_ids  # ignore_eos turns these off
         self.policy_args = dict(num_blocks=num_blocks, block_size=block_size, max_seqs=max_seqs,
                                 chunk_size=chunk_size, max_batched_tokens=max_batched_tokens)
         self._next_id = 0
         self.num_preemptions = 0  # over all generate calls: the policy preempted to free blocks
 
     def encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("text prompts need justapi.tokenizer; pass token ids instead")
-        return list(self.tokenizer.encode(text))
+        return self.tokenizer.encode(text)
 
     def chat_prompt(self, messages: list[dict[str, str]]) -> str:
-        """The model's chat template applied to `messages`, ready for generation."""
-        return render_chat(self.gguf, self.tokenizer, messages)
+        """The model's chat template applied to `messages`, with the generation prompt."""
+        template = ChatTemplate.from_gguf(self.gguf, self.tokenizer.template_tokens)
+        return template.render(messages, add_generation_prompt=True)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(list(token_ids))
+        return self.tokenizer.decode(list(token_ids))
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Output]:
