@@ -40,10 +40,11 @@ class StepPlanner:
 
     def plan(self, worker: WorkerState) -> StepBatch:
         batch = StepBatch(self.config, self.state.block_size)
-        if not self.config.scheduled and not worker.running:
+        admits = not worker.is_draining  # a draining worker only finishes what it runs
+        if admits and not self.config.scheduled and not worker.running:
             self._admit_static(worker, batch)
         self._schedule_running(worker, batch)
-        if self.config.scheduled:
+        if admits and self.config.scheduled:
             self._admit(worker, batch)
         return batch
 
@@ -135,7 +136,7 @@ class StepPlanner:
             return
         # Fair share: with one shared pool, no worker takes more than its part of the pool's
         # requests, so the other workers (planned next, or back from their step) get theirs.
-        num_peers = len(self.state.healthy_workers(worker.pool_id))
+        num_peers = len(self.state.accepting_workers(worker.pool_id))
         share = -(-(len(self.state.pool_running[worker.pool_id]) + len(queue)) // num_peers)
         for req in self.order.candidates(queue, worker.pool_id, self.state.step_id):
             if (len(worker.running) >= min(max_seqs, share) or not batch.has_prefill_room):

@@ -24,11 +24,14 @@ class Router:
         self.config = state.config
 
     def eligible_pools(self, num_tokens: int) -> list[int]:
-        """Pools with a healthy worker whose capacity holds num_tokens + 1 tokens."""
+        """Pools with a healthy worker whose capacity holds num_tokens + 1 tokens; those
+        with a worker that is not draining, when there are any."""
         state = self.state
-        return [pool_id for pool_id in state.queues
-                if state.healthy_workers(pool_id)
-                and state.pool_capacity_tokens(pool_id) >= num_tokens + 1]
+        pools = [pool_id for pool_id in state.queues
+                 if state.healthy_workers(pool_id)
+                 and state.pool_capacity_tokens(pool_id) >= num_tokens + 1]
+        accepting = [pool_id for pool_id in pools if state.accepting_workers(pool_id)]
+        return accepting or pools
 
     def choose_pool(self, req: Request, exclude: int | None = None) -> int | None:
         """The pool for req, or None when no healthy pool can hold it."""

@@ -82,6 +82,10 @@ class SchedulerState:
     def healthy_workers(self, pool_id: int) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.pool_id == pool_id and w.is_healthy]
 
+    def accepting_workers(self, pool_id: int) -> list[WorkerState]:
+        """Healthy workers of the pool that are not draining (they admit new requests)."""
+        return [w for w in self.workers.values() if w.pool_id == pool_id and w.is_accepting]
+
     def pool_load(self, pool_id: int) -> float:
         """Requests (running + waiting) per healthy worker of the pool; inf without one."""
         num_workers = len(self.healthy_workers(pool_id))
