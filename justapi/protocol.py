@@ -202,11 +202,17 @@ class Ready:
 @register("Heartbeat")
 @dataclass(frozen=True)
 class Heartbeat:
+    """Sent by a worker's heartbeat thread every HEARTBEAT_INTERVAL_S (justapi/health.py):
+    process figures, the worker's own GPU figures (torch allocator; {} on CPU, or
+    {"fatal": why} for a condition the worker found fatal) and its KV pool's state
+    (kind, handle, num_blocks, num_bytes, is_mapped; for shm also is_linked)."""
+
     worker_id: int
     time_s: float
     rss_bytes: int = 0
     cpu_time_s: float = 0.0
     gpu: dict = field(default_factory=dict)
+    pool: dict = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------
@@ -357,6 +363,9 @@ class SchedulerStats:
     stats: dict
     workers: list
     problems: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+    """Conditions that do not make the server unhealthy: an unhealthy worker whose pool still
+    has a healthy one, a draining worker."""
 
 
 # --------------------------------------------------------------------------------------
@@ -384,3 +393,68 @@ class ProcessFailed:
     index: int
     pid: int
     error: str
+
+
+# --------------------------------------------------------------------------------------
+# admin tools <-> scheduler (tools/*.py DEALER <-> the scheduler's admin ROUTER; see
+# docs/operations.md). Every command gets exactly one reply: StatusReply or AdminReply.
+# --------------------------------------------------------------------------------------
+
+
+@register("QueryStatus")
+@dataclass(frozen=True)
+class QueryStatus:
+    """Ask for the scheduler's state: workers, health table, queues, cache statistics."""
+
+
+@register("DrainWorker")
+@dataclass(frozen=True)
+class DrainWorker:
+    """Stop admitting new requests to a worker (running ones finish), or undrain it."""
+
+    worker_id: int
+    is_draining: bool = True
+
+
+@register("FlushPrefixCache")
+@dataclass(frozen=True)
+class FlushPrefixCache:
+    """Evict every prefix-cache block no request holds; pool_id -1 flushes every pool."""
+
+    pool_id: int = -1
+
+
+@register("CheckInvariants")
+@dataclass(frozen=True)
+class CheckInvariants:
+    """Run the scheduler core's full consistency check (O(requests + blocks))."""
+
+
+@register("StatusReply")
+@dataclass(frozen=True)
+class StatusReply:
+    """The scheduler's state. `workers` is the health table (one dict per worker: pool, pid,
+    device, healthy, reason, draining, heartbeat age, process and GPU figures); `gpus` the
+    NVML readings by GPU; `nvml` says whether NVML is in use ("ok", "not needed (CPU
+    workers)" or why it is unavailable); `stats` the core's flat figures (justapi/scheduler/
+    stats.py names)."""
+
+    time_s: float
+    uptime_s: float
+    healthy: bool
+    problems: list
+    warnings: list
+    stats: dict
+    workers: list
+    gpus: list = field(default_factory=list)
+    nvml: str = ""
+
+
+@register("AdminReply")
+@dataclass(frozen=True)
+class AdminReply:
+    """The outcome of an admin command: `ok`, one readable line, and its figures."""
+
+    ok: bool
+    message: str
+    figures: dict = field(default_factory=dict)
