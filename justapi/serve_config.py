@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from justapi.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig, _require
+from justapi.ops_config import OpsConfig
 
 LAUNCHERS = ("local", "ray")
 
@@ -58,6 +59,7 @@ class ServeConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    ops: OpsConfig = field(default_factory=OpsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -70,7 +72,7 @@ class ServeConfig:
 
 _SECTION_TYPES: dict[str, type] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-    "server": ServerConfig,
+    "server": ServerConfig, "ops": OpsConfig,
 }
 
 
