@@ -26,6 +26,7 @@ from justapi.protocol import (FINISH_ERROR, AbortGeneration, GenerationChunk, Qu
 from justapi.sampling import SamplingParams
 
 DEFAULT_STATS_TIMEOUT_S = 10.0
+READER_YIELD_EVERY = 64
 
 
 @dataclass
@@ -75,7 +76,8 @@ def gather(request_id: str, chunks: Sequence[GenerationChunk]) -> Completion:
     logprobs: list[float] = []
     for chunk in chunks:
         token_ids.extend(chunk.token_ids.tolist())
-        logprobs.extend(chunk.logprobs.tolist())
+        if chunk.logprobs is not None:
+            logprobs.extend(chunk.logprobs.tolist())
     last = chunks[-1]
     return Completion(request_id=request_id, text="".join(c.text for c in chunks),
                       token_ids=token_ids, finish_reason=last.finish_reason,
@@ -287,7 +289,11 @@ class AsyncClient:
         await self._socket.send_multipart(encode(message), copy=False)
 
     async def _read_loop(self) -> None:
+        num_read = 0
         while True:
+            num_read += 1
+            if num_read % READER_YIELD_EVERY == 0:
+                await asyncio.sleep(0)  # recv does not yield while messages wait: let readers run
             frames = await self._socket.recv_multipart(copy=False)
             try:
                 message = decode(frames)

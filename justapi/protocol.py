@@ -258,9 +258,9 @@ class GenerationChunk:
     """New output of one generation since its last chunk: token ids and their text.
 
     The last chunk has a finish_reason (FINISH_*); `error` is set with FINISH_ERROR (bad
-    input or an engine failure). Logprob arrays are filled when the request asked for them:
-    logprobs [len(token_ids)], top_logprob_ids / top_logprobs [len(token_ids), n] padded with
-    -1 / -inf."""
+    input or an engine failure). Logprob arrays are only sent when the request asked for
+    them (None otherwise, saving three frames per chunk): logprobs [len(token_ids)],
+    top_logprob_ids / top_logprobs [len(token_ids), n] padded with -1 / -inf."""
 
     client_request_id: str
     token_ids: np.ndarray  # int32 [num_new_tokens]
@@ -268,9 +268,9 @@ class GenerationChunk:
     finish_reason: str = ""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
-    top_logprob_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
-    top_logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
+    logprobs: np.ndarray | None = None  # float32 [num_new_tokens]
+    top_logprob_ids: np.ndarray | None = None  # int32 [num_new_tokens, n]
+    top_logprobs: np.ndarray | None = None  # float32 [num_new_tokens, n]
     error: str | None = None
 
 

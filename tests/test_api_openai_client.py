@@ -71,7 +71,7 @@ def test_openai_client_raises_bad_request_with_the_message():
                 await client.completions.create(model=MODEL, prompt="hi", temperature=-1)
             assert "temperature" in str(info.value)
             assert info.value.body["param"] == "temperature"
-            with pytest.raises(openai.BadRequestError):
+            with pytest.raises(openai.NotFoundError):
                 await client.chat.completions.create(model="unknown", messages=[
                     {"role": "user", "content": "hi"}])
     run(scenario)

@@ -54,19 +54,20 @@ def test_tokenize_messages_uses_the_chat_template():
     run(scenario)
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/tokenize", {}),
-    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}),
-    ("/tokenize", {"prompt": "x", "model": "other"}),
-    ("/detokenize", {"tokens": [0, 10**6]}),
-    ("/detokenize", {"tokens": "abc"}),
+@pytest.mark.parametrize("path, body, status", [
+    ("/tokenize", {}, 400),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400),
+    ("/tokenize", {"prompt": "x", "model": "other"}, 404),
+    ("/detokenize", {"tokens": [0, 10**6]}, 400),
+    ("/detokenize", {"tokens": "abc"}, 400),
 ])
-def test_tokenize_errors(path, body):
+def test_tokenize_errors(path, body, status):
     async def scenario():
         async with serving_stack() as stack:
             response = await stack.http.post(path, json=body)
-            assert response.status_code == 400
-            assert response.json()["error"]["type"] == "invalid_request_error"
+            assert response.status_code == status
+            kind = "invalid_request_error" if status == 400 else "not_found_error"
+            assert response.json()["error"]["type"] == kind
     run(scenario)
 
 

@@ -46,6 +46,8 @@ def test_client_messages_round_trip():
     assert (back.finish_reason, back.num_prompt_tokens, back.num_cached_tokens) == ("stop", 3, 2)
     assert back.top_logprob_ids.tolist() == [[5, 7], [6, -1]]
     assert back.top_logprobs[1, 1] == -np.inf
+    plain = _roundtrip(GenerationChunk("c2", np.asarray([1], np.int32), "a"))
+    assert plain.logprobs is None and plain.top_logprob_ids is None and plain.error is None
     report = StatsReport("q", MODEL, 128, True, [], {"num_requests_running": 1},
                          [{"worker_id": 0}], 2)
     assert _roundtrip(report) == report

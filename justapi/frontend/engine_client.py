@@ -116,6 +116,11 @@ class EngineClient:
         if request_id in self._streams:
             transport.send(self._to_scheduler, AbortRequest(request_ids=[request_id]))
 
+    def abort_all(self) -> None:
+        """Abort every request in flight (shutdown); each stream ends with 'abort'."""
+        if self._streams:
+            transport.send(self._to_scheduler, AbortRequest(request_ids=list(self._streams)))
+
     def is_healthy(self) -> bool:
         return not self.health_problems()
 

@@ -32,6 +32,7 @@ from justapi.protocol import (FINISH_ERROR, AbortGeneration, GenerationChunk, Qu
 
 logger = logging.getLogger(__name__)
 
+READER_YIELD_EVERY = 64
 SessionKey = tuple[bytes, str]  # (client identity, client_request_id)
 
 
@@ -53,8 +54,12 @@ class ZmqServer:
         return len(self._running)
 
     async def run(self) -> None:
+        num_read = 0
         try:
             while True:
+                num_read += 1
+                if num_read % READER_YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # recv does not yield while messages wait
                 frames = await self._socket.recv_multipart(copy=False)
                 if len(frames) < 2:
                     continue
