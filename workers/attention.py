@@ -205,11 +205,12 @@ class TorchPagedBackend(AttentionBackend):
 
     def _attend_long(self, kv: torch.Tensor, q: torch.Tensor, chunk: LongChunk) -> torch.Tensor:
         keys = gather_blocks(kv, chunk.blocks[None])[:, 0, :chunk.num_keys]  # [2, num_keys, kvh, hd]
-        keys = keys.transpose(1, 2)  # [2, kv_heads, num_keys, head_dim]
+        keys = keys.transpose(1, 2)[:, None]  # [2, 1, kv_heads, num_keys, head_dim]
+        # 4-d inputs: with 3-d ones torch's CPU SDPA took its unfused math path (20x slower)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys[0], keys[1], attn_mask=chunk.mask,
-            enable_gqa=True)  # [heads, n, head_dim]
-        return out.transpose(0, 1)
+            q.transpose(0, 1)[None], keys[0], keys[1], attn_mask=chunk.mask,
+            enable_gqa=True)  # [1, heads, n, head_dim]
+        return out[0].transpose(0, 1)
 
 
 def gather_blocks(kv: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
