@@ -3,14 +3,16 @@ justapi.client's Client / AsyncClient against it (real sockets, scripted schedul
 from __future__ import annotations
 
 import asyncio
+import sys
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from api_fake_scheduler import fake_logprob
 from api_stack import (MODEL, TEXTS, chat_template, endless_script, eventually, run,
-                       serving_stack, text_tokens, tokenizer)
+                       seeded_script, serving_stack, text_tokens, tokenizer)
 from justapi import transport
 from justapi.client import AsyncClient, Client, GenerationError
 from justapi.codec import ProtocolError, decode, encode
@@ -191,4 +193,34 @@ def test_bad_requests_come_back_as_errors_and_ids_are_per_client():
                                             b.complete("x", max_tokens=3, request_id="r"))
                 assert [c.finish_reason for c in same] == ["length", "length"]
             assert len(stack.fake.submitted) == 2
+    run(scenario)
+
+
+def test_the_documented_example_runs():
+    """docs/api.md's ZMQ example, run as a separate process against the frontend endpoint."""
+    docs = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
+    block = docs.split("<!-- example: zmq-client -->", 1)[1]
+    code = block.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'ENDPOINT = "tcp://127.0.0.1:5555"' in code
+
+    def script(request):
+        return endless_script(request) if request.sampling.max_tokens >= 500 else \
+            seeded_script(request)
+
+    async def scenario():
+        async with zmq_stack(script, max_context=4096) as (stack, server):
+            await stack.wait_healthy()
+            runnable = code.replace("tcp://127.0.0.1:5555", server.endpoint)
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", runnable, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(process.communicate(), 60)
+            assert process.returncode == 0, err.decode()
+            lines = out.decode().splitlines()
+            assert lines[0] == tokenizer().decode(text_tokens(0)[:24])
+            assert lines[1] == f"{TEXTS[0]} stop {len(text_tokens(0)) + 1} tokens"
+            assert lines[2] == "ended: abort"
+            assert lines[3].startswith("healthy: True running: ")
+            assert lines[4:] == [f"{p!r} -> {tokenizer().decode(text_tokens(0)[:8])!r}" for p in
+                                 ["One plus one is", "The sky is", "Water boils at"]]
     run(scenario)
