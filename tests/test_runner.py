@@ -135,6 +135,21 @@ def test_runner_passes_prompt_and_output_history_to_penalties(tiny_gguf):
     assert len(answers) > 1
 
 
+def test_step_result_carries_logprobs_when_asked(model):
+    runner = make_runner(model)
+    asks = SamplingParams(temperature=0.0, logprobs=2)
+    result = runner.execute(StepPlan.build(1, [("a", 0, [4, 5, 6], blocks(0), True),
+                                               ("b", 0, [7, 8], blocks(16), True)],
+                                           [new("a", [4, 5, 6], asks), new("b", [7, 8], GREEDY)]))
+    assert result.logprobs.shape == (2,) and result.top_logprob_ids.shape == (2, 2)
+    assert result.top_logprob_ids[0, 0] == result.sampled_token_ids[0]  # greedy: the top token
+    assert result.top_logprobs[0, 0] == pytest.approx(result.logprobs[0])
+    assert result.top_logprob_ids[1].tolist() == [-1, -1]  # b did not ask
+    plain = make_runner(model).execute(StepPlan.build(1, [("b", 0, [7, 8], blocks(16), True)],
+                                                      [new("b", [7, 8], GREEDY)]))
+    assert len(plain.logprobs) == 0
+
+
 def _decode(runner: ModelRunner, rid: str, prompt: list[int], table: list[int], num: int,
             params: SamplingParams, others: list[tuple[str, list[int], list[int]]] = ()) -> list[int]:
     """Generate num tokens for rid, with `others` (greedy) batched alongside at every step."""

@@ -83,7 +83,7 @@ class LLMEngine:
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
 
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]],
+    def generate(self, prompts: Sequence[str | Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Output]:
         """Run every prompt to completion, batched; outputs in prompt order."""
         params = self._per_prompt(sampling, len(prompts))

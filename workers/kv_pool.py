@@ -216,6 +216,7 @@ def _import_cuda(handle: str, shape: PoolShape, dtype: torch.dtype) -> torch.Ten
             base64.b64decode(f["event_handle"]), f["event_sync"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"malformed CUDA IPC pool handle ({exc})") from None
+    strides = [int(np.prod(shape.dims[i + 1:])) for i in range(len(shape.dims))]  # contiguous
     tensor = torch.empty(0, dtype=dtype, device=f"cuda:{f['device']}")
-    tensor.set_(storage, 0, shape.dims)
+    tensor.set_(storage, 0, shape.dims, strides)
     return tensor

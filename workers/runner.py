@@ -9,6 +9,7 @@ allocation or scheduling (the scheduler), the forward math (model.py), sampling 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,13 +62,12 @@ class ModelRunner:
         rows = [self._sampling_row(rid, int(end)) for rid, end in zip(ids, ends)]
         out = self.sampler.sample(logits, rows)
         self._forget(plan.finished_request_ids)
-        extra = {}
-        if out.logprobs is not None:
-            extra = {"logprobs": out.logprobs, "top_logprob_ids": out.top_ids,
-                     "top_logprobs": out.top_logprobs}
-        return StepResult(step_id=plan.step_id, worker_id=self.worker_id, request_ids=ids,
-                          num_sampled=np.ones(len(ids), np.int32), sampled_token_ids=out.token_ids,
-                          **extra)
+        result = StepResult(step_id=plan.step_id, worker_id=self.worker_id, request_ids=ids,
+                            num_sampled=np.ones(len(ids), np.int32), sampled_token_ids=out.token_ids)
+        if out.logprobs is None or out.top_ids is None or out.top_logprobs is None:
+            return result
+        return dataclasses.replace(result, logprobs=out.logprobs, top_logprob_ids=out.top_ids,
+                                   top_logprobs=out.top_logprobs)
 
     def forward_logits(self, plan: StepPlan) -> torch.Tensor:
         """Forward the plan and return fp32 logits of the last 1 + num_draft_tokens[i] positions
