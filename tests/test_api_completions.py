@@ -275,3 +275,17 @@ def test_submit_request_type_is_what_the_scheduler_gets():
             assert isinstance(stack.fake.submitted[0], SubmitRequest)
             assert stack.fake.submitted[0].prompt_token_ids.dtype.str == "<i4"
     run(scenario)
+
+
+def test_multibyte_text_streams_whole_characters_only():
+    async def scenario():
+        async with serving_stack() as stack:
+            response = await stack.http.post("/v1/completions", json={
+                "prompt": "hi", "max_tokens": 100, "seed": 2, "stream": True})
+            chunks = [e for e in sse_events(response.content) if e != "[DONE]"]
+            pieces = [c["choices"][0]["text"] for c in chunks]
+            assert "".join(pieces) == TEXTS[2]
+            assert all("\ufffd" not in piece for piece in pieces)
+            assert all(piece for piece in pieces[:-1])  # held-back bytes send no empty events
+            assert len(pieces) < len(text_tokens(2))  # some tokens were partial characters
+    run(scenario)

@@ -48,6 +48,7 @@ COMPLETION_CASES = [
     ("suffix", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("logit_bias", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
     ("best_of", {"prompt": "x", "best_of": 3}, "best_of"),
+    ("too many choices", {"prompt": ["x"] * 40, "n": 2}, "prompt"),
 ]
 
 CHAT_CASES = [

@@ -18,7 +18,7 @@ import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from justapi.frontend import metrics as metrics_module
@@ -181,6 +181,6 @@ def _add_ops_routes(app: FastAPI, serving: Serving) -> None:
             return json_response({"status": "unhealthy", "problems": problems}, 503)
         return json_response({"status": "ok", "problems": []})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=metrics_module.CONTENT_TYPE)

@@ -102,6 +102,8 @@ async def _stream(serving: Serving, generations: list[Generation], num_prompt: l
             if output.finish_reason == FINISH_ERROR:
                 yield sse_event(error_body(f"generation failed: {output.error}", SERVER_ERROR))
                 break
+            if not (output.text or output.finish_reason or output.logprobs):
+                continue  # tokens whose text is still held back (a partial character)
             logprobs = chat_logprobs(serving, output.logprobs, top_n) if with_logprobs else None
             delta = {"content": output.text} if output.text else {}
             yield sse_event({**header, "choices": [

@@ -13,16 +13,19 @@ from collections.abc import AsyncIterator
 from justapi.frontend.errors import SERVER_ERROR, ApiError, error_body
 from justapi.frontend.generation import Generation, GenerationOutput, TokenLogprob
 from justapi.frontend.openai_models import CompletionRequest
-from justapi.frontend.serving import (SSE_DONE, Prompt, Serving, close_all, collect_all,
-                                      fan_in, sse_event, usage)
+from justapi.frontend.serving import (MAX_CHOICES, SSE_DONE, Prompt, Serving, close_all,
+                                      collect_all, fan_in, sse_event, usage)
 from justapi.protocol import FINISH_ERROR
 
 
-def completion_prompts(serving: Serving, prompt: str | list) -> list[Prompt]:
+def completion_prompts(serving: Serving, prompt: str | list, n: int) -> list[Prompt]:
     if isinstance(prompt, str):
         return [Prompt(serving.encode_text(prompt), prompt)]
     if not prompt:
         raise ApiError("the prompt is empty", param="prompt")
+    if not isinstance(prompt[0], int) and len(prompt) * n > MAX_CHOICES:  # before encoding
+        raise ApiError(f"prompts x n must be at most {MAX_CHOICES}, got {len(prompt)} x {n}",
+                       param="prompt")
     if isinstance(prompt[0], int):
         return [Prompt(serving.check_token_ids(prompt, "prompt"))]
     if isinstance(prompt[0], str):
@@ -49,7 +52,7 @@ async def create_completion(serving: Serving, request: CompletionRequest,
     """A full response dict, or (stream=True) an async iterator of SSE event bytes."""
     serving.check_model(request.model)
     check_supported(request)
-    prompts = completion_prompts(serving, request.prompt)
+    prompts = completion_prompts(serving, request.prompt, request.n)
     limits = [serving.max_tokens_for(request.max_tokens, len(p.token_ids)) for p in prompts]
     generations = serving.start_choices(request, prompts, limits, request.logprobs, arrival_s)
     header = {"id": serving.new_id("cmpl"), "object": "text_completion",
@@ -113,6 +116,8 @@ async def _stream(serving: Serving, generations: list[Generation], prompts: list
             if output.finish_reason == FINISH_ERROR:
                 yield sse_event(error_body(f"generation failed: {output.error}", SERVER_ERROR))
                 break
+            if not (output.text or output.finish_reason or output.logprobs):
+                continue  # tokens whose text is still held back (a partial character)
             logprobs = None
             if output.logprobs:
                 logprobs = completion_logprobs(serving, output.logprobs, len(echoes[index]))
