@@ -17,8 +17,8 @@ import numpy as np
 import zmq
 
 from justapi import transport
-from justapi.protocol import (FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, AbortRequest,
-                              SchedulerStats, SubmitRequest, TokenDeltas)
+from justapi.protocol import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
+                              AbortRequest, SchedulerStats, SubmitRequest, TokenDeltas)
 
 Script = Callable[[SubmitRequest], list[int]]
 BLOCK_SIZE = 16
@@ -43,6 +43,7 @@ class _StepOutput:
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_lps: list[list[float]] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 class FakeScheduler:
@@ -62,6 +63,8 @@ class FakeScheduler:
         self.healthy = True
         self.stats_interval_s = 0.02
         self.extra_stats: dict = {}
+        self.fail_message: str | None = None  # set: requests fail after `fail_after` tokens
+        self.fail_after = 2
         self._running: dict[str, _Running] = {}
         self._seen_prompts: set[bytes] = set()
         self._counters = {"prefix_cache_hits": 0, "prefix_cache_misses": 0,
@@ -151,6 +154,8 @@ class FakeScheduler:
             if sampling.logprobs is not None:
                 has_logprobs = True
             _add_logprobs(out, tokens, state.num_emitted - len(tokens), sampling.logprobs or 0)
+            if reason == FINISH_ERROR:
+                out.errors[request_id] = str(self.fail_message)
             if reason:
                 del self._running[request_id]
         self._send(out, has_logprobs)
@@ -159,6 +164,8 @@ class FakeScheduler:
         sampling = state.request.sampling
         tokens: list[int] = []
         for _ in range(self.tokens_per_step):
+            if self.fail_message is not None and state.num_emitted >= self.fail_after:
+                return tokens, FINISH_ERROR
             if state.num_emitted >= len(state.script):
                 return tokens, FINISH_STOP
             token = state.script[state.num_emitted]
@@ -186,7 +193,8 @@ class FakeScheduler:
             step_id=0, request_ids=out.request_ids,
             num_new_tokens=np.asarray(out.counts, dtype=np.int32),
             token_ids=np.asarray(out.token_ids, dtype=np.int32), finish_reasons=out.reasons,
-            num_cached_tokens=np.asarray(out.cached, dtype=np.int32), **extra))
+            num_cached_tokens=np.asarray(out.cached, dtype=np.int32), errors=out.errors,
+            **extra))
 
     def _push_stats(self) -> None:
         """Stats named as justapi/scheduler/stats.py names them; the health table as

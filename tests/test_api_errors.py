@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from api_stack import MODEL, run, serving_stack
+from api_stack import MODEL, run, serving_stack, sse_events
 from justapi.frontend.openai_models import ErrorResponse
 
 MAX_CONTEXT = 64
@@ -64,7 +64,9 @@ CHAT_CASES = [
      "messages"),
     ("top_logprobs without logprobs", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("top_logprobs too many", {"messages": CHAT, "logprobs": True, "top_logprobs": 40},
-     "logprobs"),
+     "top_logprobs"),
+    ("top_logprobs negative", {"messages": CHAT, "logprobs": True, "top_logprobs": -1},
+     "top_logprobs"),
     ("logprobs not a bool", {"messages": CHAT, "logprobs": 3}, "logprobs"),
     ("tools", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("json response format", {"messages": CHAT, "response_format": {"type": "json_object"}},
@@ -173,4 +175,23 @@ def test_lost_scheduler_gives_503_on_new_requests():
             response = await stack.http.post("/v1/completions", json={"prompt": "x"})
             assert response.status_code == 503
             assert response.json()["error"]["type"] == "service_unavailable_error"
+    run(scenario)
+
+
+def test_engine_failures_are_500_or_an_error_event():
+    async def scenario():
+        async with serving_stack() as stack:
+            stack.fake.fail_message = "worker 0 died"
+            response = await stack.http.post("/v1/completions", json={"prompt": "x",
+                                                                       "max_tokens": 9})
+            assert response.status_code == 500
+            error = response.json()["error"]
+            assert error["type"] == "server_error" and "worker 0 died" in error["message"]
+            response = await stack.http.post("/v1/chat/completions", json={
+                "messages": CHAT, "max_tokens": 9, "stream": True, "n": 2})
+            events = sse_events(response.content)
+            assert events[-1] == "[DONE]"
+            assert "worker 0 died" in events[-2]["error"]["message"]
+            stack.fake.fail_message = None
+            await _still_serves(stack)
     run(scenario)

@@ -122,9 +122,10 @@ class Generation:
         else:
             output = self._token_by_token(delta, shown)
         if delta.finish_reason and not self.finish_reason:
-            output.text += self._flush()
-            output.finish_reason = delta.finish_reason
-            self._finish(delta.finish_reason)
+            text, matched = self._flush()
+            output.text += text
+            output.finish_reason = FINISH_STOP if matched else delta.finish_reason
+            self._finish(output.finish_reason)
         self._num_chars += len(output.text)
         return output
 
@@ -160,12 +161,14 @@ class Generation:
         self._finish(FINISH_STOP)
         return GenerationOutput("".join(texts), token_ids[:num_kept], FINISH_STOP, logprobs)
 
-    def _flush(self) -> str:
+    def _flush(self) -> tuple[str, bool]:
+        """The text held back at the end (incomplete bytes, a possible stop-string start);
+        and whether a stop string matched in it."""
         text = self._detokenizer.flush()
         if self._matcher is None:
-            return text
+            return text, False
         text, matched = self._matcher.feed(text)
-        return text if matched else text + self._matcher.flush()
+        return (text, True) if matched else (text + self._matcher.flush(), False)
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason

@@ -218,8 +218,12 @@ def close_all(generations: Sequence[Generation]) -> None:
 async def fan_in(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, GenerationOutput]]:
     """Outputs of several generations as they arrive, tagged with the generation's index."""
     if len(generations) == 1:
-        async for output in generations[0].outputs():
-            yield 0, output
+        try:
+            async for output in generations[0].outputs():
+                yield 0, output
+        except Exception as exc:  # end the response with an error event, not a broken stream
+            logger.exception("generation %s failed", generations[0].request_id)
+            yield 0, GenerationOutput("", [], FINISH_ERROR, error=str(exc))
         return
     queue: asyncio.Queue[tuple[int, GenerationOutput | None]] = asyncio.Queue()
 

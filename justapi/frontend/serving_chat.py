@@ -16,6 +16,7 @@ from justapi.frontend.openai_models import ChatCompletionRequest, ChatMessage
 from justapi.frontend.serving import (SSE_DONE, Serving, close_all, collect_all, fan_in,
                                       sse_event, usage)
 from justapi.protocol import FINISH_ERROR
+from justapi.sampling import MAX_TOP_LOGPROBS
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -36,6 +37,9 @@ def check_supported(request: ChatCompletionRequest) -> int | None:
         raise ApiError("stream_options needs stream: true", param="stream_options")
     if request.top_logprobs is not None and not request.logprobs:
         raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+    if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ApiError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                       f"{request.top_logprobs}", param="top_logprobs")
     if not request.logprobs:
         return None
     return request.top_logprobs or 0
