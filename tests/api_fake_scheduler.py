@@ -118,7 +118,8 @@ class FakeScheduler:
             self.submitted.append(message)
             key = message.cache_salt.encode() + message.prompt_token_ids.tobytes()
             num_prompt = len(message.prompt_token_ids)
-            cached = ((num_prompt - 1) // BLOCK_SIZE) * BLOCK_SIZE if key in self._seen_prompts else 0
+            is_hit = key in self._seen_prompts
+            cached = ((num_prompt - 1) // BLOCK_SIZE) * BLOCK_SIZE if is_hit else 0
             self._seen_prompts.add(key)
             self._counters["prefix_cache_hits"] += cached // BLOCK_SIZE
             self._counters["prefix_cache_misses"] += num_prompt // BLOCK_SIZE - cached // BLOCK_SIZE

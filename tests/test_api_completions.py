@@ -55,7 +55,8 @@ def test_token_id_prompt_and_sampling_fields_reach_the_scheduler():
             assert sent.prompt_token_ids.tolist() == [5, 6, 7]
             s = sent.sampling
             assert (s.temperature, s.top_p, s.top_k, s.min_p) == (0.5, 0.9, 7, 0.1)
-            assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (0.5, -0.5, 1.2)
+            assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == \
+                (0.5, -0.5, 1.2)
             assert (s.seed, s.stop_token_ids, s.ignore_eos, s.logprobs) == (11, (9,), True, None)
     run(scenario)
 
@@ -167,7 +168,8 @@ def test_n_without_seed_and_batch_prompts_number_choices_prompt_major():
             assert sorted(c["index"] for c in data["choices"]) == [0, 1, 2, 3]
             assert all(r.sampling.seed is None for r in stack.fake.submitted)
             prompts = sorted(r.prompt_token_ids.tolist() for r in stack.fake.submitted)
-            assert prompts == sorted([tokenizer().encode("a")] * 2 + [tokenizer().encode("b b")] * 2)
+            a, b = tokenizer().encode("a"), tokenizer().encode("b b")
+            assert prompts == sorted([a, a, b, b])
             assert data["usage"]["prompt_tokens"] == len(tokenizer().encode("a")) + len(
                 tokenizer().encode("b b"))
     run(scenario)

@@ -17,7 +17,9 @@ from justapi.frontend.server import FrontendServer, FrontendSettings, build_serv
 
 def test_frontend_server_serves_http_and_zmq_then_stops():
     def script(request):
-        return endless_script(request) if request.sampling.max_tokens > 1000 else seeded_script(request)
+        if request.sampling.max_tokens > 1000:
+            return endless_script(request)
+        return seeded_script(request)
 
     def use(http_url, zmq_endpoint):
         client = openai.OpenAI(base_url=http_url + "/v1", api_key="unused", max_retries=0)

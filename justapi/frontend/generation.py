@@ -112,7 +112,8 @@ class Generation:
             self._timer.on_tokens(len(token_ids))
         if delta.finish_reason == FINISH_ERROR or delta.error:
             self._finish(FINISH_ERROR)
-            return GenerationOutput("", token_ids, FINISH_ERROR, error=delta.error or "engine error")
+            return GenerationOutput("", token_ids, FINISH_ERROR,
+                                    error=delta.error or "engine error")
         shown = token_ids
         if (delta.finish_reason == FINISH_STOP and token_ids
                 and token_ids[-1] in self._options.hidden_token_ids):
