@@ -86,9 +86,10 @@ def gather(request_id: str, chunks: Sequence[GenerationChunk]) -> Completion:
                       logprobs=logprobs, error=last.error)
 
 
-def _dealer(context: zmq.Context, endpoint: str) -> zmq.Socket:
+def _dealer(context: zmq.Context, endpoint: str, server_public_key: bytes | None) -> zmq.Socket:
     return transport.make_socket(context, zmq.DEALER, endpoint, bind=False,
-                                 identity=f"client-{uuid.uuid4().hex}".encode())
+                                 identity=f"client-{uuid.uuid4().hex}".encode(),
+                                 curve_server_key=server_public_key)
 
 
 class Stream:
@@ -122,9 +123,12 @@ class Client:
                 print(chunk.text, end="", flush=True)
     """
 
-    def __init__(self, endpoint: str, *, timeout_s: float | None = None) -> None:
+    def __init__(self, endpoint: str, *, timeout_s: float | None = None,
+                 server_public_key: bytes | None = None) -> None:
+        """timeout_s: longest wait for any answer (None: forever); server_public_key (z85):
+        talk CURVE to a server started with the matching secret key."""
         self._context = zmq.Context()
-        self._socket = _dealer(self._context, endpoint)
+        self._socket = _dealer(self._context, endpoint, server_public_key)
         self._timeout_s = timeout_s
         self._pending: dict[str, deque[GenerationChunk]] = {}
         self._reports: dict[str, StatsReport] = {}
@@ -217,9 +221,10 @@ class AsyncClient:
                 ...
     """
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, *, server_public_key: bytes | None = None) -> None:
         self._context = zmq.asyncio.Context()
-        self._socket = cast(zmq.asyncio.Socket, _dealer(self._context, endpoint))
+        self._socket = cast(zmq.asyncio.Socket,
+                            _dealer(self._context, endpoint, server_public_key))
         self._pending: dict[str, asyncio.Queue[GenerationChunk]] = {}
         self._reports: dict[str, asyncio.Future[StatsReport]] = {}
         self._reader: asyncio.Task | None = None

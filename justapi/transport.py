@@ -45,8 +45,12 @@ def is_loopback_endpoint(endpoint: str) -> bool:
 
 
 def make_socket(context: zmq.Context, kind: int, endpoint: str, *, bind: bool,
-                identity: bytes | None = None) -> zmq.Socket:
-    """A socket with sane defaults: no linger on close, bounded inbound message size."""
+                identity: bytes | None = None, curve_secret_key: bytes | None = None,
+                curve_server_key: bytes | None = None) -> zmq.Socket:
+    """A socket with sane defaults: no linger on close, bounded inbound message size.
+
+    CURVE (remote tcp:// clients): a server passes its secret key (z85); a client passes
+    the server's public key (and its own secret key, or a fresh pair is made)."""
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -54,6 +58,14 @@ def make_socket(context: zmq.Context, kind: int, endpoint: str, *, bind: bool,
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind == zmq.ROUTER:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if curve_server_key is not None:
+        secret = curve_secret_key or zmq.curve_keypair()[1]
+        sock.curve_secretkey, sock.curve_publickey = secret, zmq.curve_public(secret)
+        sock.curve_serverkey = curve_server_key
+    elif curve_secret_key is not None:
+        sock.curve_server = True
+        sock.curve_secretkey = curve_secret_key
+        sock.curve_publickey = zmq.curve_public(curve_secret_key)
     if bind:
         sock.bind(endpoint)
     else:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 
 from api_fake_scheduler import fake_logprob
 from api_stack import (MODEL, TEXTS, chat_template, endless_script, eventually, run,
@@ -64,10 +65,12 @@ def test_malformed_client_frames_are_refused():
 
 
 @asynccontextmanager
-async def zmq_stack(script=None, **kwargs):
+async def zmq_stack(script=None, endpoint=None, curve_secret_key=None, **kwargs):
     options = {} if script is None else {"script": script}
     async with serving_stack(**options, **kwargs) as stack:
-        server = ZmqServer(stack.serving, transport.ipc_endpoint(stack.runtime_dir, "client"))
+        server = ZmqServer(stack.serving,
+                           endpoint or transport.ipc_endpoint(stack.runtime_dir, "client"),
+                           curve_secret_key=curve_secret_key)
         task = asyncio.ensure_future(server.run())
         try:
             yield stack, server
@@ -223,4 +226,25 @@ def test_the_documented_example_runs():
             assert lines[3].startswith("healthy: True running: ")
             assert lines[4:] == [f"{p!r} -> {tokenizer().decode(text_tokens(0)[:8])!r}" for p in
                                  ["One plus one is", "The sky is", "Water boils at"]]
+    run(scenario)
+
+
+def test_curve_encrypted_tcp_endpoint_needs_the_server_key():
+    public, secret = zmq.curve_keypair()
+
+    def use(endpoint):
+        with Client(endpoint, timeout_s=10, server_public_key=public) as client:
+            text = client.complete("hi", max_tokens=4).text
+        with Client(endpoint, timeout_s=0.5) as plain:  # no key: the handshake never completes
+            with pytest.raises(TimeoutError):
+                plain.stats(timeout_s=0.5)
+        return text
+
+    async def scenario():
+        async with zmq_stack(endpoint="tcp://127.0.0.1:*", curve_secret_key=secret) as (
+                stack, server):
+            assert server.endpoint.startswith("tcp://127.0.0.1:")
+            text = await asyncio.to_thread(use, server.endpoint)
+            assert text == tokenizer().decode(text_tokens(0)[:4])
+            assert len(stack.fake.submitted) == 1
     run(scenario)

@@ -40,6 +40,8 @@ class FrontendSettings:
     """The id clients use; "" takes the GGUF's general.name."""
     max_context: int = 0
     """Prompt + output tokens per request; 0 takes the GGUF's context length."""
+    zmq_curve_secret_key: str = ""
+    """z85 CURVE secret key of the ZMQ endpoint; "" accepts plain connections (loopback)."""
     host: str = "127.0.0.1"
     port: int = 8000
     """0 picks a free port (see FrontendServer.http_url)."""
@@ -69,7 +71,8 @@ class FrontendServer:
         self.serving = serving
         self.app = build_app(serving)
         self._http = make_http_server(self.app, settings.host, settings.port, settings.log_level)
-        self._zmq = ZmqServer(serving, settings.zmq_endpoint)
+        self._zmq = ZmqServer(serving, settings.zmq_endpoint,
+                              curve_secret_key=settings.zmq_curve_secret_key.encode() or None)
         self._tasks: list[asyncio.Task] = []
 
     @property

@@ -39,12 +39,14 @@ SessionKey = tuple[bytes, str]  # (client identity, client_request_id)
 class ZmqServer:
     """Serve SubmitGeneration / AbortGeneration / QueryStats on `endpoint` until cancelled."""
 
-    def __init__(self, serving: Serving, endpoint: str,
-                 context: zmq.asyncio.Context | None = None) -> None:
+    def __init__(self, serving: Serving, endpoint: str, *,
+                 curve_secret_key: bytes | None = None) -> None:
+        """curve_secret_key (z85): require CURVE-encrypted clients that know the matching
+        public key (for tcp:// endpoints other hosts can reach)."""
         self._serving = serving
-        self._context = context or zmq.asyncio.Context.instance()
+        self._context = zmq.asyncio.Context.instance()
         self._socket = cast(zmq.asyncio.Socket, transport.make_socket(
-            self._context, zmq.ROUTER, endpoint, bind=True))
+            self._context, zmq.ROUTER, endpoint, bind=True, curve_secret_key=curve_secret_key))
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._running: dict[SessionKey, Generation] = {}
         self._tasks: set[asyncio.Task] = set()
