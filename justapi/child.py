@@ -38,12 +38,12 @@ class Endpoints:
     client: str
 
     @classmethod
-    def in_dir(cls, runtime_dir: str, client: str = "") -> Endpoints:
+    def in_dir(cls, runtime_dir: str, client: str = "", admin: str = "") -> Endpoints:
         def ep(name: str) -> str:
             return transport.ipc_endpoint(runtime_dir, name)
 
         return cls(runtime_dir=runtime_dir, scheduler_in=ep("scheduler"), frontend_in=ep("frontend"),
-                   workers=ep("workers"), admin=ep("admin"), control=ep("control"),
+                   workers=ep("workers"), admin=admin or ep("admin"), control=ep("control"),
                    client=client or ep("client"))
 
 

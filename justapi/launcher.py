@@ -4,6 +4,8 @@ The launcher sizes and creates the shared CPU KV pool (so it alone unlinks it, e
 worker is SIGKILLed), starts frontend, scheduler and workers as `python -m` children with a
 JSON spec, and waits for each one's ProcessReady on a control socket. On SIGINT/SIGTERM it
 stops frontend, then scheduler, then workers; stragglers are killed; the runtime dir goes.
+A worker that dies while serving goes to the supervisor (justapi/supervisor.py), which logs
+it and, with --restart-workers, starts a replacement.
 Owns: child processes, the runtime dir, the CPU shared-memory pool's lifetime.
 Does not own: what the children do.
 """
@@ -26,6 +28,7 @@ from justapi.model_info import ModelInfo
 from justapi.protocol import ProcessFailed, ProcessReady
 from justapi.serve_config import ServeConfig
 from justapi.shm_pool import SharedPoolSegment, plan_cpu_pool
+from justapi.supervisor import WorkerSupervisor
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +74,11 @@ class Launcher:
         self.config = config
         self.model = model
         self.runtime_dir = transport.make_runtime_dir()
-        self.endpoints = Endpoints.in_dir(self.runtime_dir, config.server.zmq)
+        self.endpoints = Endpoints.in_dir(self.runtime_dir, config.server.zmq, config.ops.admin)
         self.children: list[Child] = []
         self.segment: SharedPoolSegment | None = None
+        self.pool: dict[str, Any] = {}
+        self.supervisor = WorkerSupervisor(config.ops, self._respawn)
         self._context = zmq.Context()
         self._control = transport.make_socket(self._context, zmq.PULL, self.endpoints.control,
                                               bind=True)
@@ -81,7 +86,7 @@ class Launcher:
     def start(self) -> Deployment:
         """Start every process and wait for its Ready; on any failure stop all and raise."""
         try:
-            pool = self._make_pool()
+            pool = self.pool = self._make_pool()
             for role, index in self._roles():
                 self._spawn(role, index, pool)
             self._wait_ready(self.config.server.ready_timeout_s)
@@ -149,16 +154,24 @@ class Launcher:
         return None
 
     def wait(self, stop_requested: Any) -> str:
-        """Block until stop_requested() or a child dies; return why."""
+        """Block until stop_requested() or a frontend/scheduler dies; return why. A dead
+        worker is the supervisor's (restart or not), and the scheduler's (fence, re-queue)."""
         while not stop_requested():
-            dead = self._check_exits(starting=False)
-            if dead is not None and dead.role != "worker":
-                return f"{dead.name} exited with code {dead.process.returncode}"
+            for child in self.children:
+                if child.role != "worker" and child.process.poll() is not None:
+                    return f"{child.name} exited with code {child.process.returncode}"
+            self.supervisor.check(self.children)
             for _, message in transport.drain(self._control):
                 if isinstance(message, ProcessFailed):
                     logger.error("%s %d failed: %s", message.role, message.index, message.error)
+                else:
+                    self._on_control(message)  # a replacement worker's ProcessReady
             time.sleep(0.2)
         return "stop requested"
+
+    def _respawn(self, child: Any) -> None:
+        self.children.remove(child)
+        self._spawn(child.role, child.index, self.pool)
 
     def shutdown(self) -> None:
         """Stop children in order (SIGTERM, grace, SIGKILL); unlink the pool; remove the dir."""

@@ -2,10 +2,10 @@
 
 Reads SubmitRequest/AbortRequest from the frontend and Ready/StepResult/Heartbeat from the
 workers, asks the core for step plans, and pushes coalesced TokenDeltas and periodic
-SchedulerStats back to the frontend. Never busy-polls: it blocks on its sockets, and every
-change of state arrives as a message.
-Owns: sockets, clocks, the worker identity table and heartbeat bookkeeping (justapi/health.py).
-Does not own: scheduling decisions (justapi/scheduler/), tokens-to-text (frontend).
+SchedulerStats back to the frontend; answers the admin socket between steps (justapi/admin.py).
+Never busy-polls: it blocks on its sockets, and every change of state arrives as a message.
+Owns: sockets, clocks, the worker identity table. Does not own: scheduling decisions
+(justapi/scheduler/), health verdicts and fencing (justapi/health_watch.py), tokens-to-text.
 """
 from __future__ import annotations
 
@@ -18,10 +18,11 @@ import numpy as np
 import zmq
 
 from justapi import transport
+from justapi.admin import AdminServer
 from justapi.child import ChildSpec, StopFlag, report, start_child
-from justapi.health import HealthMonitor
+from justapi.health_watch import HealthWatch
 from justapi.protocol import (FINISH_ERROR, AbortRequest, Heartbeat, Ready, SchedulerStats,
-                              Shutdown, StepResult, SubmitRequest, TokenDeltas)
+                              Shutdown, StepPlan, StepResult, SubmitRequest, TokenDeltas)
 from justapi.scheduler.factory import build_scheduler
 
 logger = logging.getLogger(__name__)
@@ -44,11 +45,14 @@ class SchedulerProcess:
         self.inbox = transport.make_socket(ctx, zmq.PULL, spec.endpoints.scheduler_in, bind=True)
         self.outbox = transport.make_socket(ctx, zmq.PUSH, spec.endpoints.frontend_in, bind=False)
         self.workers = transport.make_socket(ctx, zmq.ROUTER, spec.endpoints.workers, bind=True)
+        self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
+        self.admin = AdminServer(ctx, spec.endpoints.admin)
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
         self.poller.register(self.workers, zmq.POLLIN)
+        self.poller.register(self.admin.socket, zmq.POLLIN)
         self.readies: dict[int, Ready] = {}
-        self.health = HealthMonitor()
+        self.health = HealthWatch(spec.config.ops)
         self.core: Any = None
         self._last_stats_s = 0.0
 
@@ -63,7 +67,7 @@ class SchedulerProcess:
                 for sender, message in transport.drain(self.workers, routed=True):
                     if isinstance(message, Ready):
                         self.readies[message.worker_id] = message
-                        self.health.add_worker(message.worker_id, message.pool.pool_id)
+                        self.health.on_ready(message)
         self.core = build_scheduler(self.spec.config, list(self.readies.values()),
                                     {**self.spec.extra, "model_path": self.spec.model_path})
 
@@ -75,9 +79,10 @@ class SchedulerProcess:
                 self._on_frontend(message)
             for sender, message in transport.drain(self.workers, routed=True):
                 self._on_worker(sender, message)
+            self.admin.serve(self.core, self.health)
             self._check_health()
             for worker_id, plan in self.core.schedule():
-                transport.send(self.workers, plan, to=worker_identity(worker_id))
+                self._send_plan(worker_id, plan)
             self._maybe_push_stats()
         self._stop_workers()
 
@@ -95,7 +100,7 @@ class SchedulerProcess:
 
     def _on_worker(self, sender: bytes | None, message: Any) -> None:
         if isinstance(message, StepResult):
-            self.health.on_progress(message.worker_id)
+            self.health.on_step_result(message.worker_id)
             if message.error:
                 logger.error("worker %d step %d failed: %s", message.worker_id, message.step_id,
                              message.error)
@@ -104,8 +109,7 @@ class SchedulerProcess:
             self.health.on_heartbeat(message)
         elif isinstance(message, Ready):
             self.readies[message.worker_id] = message
-            self.health.add_worker(message.worker_id, message.pool.pool_id)
-            self.core.add_worker(message)
+            self._send_deltas(self.health.rejoin(self.core, message))
         else:
             logger.warning("ignored unexpected %s from %r", type(message).__name__, sender)
 
@@ -119,20 +123,29 @@ class SchedulerProcess:
             token_ids=np.zeros(0, np.int32), finish_reasons=[FINISH_ERROR],
             errors={request_id: error}))
 
+    def _send_plan(self, worker_id: int, plan: StepPlan) -> None:
+        try:
+            transport.send(self.workers, plan, to=worker_identity(worker_id))
+        except zmq.ZMQError as exc:  # its process is gone: retired at the next health check
+            self.health.on_unreachable(worker_id, str(exc))
+            return
+        self.health.on_step_sent(worker_id, plan.step_id)
+
     def _check_health(self) -> None:
-        for worker_id, reason in self.health.newly_unhealthy(time.monotonic()):
-            logger.error("worker %d is unhealthy: %s; re-queueing its requests", worker_id, reason)
-            self._send_deltas(self.core.mark_worker_unhealthy(worker_id))
+        for worker_id, reason in self.health.poll():
+            logger.error("worker %d is unhealthy: %s; fencing it, re-queueing its requests",
+                         worker_id, reason)
+            self._send_deltas(self.health.retire(self.core, worker_id))
 
     def _maybe_push_stats(self) -> None:
         now = time.monotonic()
         if now - self._last_stats_s < STATS_INTERVAL_S:
             return
         self._last_stats_s = now
-        problems = self.health.problems(self.core.pool_ids())
+        snap = self.health.snapshot(self.core)
         transport.send(self.outbox, SchedulerStats(
-            time_s=time.time(), healthy=not problems, stats=self.core.stats(),
-            workers=self.health.table(), problems=problems))
+            time_s=time.time(), healthy=snap.healthy, stats=snap.stats, workers=snap.workers,
+            problems=snap.problems, warnings=snap.warnings))
 
     def _stop_workers(self) -> None:
         for worker_id in self.readies:
@@ -143,6 +156,8 @@ class SchedulerProcess:
                 pass
 
     def close(self) -> None:
+        self.health.close()
+        self.admin.close()
         for sock in (self.inbox, self.outbox, self.workers):
             sock.close(0)
         self.context.term()

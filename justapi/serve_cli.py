@@ -5,12 +5,14 @@ Owns: the serve flags and the start-up banner. Does not own: the processes (laun
 """
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Any
 
 import click
 
+from justapi import discovery
 from justapi.child import StopFlag
 from justapi.config import ConfigError
 from justapi.gguf_file import GGUFError, GGUFFile
@@ -46,6 +48,14 @@ def _flags(fn: Any) -> Any:
         click.option("--served-model-name", help="Model id for /v1/models."),
         click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"])),
         click.option("--ready-timeout-s", type=float, help="Start-up timeout per process (120)."),
+        click.option("--restart-workers/--no-restart-workers", default=None,
+                     help="Start a replacement for a worker that dies (off)."),
+        click.option("--heartbeat-timeout-s", type=float,
+                     help="A worker silent this long is unhealthy (1.5)."),
+        click.option("--step-timeout-s", type=float,
+                     help="A step in flight this long is hung; its worker is fenced (120)."),
+        click.option("--admin", help="Admin socket for tools/ (default: ipc in the runtime dir; "
+                                     "tcp must be loopback)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -75,10 +85,29 @@ def run_server(config: ServeConfig, model: ModelInfo) -> int:
     except (LaunchError, ConfigError, ValueError, OSError) as exc:
         _fail(str(exc))
     click.echo(banner(config, deployment), err=True)
-    reason = launcher.wait(lambda: stop.is_set)
+    state_file = _publish(deployment)
+    try:
+        reason = launcher.wait(lambda: stop.is_set)
+    finally:
+        if state_file:
+            discovery.unpublish(state_file)
     click.echo(f"justapi: stopping ({reason})", err=True)
     launcher.shutdown()
     return 0 if reason == "stop requested" else 1
+
+
+def _publish(deployment: Deployment) -> str:
+    """Make this server discoverable by tools/ (justapi/discovery.py); '' if it cannot be."""
+    endpoints = deployment.endpoints
+    record = discovery.ServerRecord(pid=os.getpid(), admin=endpoints.admin,
+                                    client=deployment.zmq_url, http_url=deployment.http_url,
+                                    model=deployment.model.name, runtime_dir=endpoints.runtime_dir)
+    try:
+        return discovery.publish(record)
+    except (OSError, discovery.DiscoveryError) as exc:
+        click.echo(f"justapi: warning: tools cannot find this server without --admin ({exc})",
+                   err=True)
+        return ""
 
 
 def banner(config: ServeConfig, deployment: Deployment) -> str:
@@ -95,6 +124,8 @@ def banner(config: ServeConfig, deployment: Deployment) -> str:
         f"justapi: {config.server.workers} worker(s) on {config.model.device}; KV pool {pool_text}",
         f"justapi: HTTP  {deployment.http_url}/v1 (OpenAI-compatible), /health, /metrics",
         f"justapi: ZMQ   {deployment.zmq_url} (justapi.client)",
+        f"justapi: admin {deployment.endpoints.admin} (tools/status.py, drain.py, health.py, "
+        "flush_cache.py)",
     ]
     return "\n".join(lines)
 

@@ -144,13 +144,29 @@ class Worker:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return Heartbeat(worker_id=self.spec.index, time_s=time.time(),
                          rss_bytes=_rss_bytes(), cpu_time_s=usage.ru_utime + usage.ru_stime,
-                         gpu=self._gpu_figures())
+                         gpu=self._gpu_figures(), pool=self._pool_state())
 
     def _gpu_figures(self) -> dict[str, Any]:
         if self.device == "cpu":
             return {}
         index = torch.device(self.device).index or 0
-        return {"memory_allocated_bytes": torch.cuda.memory_allocated(index)}
+        figures: dict[str, Any] = {"memory_allocated_bytes": torch.cuda.memory_allocated(index),
+                                   "memory_reserved_bytes": torch.cuda.memory_reserved(index)}
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+        if uuid is not None:  # lets the scheduler find this GPU in NVML whatever the ordering
+            figures["uuid"] = f"GPU-{uuid}"
+        return figures
+
+    def _pool_state(self) -> dict[str, Any]:
+        """The KV pool as this worker sees it; on CPU, whether the shared segment still exists."""
+        pool = self.pool
+        state: dict[str, Any] = {"kind": pool.kind, "handle": pool.handle if pool.kind == "shm" else "",
+                                 "num_blocks": pool.shape.num_blocks,
+                                 "num_bytes": pool.tensor.numel() * pool.tensor.element_size(),
+                                 "is_mapped": pool.tensor.numel() > 0}
+        if pool.kind == "shm":
+            state["is_linked"] = os.path.exists(os.path.join("/dev/shm", pool.handle))
+        return state
 
     def close(self) -> None:
         self.stop.set()
