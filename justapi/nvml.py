@@ -62,6 +62,7 @@ class GpuReading:
     def as_dict(self) -> dict[str, Any]:
         """Wire form (the health table prefixes each key with gpu_)."""
         out = asdict(self)
+        out["is_thermal_throttled"] = self.is_thermal_throttled
         out["throttle_reasons"] = list(self.throttle_reasons)
         out["xids"] = list(self.xids)
         return out

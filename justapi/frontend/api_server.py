@@ -32,6 +32,7 @@ from justapi.frontend.openai_models import (ChatCompletionRequest, ChatCompletio
 from justapi.frontend.serving import Serving
 from justapi.frontend.serving_chat import create_chat_completion, message_dicts
 from justapi.frontend.serving_completions import create_completion
+from justapi.protocol import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -177,10 +178,23 @@ def _add_ops_routes(app: FastAPI, serving: Serving) -> None:
                                    503: {"model": HealthResponse}})
     async def health() -> Response:
         problems = serving.engine.health_problems()
+        details = _health_details(serving.engine.stats)
         if problems:
-            return json_response({"status": "unhealthy", "problems": problems}, 503)
-        return json_response({"status": "ok", "problems": []})
+            return json_response({"status": "unhealthy", "problems": problems, **details}, 503)
+        status = "degraded" if details["warnings"] else "ok"
+        return json_response({"status": status, "problems": [], **details})
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(serving.metrics.render(), media_type=metrics_module.CONTENT_TYPE)
+
+
+def _health_details(stats: SchedulerStats | None) -> dict[str, Any]:
+    """The scheduler's warnings and each worker's verdict, from its latest snapshot."""
+    if stats is None:
+        return {"warnings": [], "workers": []}
+    workers = [{"worker_id": int(w["worker_id"]), "pool_id": int(w.get("pool_id", 0)),
+                "healthy": bool(w.get("healthy")), "draining": bool(w.get("draining")),
+                "reason": str(w.get("reason", ""))}
+               for w in stats.workers if isinstance(w, dict) and "worker_id" in w]
+    return {"warnings": [str(x) for x in stats.warnings], "workers": workers}

@@ -62,6 +62,24 @@ SCHEDULER_METRICS = (
                "num_preemptions", is_counter=True),
 )
 WORKER_LABELS = ["model_name", "worker_id"]
+# The scheduler's health table (justapi/health.py rows: process, pool and NVML figures), one
+# gauge per figure and worker; a figure a worker lacks (no GPU, no NVML) is left out.
+HEALTH_GAUGES = (
+    ("rss_bytes", "worker_resident_memory_bytes", "Resident memory of the worker process."),
+    ("cpu_time_s", "worker_cpu_seconds", "CPU time used by the worker process."),
+    ("heartbeat_age_s", "worker_heartbeat_age_seconds", "Time since the worker's last heartbeat."),
+    ("step_age_s", "worker_step_age_seconds", "Time the worker's step has been in flight."),
+    ("num_restarts", "worker_restarts", "Times the worker rejoined after its process died."),
+    ("draining", "worker_draining", "1 while the worker is drained (admits nothing new)."),
+    ("gpu_temperature_c", "gpu_temperature_celsius", "GPU temperature (NVML)."),
+    ("gpu_memory_used_bytes", "gpu_memory_used_bytes", "GPU memory used (NVML)."),
+    ("gpu_memory_total_bytes", "gpu_memory_total_bytes", "GPU memory in all (NVML)."),
+    ("gpu_utilization_percent", "gpu_utilization_percent", "GPU utilisation (NVML)."),
+    ("gpu_power_watts", "gpu_power_watts", "GPU power draw (NVML)."),
+    ("gpu_is_thermal_throttled", "gpu_thermal_throttled", "1 while clocks are thermally throttled."),
+    ("gpu_ecc_corrected", "gpu_ecc_corrected_errors", "Volatile corrected ECC errors (NVML)."),
+    ("gpu_ecc_uncorrected", "gpu_ecc_uncorrected_errors", "Volatile uncorrected ECC errors."),
+)
 
 
 class MonotonicTotal:
@@ -101,6 +119,7 @@ class SchedulerStatsCollector(Collector):
             return
         yield from self._scheduler_figures(snapshot.stats)
         yield from self._worker_figures(snapshot)
+        yield from self._health_figures(snapshot)
 
     def _scheduler_figures(self, stats: dict) -> Iterator[Metric]:
         for spec in SCHEDULER_METRICS:
@@ -140,6 +159,17 @@ class SchedulerStatsCollector(Collector):
                 if _number(value) is not None:
                     family.add_metric(labels, float(value))  # type: ignore[arg-type]
         for family in (running, kv_usage, healthy):
+            if family.samples:
+                yield family
+
+    def _health_figures(self, snapshot: SchedulerStats) -> Iterator[Metric]:
+        rows = [w for w in snapshot.workers if isinstance(w, dict) and "worker_id" in w]
+        for key, name, doc in HEALTH_GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=WORKER_LABELS)
+            for row in rows:
+                value = row.get(key)
+                if isinstance(value, bool) or _number(value) is not None:
+                    family.add_metric([self._model_name, str(row["worker_id"])], float(value))
             if family.samples:
                 yield family
 

@@ -249,6 +249,18 @@ class ErrorResponse(ResponseModel):
     error: ErrorDetail
 
 
+class HealthWorker(ResponseModel):
+    worker_id: int
+    pool_id: int
+    healthy: bool
+    draining: bool = False
+    reason: str = ""
+
+
 class HealthResponse(ResponseModel):
-    status: Literal["ok", "unhealthy"]
+    """/health: 200 "ok" or "degraded" (warnings: e.g. one of two workers down), else 503."""
+
+    status: Literal["ok", "degraded", "unhealthy"]
     problems: list[str] = []
+    warnings: list[str] = []
+    workers: list[HealthWorker] = []
