@@ -16,7 +16,7 @@ from reference_llama import ReferenceLlama
 from workers.attention import SHORT_CHUNK_TOKENS, TorchPagedBackend
 from workers.gguf_loader import load_llama
 from workers.kv_pool import KVPool, PoolShape
-from workers.model import LlamaModel
+from workers.model import Linear, LlamaModel, has_onednn_linear
 from workers.runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -123,6 +123,18 @@ def test_runner_samples_the_reference_argmax(models):
         1, [seqs.chunk("a", 0, 6), seqs.chunk("b", 0, 17)], [seqs.new("a"), seqs.new("b")]))
     want = [int(ref.forward(seqs.tokens[r])[-1].argmax()) for r in ("a", "b")]
     assert result.sampled_token_ids.tolist() == want
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 33])
+def test_linear_kernels_equal_a_plain_matmul(rows):
+    torch.manual_seed(rows)
+    w, x = torch.randn(96, 64), torch.randn(rows, 64)
+    fast = Linear(w)
+    assert fast.is_onednn == has_onednn_linear()
+    torch.testing.assert_close(fast(x), x @ w.T, atol=1e-5, rtol=1e-5)
+    dense = Linear(w.to(torch.bfloat16))  # not fp32: the plain path GPUs take
+    assert not dense.is_onednn
+    torch.testing.assert_close(dense(x.to(torch.bfloat16)).float(), x @ w.T, atol=0.2, rtol=0.05)
 
 
 # ------------------------------------------------------------------------------ SmolLM2 vs HF
