@@ -124,12 +124,21 @@ class StepPlan:
 @register("CopyBlocks")
 @dataclass(frozen=True)
 class CopyBlocks:
-    """Copy KV data block by block: src_block_ids[i] (in the pool `src_pool`) -> dst_block_ids[i]."""
+    """Copy KV data block by block: src_block_ids[i] of the pool `src_pool` -> dst_block_ids[i]
+    of the receiving worker's pool (ids relative to each pool). `src` describes the source
+    pool (PD hand-off: a prefill pool, which the decode worker maps once); the worker answers
+    BlocksCopied when the data is in place."""
 
     copy_id: int
     src_pool: int
     src_block_ids: np.ndarray  # int32 [n]
     dst_block_ids: np.ndarray  # int32 [n]
+    src: PoolInfo | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.src_block_ids) != len(self.dst_block_ids):
+            raise ProtocolError(f"CopyBlocks has {len(self.src_block_ids)} source and "
+                                f"{len(self.dst_block_ids)} destination blocks")
 
 
 @register("Shutdown")
@@ -197,6 +206,17 @@ class Ready:
     vocab_size: int
     max_context: int
     pool: PoolInfo
+
+
+@register("BlocksCopied")
+@dataclass(frozen=True)
+class BlocksCopied:
+    """A CopyBlocks order is done: its blocks are readable in the worker's pool (or `error`)."""
+
+    copy_id: int
+    worker_id: int
+    num_blocks: int = 0
+    error: str | None = None
 
 
 @register("Heartbeat")

@@ -14,6 +14,7 @@ from typing import Any
 
 from justapi.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig, _require
 from justapi.ops_config import OpsConfig
+from justapi.pd_config import PdConfig
 
 LAUNCHERS = ("local", "ray")
 
@@ -60,6 +61,7 @@ class ServeConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
+    pd: PdConfig = field(default_factory=PdConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -72,7 +74,7 @@ class ServeConfig:
 
 _SECTION_TYPES: dict[str, type] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-    "server": ServerConfig, "ops": OpsConfig,
+    "server": ServerConfig, "ops": OpsConfig, "pd": PdConfig,
 }
 
 
@@ -96,10 +98,23 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Serv
                 raise ConfigError(f"unknown config key {raw_key!r}")
             section, name = keys[key]
             sections[section][name] = value
+    _apply_pd(sections)
     try:
         return ServeConfig.from_dict(sections)
     except TypeError as exc:
         raise ConfigError(f"bad config value: {exc}") from None
+
+
+def _apply_pd(sections: dict[str, dict[str, Any]]) -> None:
+    """--pd P:D sets the worker count to P + D (an explicit, different --workers is an error)."""
+    pd = PdConfig(**sections["pd"]) if sections["pd"] else PdConfig()
+    if not pd.is_enabled:
+        return
+    workers = sections["server"].setdefault("workers", pd.num_workers)
+    if workers != pd.num_workers:
+        raise ConfigError(f"workers={workers} disagrees with pd={pd.pd!r} ({pd.num_workers} workers)")
+    if sections["scheduler"].get("scheduled") is False:
+        raise ConfigError("pd needs continuous batching (drop --no-scheduled)")
 
 
 def load_toml(path: str) -> dict[str, Any]:

@@ -8,26 +8,35 @@ Owns: that translation and its validation. Does not own: the shell (scheduler_pr
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from justapi.gguf_file import GGUFFile, resolve_model_path
 from justapi.protocol import Ready
+from justapi.scheduler.pd_scheduler import PdScheduler
 from justapi.scheduler.scheduler import Scheduler
-from justapi.scheduler.topology import ModelLimits, PoolSpec, Topology, WorkerSpec
+from justapi.scheduler.topology import ROLE_MIXED, ModelLimits, PoolSpec, Topology, WorkerSpec
 from justapi.serve_config import ServeConfig
 
 logger = logging.getLogger(__name__)
 
 
 def build_scheduler(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, Any]) -> Scheduler:
+    """Scheduler, or PdScheduler with `pd` set (roles by worker index, pool handles from Ready)."""
     if not readies:
         raise ValueError("cannot build a scheduler without a ready worker")
-    return Scheduler(config.scheduler, config.cache, topology_of(readies, config.cache.block_size),
-                     limits_of(config, readies, extra))
+    pd = config.pd
+    role_of = pd.role_of if pd.is_enabled else None
+    topology = topology_of(readies, config.cache.block_size, role_of)
+    limits = limits_of(config, readies, extra)
+    if not pd.is_enabled:
+        return Scheduler(config.scheduler, config.cache, topology, limits)
+    return PdScheduler(config.scheduler, config.cache, topology, limits, pd.pd_lease_s,
+                       {r.pool.pool_id: r.pool for r in readies})
 
 
-def topology_of(readies: Sequence[Ready], block_size: int) -> Topology:
+def topology_of(readies: Sequence[Ready], block_size: int,
+                role_of: Callable[[int], str] | None = None) -> Topology:
     pools: dict[int, int] = {}
     for ready in readies:
         info = ready.pool
@@ -38,7 +47,8 @@ def topology_of(readies: Sequence[Ready], block_size: int) -> Topology:
             raise ValueError(f"workers disagree on the size of pool {info.pool_id}: "
                              f"{pools[info.pool_id]} vs {info.num_blocks} blocks")
     return Topology(tuple(PoolSpec(p, n) for p, n in sorted(pools.items())),
-                    tuple(WorkerSpec(r.worker_id, r.pool.pool_id)
+                    tuple(WorkerSpec(r.worker_id, r.pool.pool_id,
+                                     role_of(r.worker_id) if role_of else ROLE_MIXED)
                           for r in sorted(readies, key=lambda r: r.worker_id)))
 
 

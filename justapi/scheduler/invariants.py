@@ -1,9 +1,10 @@
 """Whole-state consistency checks (O(requests + blocks): tests and simulation only).
 
 Beyond BlockPool's conservation and each tree's structure: every block's holders are exactly
-the requests whose block tables list it; a request's first num_cached_blocks blocks are the
-path to its cache_node; waiting requests hold nothing; running ones are on a healthy worker
-and hold blocks for every computed token; in-flight flags match the workers' steps.
+the requests whose block tables list it (plus PD copies in flight, under their own holder); a
+request's first num_cached_blocks blocks are the path to its cache_node; waiting requests hold
+nothing; running ones are on a healthy worker and handed-off ones on none, and both hold
+blocks for every computed token; in-flight flags match the workers' steps and PD copies.
 Owns: nothing. Does not own: the rules it checks (documented where they are kept).
 """
 from __future__ import annotations
@@ -21,12 +22,15 @@ def check_state(state: SchedulerState) -> None:
     for queue in state.queues.values():
         queue.check_invariants()
     in_flight = {r.request_id for w in state.workers.values() if w.in_flight
-                 for r in w.in_flight.reqs}
+                 for r in w.in_flight.reqs} | state.handoffs.in_flight_request_ids()
     holders: dict[int, set[str]] = defaultdict(set)
     for req in state.requests.values():
         _check_request(state, req, req.request_id in in_flight)
         for block_id in req.block_ids:
             holders[block_id].add(req.request_id)
+    for holder, block_ids in state.handoffs.holdings():  # PD copies in flight
+        for block_id in block_ids:
+            holders[block_id].add(holder)
     for pool_id in state.pool.pool_ids:
         base = state.pool.base(pool_id)
         for block_id in range(base, base + state.pool.num_blocks(pool_id)):
@@ -48,6 +52,9 @@ def _check_request(state: SchedulerState, req: Request, is_in_flight: bool) -> N
     if req.status is RequestStatus.WAITING:
         assert req.queue_entry is not None and not req.block_ids, f"{rid}: waiting but holds blocks"
         assert req.num_computed_tokens == 0 and req.cache_node is None
+        return
+    if req.status is RequestStatus.HANDOFF:
+        _check_handoff(state, req)
         return
     assert req.status is RequestStatus.RUNNING, f"{rid}: finished but still tracked"
     worker = state.workers[req.worker_id]
@@ -72,3 +79,22 @@ def _check_cached_path(state: SchedulerState, req: Request) -> None:
     assert list(req.block_ids[:req.num_cached_blocks]) == path_ids, \
         f"{req.request_id}: block table prefix is not its cached path"
     assert req.num_cached_blocks * state.block_size <= req.num_computed_tokens or req.is_in_flight
+
+
+def _check_handoff(state: SchedulerState, req: Request) -> None:
+    """Between a prefill and a decode worker: on no worker and in no queue, holding blocks
+    (in its current pool) for every computed token, with a token left to compute."""
+    rid = req.request_id
+    handoff = state.handoffs.get(rid)
+    assert handoff is not None and handoff.req is req, f"{rid}: handed off but not in the table"
+    assert req.queue_entry is None and req.worker_id == -1, f"{rid}: handed off but placed"
+    assert not any(rid in w.running for w in state.workers.values()), f"{rid}: on a worker"
+    assert req.num_computed_tokens == req.num_tokens - 1, f"{rid}: handed off mid-prompt"
+    assert all(state.pool.pool_of(b) == req.pool_id for b in req.block_ids), f"{rid}: wrong pool"
+    assert len(req.block_ids) >= state.kv.num_blocks_for(req.num_computed_tokens)
+    expected_pool = handoff.dst_pool_id if handoff.is_copied else handoff.src_pool_id
+    assert req.pool_id == expected_pool, f"{rid}: blocks in pool {req.pool_id}, not {expected_pool}"
+    if handoff.is_copy_in_flight:
+        assert state.handoffs.copies.get(handoff.copy_id) is handoff and req.is_in_flight
+        assert len(handoff.dst_block_ids) == handoff.num_blocks
+    _check_cached_path(state, req)

@@ -1,15 +1,18 @@
 """Block accounting of requests: prefix reuse, allocation with eviction, caching, release.
 
-The one place that moves blocks between a request and the BlockPool / RadixPrefixCache, so
-Scheduler (and a later PdScheduler) share it instead of copying it. A request holds
+The one place that moves blocks between a request (or a KV hand-off's holder) and the
+BlockPool / RadixPrefixCache, so Scheduler and PdScheduler share it instead of copying it. A request holds
 block_ids[i] for tokens [i * block_size, (i + 1) * block_size); the first num_cached_blocks
 of them are the path to its cache_node in its pool's tree.
 Owns: those transitions. Does not own: when they happen (the scheduler's policy).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from justapi.scheduler.block_pool import BlockPool
-from justapi.scheduler.radix_cache import RadixPrefixCache
+from justapi.scheduler.radix_cache import Match, RadixPrefixCache
+from justapi.scheduler.radix_node import RadixNode
 from justapi.scheduler.request import Request
 
 
@@ -46,14 +49,23 @@ class KvCacheManager:
         if not self.enable_prefix_cache:
             return 0
         max_blocks = (req.num_tokens - 1) // self.block_size
-        match = self.caches[req.pool_id].match(req.token_bytes(), req.cache_salt, max_blocks)
-        for block_id in match.block_ids:
-            self.pool.acquire(block_id, req.request_id)
+        match = self.hold_prefix(req.pool_id, req.token_bytes(), req.cache_salt, max_blocks,
+                                 req.request_id)
         req.block_ids.extend(match.block_ids)
         req.cache_node = match.node
         req.num_cached_blocks = match.num_blocks
         req.num_computed_tokens = match.num_blocks * self.block_size
         return match.num_blocks
+
+    def hold_prefix(self, pool_id: int, tokens: bytes, salt: str, max_blocks: int,
+                    holder: str) -> Match:
+        """`holder` holds the longest cached prefix (at most max_blocks blocks) of tokens."""
+        if not self.enable_prefix_cache:
+            return Match(None, [])
+        match = self.caches[pool_id].match(tokens, salt, max_blocks)
+        for block_id in match.block_ids:
+            self.pool.acquire(block_id, holder)
+        return match
 
     def record_lookup(self, req: Request, num_hit_blocks: int) -> None:
         """Count an admission's lookup (only admissions count, not probes or retries)."""
@@ -74,14 +86,21 @@ class KvCacheManager:
         need = -(-num_tokens // self.block_size) - len(req.block_ids)
         if need <= 0:
             return True
-        pool_id = req.pool_id
-        free = self.pool.num_free(pool_id)
-        if need > free:
-            if need > free + self.pool.num_cached_unreferenced(pool_id):
-                return False
-            self.caches[pool_id].evict(need - free)
-        req.block_ids.extend(self.pool.allocate(pool_id, need, req.request_id))
+        block_ids = self.allocate_blocks(req.pool_id, need, req.request_id)
+        if block_ids is None:
+            return False
+        req.block_ids.extend(block_ids)
         return True
+
+    def allocate_blocks(self, pool_id: int, num_blocks: int, holder: str) -> list[int] | None:
+        """num_blocks free blocks of the pool for holder, evicting cache leaves if needed;
+        None (and no change) when the pool cannot supply them."""
+        free = self.pool.num_free(pool_id)
+        if num_blocks > free:
+            if num_blocks > free + self.pool.num_cached_unreferenced(pool_id):
+                return None
+            self.caches[pool_id].evict(num_blocks - free)
+        return self.pool.allocate(pool_id, num_blocks, holder)
 
     # ------------------------------------------------------------------ caching / release
     def cache_computed(self, req: Request) -> None:
@@ -108,13 +127,18 @@ class KvCacheManager:
 
     def free(self, req: Request) -> None:
         """Release every block the request holds; its cached path becomes evictable."""
-        self.pool.release(req.block_ids, req.request_id)
-        if req.cache_node is not None:
-            self.caches[req.pool_id].release_path(req.cache_node)
+        self.release(req.pool_id, req.block_ids, req.cache_node, req.request_id)
         del req.block_ids[:]
         req.cache_node = None
         req.num_cached_blocks = 0
         req.num_computed_tokens = 0
+
+    def release(self, pool_id: int, block_ids: Sequence[int], node: RadixNode | None,
+                holder: str) -> None:
+        """holder lets go of blocks whose cached prefix (if any) ends at node."""
+        self.pool.release(block_ids, holder)
+        if node is not None:
+            self.caches[pool_id].release_path(node)
 
     def truncate(self, req: Request, num_tokens: int) -> None:
         """Keep blocks for the first num_tokens tokens only (speculative rollback): the freed

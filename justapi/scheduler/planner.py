@@ -11,8 +11,8 @@ Static (`scheduled=False`): when a worker has nothing running it admits a whole 
 request with blocks reserved for its full length, so it is never preempted); no request
 joins until every one of them has finished.
 
-Out of blocks (after evicting unreferenced cache leaves): preempt the newest running request
-of the pool that is not in flight (un-scheduling it from this step if needed). If only
+Out of blocks (after evicting unreferenced cache leaves): preempt the newest running (or, with
+PD, handed-off) request of the pool that is not in flight (un-scheduling it if needed). If only
 requests in flight are newer, wait for them: reserve the pool's free blocks for this request
 (newer requests may not allocate until it has its blocks). If it is itself the newest
 holder, preempt it. So the oldest request always progresses and every request finishes.
@@ -40,7 +40,7 @@ class StepPlanner:
 
     def plan(self, worker: WorkerState) -> StepBatch:
         batch = StepBatch(self.config, self.state.block_size)
-        admits = not worker.is_draining  # a draining worker only finishes what it runs
+        admits = self.state.admits(worker)  # draining or PD decode: only runs what it has
         if admits and not self.config.scheduled and not worker.running:
             self._admit_static(worker, batch)
         self._schedule_running(worker, batch)
@@ -66,7 +66,7 @@ class StepPlanner:
             # The hot path (_schedule inlined): a decode needs a new block every block_size steps.
             num_tokens = min(1 + len(req.draft_token_ids), batch.budget_tokens)
             end = num_computed + num_tokens
-            if (end + bs - 1) // bs > len(req.block_ids) and not self._ensure_blocks(req, end, batch):
+            if (end + bs - 1) // bs > len(req.block_ids) and not self.ensure_blocks(req, end, batch):
                 continue
             batch.add_decode(req, num_tokens)
         if is_capped:  # round robin: the decodes served now go to the back of the line
@@ -84,26 +84,28 @@ class StepPlanner:
         num_tokens = batch.chunk_len(req, is_prefill)
         if num_tokens <= 0:
             return False
-        if not self._ensure_blocks(req, req.num_computed_tokens + num_tokens, batch):
+        if not self.ensure_blocks(req, req.num_computed_tokens + num_tokens, batch):
             return False
         batch.add(req, num_tokens, is_prefill)
         return True
 
-    def _ensure_blocks(self, req: Request, num_tokens: int, batch: StepBatch) -> bool:
-        running = self.state.pool_running[req.pool_id]
-        while not self._allocate(req, num_tokens):
-            victim = choose_victim(req, running.values())
+    def ensure_blocks(self, req: Request, num_tokens: int, batch: StepBatch) -> bool:
+        """Blocks for req's first num_tokens tokens, preempting newer holders if needed; False
+        when req must wait (it then reserves the pool, or was preempted itself)."""
+        while not self.allocate(req, num_tokens):
+            holders = self.state.holders(req.pool_id)
+            victim = choose_victim(req, holders)
             if victim is not None:
                 self._preempt(victim, batch)
                 continue
-            if has_newer_holder(req, running.values()):
+            if has_newer_holder(req, holders):
                 self._reserve(req)
             else:
                 self._preempt(req, batch)
             return False
         return True
 
-    def _allocate(self, req: Request, num_tokens: int) -> bool:
+    def allocate(self, req: Request, num_tokens: int) -> bool:
         """kv.allocate, unless an older request holds the pool's reservation."""
         pool_id = req.pool_id
         reserved = self.state.reservations[pool_id]
@@ -143,7 +145,7 @@ class StepPlanner:
                 return
             hit = self.kv.match_prefix(req)
             num_tokens = batch.chunk_len(req, is_prefill=True)
-            if not self._allocate(req, req.num_computed_tokens + num_tokens):
+            if not self.allocate(req, req.num_computed_tokens + num_tokens):
                 self.kv.free(req)
                 return
             self._admitted(req, worker, batch, hit)
@@ -155,7 +157,7 @@ class StepPlanner:
             if len(worker.running) >= self.config.max_seqs:
                 return
             hit = self.kv.match_prefix(req)
-            if not self._allocate(req, req.final_len - 1):  # the last token is never computed
+            if not self.allocate(req, req.final_len - 1):  # the last token is never computed
                 self.kv.free(req)
                 return
             self._admitted(req, worker, batch, hit)

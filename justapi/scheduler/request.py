@@ -23,6 +23,7 @@ from justapi.scheduler.radix_node import RadixNode
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # in its pool's waiting queue; holds no blocks
     RUNNING = "running"  # admitted on a worker; holds blocks
+    HANDOFF = "handoff"  # PD: prompt computed, between a prefill and a decode worker; holds blocks
     FINISHED = "finished"
 
 

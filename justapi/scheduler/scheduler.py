@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import array
 from collections.abc import Sequence
+from typing import Union
 
 import numpy as np
 
 from justapi.config import CacheConfig, SchedulerConfig
-from justapi.protocol import (FINISH_ABORT, FINISH_ERROR, Ready, StepPlan, StepResult,
+from justapi.protocol import (FINISH_ABORT, FINISH_ERROR, CopyBlocks, Ready, StepPlan, StepResult,
                               SubmitRequest, TokenDeltas)
 from justapi.scheduler.batch import StepBatch
 from justapi.scheduler.deltas import DeltaBuilder
@@ -33,6 +34,7 @@ from justapi.scheduler.topology import ModelLimits, PoolSpec, Topology, WorkerSp
 from justapi.scheduler.worker_state import InFlightStep, WorkerState
 
 NOT_A_STEP = -1  # step_id of deltas that no step produced (aborts, ill health)
+WorkerOrder = Union[StepPlan, CopyBlocks]  # what schedule() sends to a worker (copies: PD only)
 
 
 class Scheduler:
@@ -110,17 +112,20 @@ class Scheduler:
         return len(req.draft_token_ids)
 
     # ------------------------------------------------------------------ worker side
-    def schedule(self) -> list[tuple[int, StepPlan]]:
+    def schedule(self) -> list[tuple[int, WorkerOrder]]:
         """Plans for every healthy worker with no step in flight that has something to do;
         the least loaded is planned first, so it takes the next waiting request."""
         idle = sorted((w for w in self.state.workers.values() if w.is_idle),
                       key=lambda w: (len(w.running), w.worker_id))
-        out = []
+        out: list[tuple[int, WorkerOrder]] = []
         for worker in idle:
-            batch = self.planner.plan(worker)
+            batch = self._plan(worker)
             if len(batch) or batch.new_requests or worker.pending_drops:
                 out.append((worker.worker_id, self._dispatch(worker, batch)))
         return out
+
+    def _plan(self, worker: WorkerState) -> StepBatch:
+        return self.planner.plan(worker)
 
     def _dispatch(self, worker: WorkerState, batch: StepBatch) -> StepPlan:
         state = self.state
@@ -159,8 +164,12 @@ class Scheduler:
         if worker is None:
             raise ValueError(f"unknown worker {worker_id}")
         deltas = DeltaBuilder(NOT_A_STEP)
-        if not worker.is_healthy:
-            return deltas.build()
+        if worker.is_healthy:
+            self._lose_worker(worker, deltas)
+        return deltas.build()
+
+    def _lose_worker(self, worker: WorkerState, deltas: DeltaBuilder) -> None:
+        state = self.state
         worker.is_healthy = False
         if worker.in_flight is not None:
             worker.discarded_step_ids.add(worker.in_flight.step_id)
@@ -178,7 +187,6 @@ class Scheduler:
         worker.pending_drops.clear()
         if not state.healthy_workers(worker.pool_id):
             self._evacuate(worker.pool_id, deltas)
-        return deltas.build()
 
     def _evacuate(self, pool_id: int, deltas: DeltaBuilder) -> None:
         state = self.state
@@ -231,6 +239,10 @@ class Scheduler:
                     state.enqueue(req)
         return len(worker.running)
 
+    def tick(self, now_s: float) -> TokenDeltas | None:
+        """The shell's clock, once per loop turn (PdScheduler's leases); nothing to do here."""
+        return None
+
     # ------------------------------------------------------------------ introspection
     def has_work(self) -> bool:
         """Unfinished requests, or drops a worker has not been told about yet."""
@@ -242,6 +254,10 @@ class Scheduler:
 
     def stats(self) -> dict[str, float]:
         return collect_stats(self.state)
+
+    def problems(self) -> list[str]:
+        """Why the core cannot serve as configured, one line each (PdScheduler: a side down)."""
+        return []
 
     def check_invariants(self) -> None:
         check_state(self.state)

@@ -1,12 +1,14 @@
 """All mutable state of one scheduler core and the request lifecycle transitions.
 
     add -> WAITING (pool queue) -> admit -> RUNNING (on a worker, holds blocks)
-              ^                                |  preempt: free blocks, keep tokens
-              +--------------------------------+  finish: free blocks (stop/length/abort/error)
+              ^                               |  ^   preempt: free blocks, keep tokens
+              |                        detach |  | claim     finish: free blocks
+              +---------------------- HANDOFF (PD: between workers, holds blocks)
 
-Shared by the planner (schedule), the result applier (update) and later a PdScheduler.
-Owns: requests, per-pool queues / running sets / block reservations, workers, counters.
-Does not own: the policy of who runs when (planner.py), block accounting (KvCacheManager).
+Shared by the planner (schedule), the result applier (update), Scheduler and PdScheduler.
+Owns: requests, per-pool queues / running sets / block reservations, workers, KV hand-offs,
+counters. Does not own: the policy of who runs when (planner.py), block accounting
+(KvCacheManager).
 """
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ from dataclasses import dataclass
 
 from justapi.config import CacheConfig, SchedulerConfig
 from justapi.scheduler.block_pool import BlockPool
+from justapi.scheduler.handoff import HandOffTable
 from justapi.scheduler.kv_cache_manager import KvCacheManager
 from justapi.scheduler.request import Request, RequestStatus
-from justapi.scheduler.topology import ModelLimits, PoolSpec, Topology, WorkerSpec
+from justapi.scheduler.topology import (ROLE_DECODE, ROLE_PREFILL, ModelLimits, PoolSpec, Topology,
+                                        WorkerSpec)
 from justapi.scheduler.waiting_queue import WaitingQueue
 from justapi.scheduler.worker_state import WorkerState
 
@@ -55,6 +59,7 @@ class SchedulerState:
         self.reservations: dict[int, Request | None] = {}
         self.workers: dict[int, WorkerState] = {}
         self.requests: dict[str, Request] = {}  # every unfinished request
+        self.handoffs = HandOffTable()  # PD only: requests between a prefill and a decode worker
         self.counters = Counters()
         self.step_id = 0
         self.next_seq = 0
@@ -73,7 +78,7 @@ class SchedulerState:
     def add_worker(self, spec: WorkerSpec) -> None:
         if spec.pool_id not in self.queues:
             raise ValueError(f"worker {spec.worker_id} maps unknown pool {spec.pool_id}")
-        self.workers[spec.worker_id] = WorkerState(spec.worker_id, spec.pool_id)
+        self.workers[spec.worker_id] = WorkerState(spec.worker_id, spec.pool_id, spec.role)
 
     # ------------------------------------------------------------------ queries
     def pool_capacity_tokens(self, pool_id: int) -> int:
@@ -83,8 +88,17 @@ class SchedulerState:
         return [w for w in self.workers.values() if w.pool_id == pool_id and w.is_healthy]
 
     def accepting_workers(self, pool_id: int) -> list[WorkerState]:
-        """Healthy workers of the pool that are not draining (they admit new requests)."""
-        return [w for w in self.workers.values() if w.pool_id == pool_id and w.is_accepting]
+        """Workers of the pool that admit new requests (see admits)."""
+        return [w for w in self.workers.values() if w.pool_id == pool_id and self.admits(w)]
+
+    def has_healthy(self, role: str) -> bool:
+        return any(w.is_healthy and w.role == role for w in self.workers.values())
+
+    def admits(self, worker: WorkerState) -> bool:
+        """May the worker admit waiting requests? When healthy and not draining - except a PD
+        decode worker, unless no prefill worker is healthy (PD degrades to colocated then)."""
+        return worker.is_accepting and (worker.role != ROLE_DECODE
+                                        or not self.has_healthy(ROLE_PREFILL))
 
     def pool_load(self, pool_id: int) -> float:
         """Requests (running + waiting) per healthy worker of the pool; inf without one."""
@@ -92,6 +106,13 @@ class SchedulerState:
         if not num_workers:
             return float("inf")
         return (len(self.pool_running[pool_id]) + len(self.queues[pool_id])) / num_workers
+
+    def holders(self, pool_id: int) -> list[Request]:
+        """Requests holding blocks of the pool that preemption may take them from."""
+        running = list(self.pool_running[pool_id].values())
+        if self.handoffs:
+            running.extend(self.handoffs.in_pool(pool_id))
+        return running
 
     # ------------------------------------------------------------------ transitions
     def place(self, req: Request, pool_id: int) -> None:
@@ -114,10 +135,28 @@ class SchedulerState:
         worker.learn(req.request_id)
         self.pool_running[req.pool_id][req.request_id] = req
 
-    def preempt(self, req: Request) -> None:
-        """Running -> waiting: free its blocks, keep its tokens, queue it by its original key."""
+    def detach(self, req: Request) -> None:
+        """Running -> hand-off (PD): leave the prefill worker, keep the blocks."""
         assert req.status is RequestStatus.RUNNING and not req.is_in_flight
-        self._leave_worker(req)
+        self._unbind(req)
+        req.draft_token_ids = []
+        req.status = RequestStatus.HANDOFF
+
+    def claim(self, req: Request, worker: WorkerState) -> None:
+        """Hand-off -> running on a decode worker of the pool that holds its blocks."""
+        assert req.status is RequestStatus.HANDOFF and worker.pool_id == req.pool_id
+        self.handoffs.remove(req)
+        req.status = RequestStatus.RUNNING
+        req.worker_id = worker.worker_id
+        worker.running[req.request_id] = req
+        worker.learn(req.request_id)
+        self.pool_running[req.pool_id][req.request_id] = req
+
+    def preempt(self, req: Request) -> None:
+        """Running (or handed off) -> waiting: free its blocks, keep its tokens, queue it by
+        its original key."""
+        assert req.status in (RequestStatus.RUNNING, RequestStatus.HANDOFF) and not req.is_in_flight
+        self._release(req)
         req.num_preemptions += 1
         self.counters.num_preemptions += 1
         self.enqueue(req)
@@ -125,8 +164,8 @@ class SchedulerState:
     def finish(self, req: Request, reason: str) -> None:
         """Any state -> finished, freeing whatever it held."""
         assert not req.is_in_flight, f"{req.request_id} finished while in flight"
-        if req.status is RequestStatus.RUNNING:
-            self._leave_worker(req)
+        if req.status in (RequestStatus.RUNNING, RequestStatus.HANDOFF):
+            self._release(req)
         elif req.status is RequestStatus.WAITING:
             self.queues[req.pool_id].remove(req)
         req.status = RequestStatus.FINISHED
@@ -134,12 +173,20 @@ class SchedulerState:
         del self.requests[req.request_id]
         self.counters.num_finished += 1
 
-    def _leave_worker(self, req: Request) -> None:
+    def _release(self, req: Request) -> None:
+        """Free everything a running or handed-off request holds."""
+        if req.status is RequestStatus.HANDOFF:
+            self.handoffs.remove(req)
+        else:
+            self._unbind(req)
         self.kv.free(req)
         req.draft_token_ids = []
+
+    def _unbind(self, req: Request) -> None:
         worker = self.workers[req.worker_id]
         del worker.running[req.request_id]
         worker.forget(req.request_id)
         del self.pool_running[req.pool_id][req.request_id]
         if self.reservations[req.pool_id] is req:
             self.reservations[req.pool_id] = None
+        req.worker_id = -1

@@ -1,4 +1,5 @@
-"""What the scheduler is built over: KV pools, the workers that map them, and model limits.
+"""What the scheduler is built over: KV pools, the workers that map them (and their roles),
+and model limits.
 
 Owns: the static shape handed to `Scheduler` and its validation. Does not own: worker
 health (Scheduler.mark_worker_unhealthy) or block allocation (BlockPool).
@@ -6,6 +7,11 @@ health (Scheduler.mark_worker_unhealthy) or block allocation (BlockPool).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+ROLE_MIXED = "mixed"  # colocated: prefills and decodes (Scheduler)
+ROLE_PREFILL = "prefill"  # PdScheduler: prompts only, then hands the request off
+ROLE_DECODE = "decode"  # PdScheduler: decodes the requests handed to it
+ROLES = (ROLE_MIXED, ROLE_PREFILL, ROLE_DECODE)
 
 
 def _check_id(value: object, what: str) -> None:
@@ -28,14 +34,17 @@ class PoolSpec:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """One worker process and the pool it reads and writes."""
+    """One worker process, the pool it reads and writes, and its role (PD disaggregation)."""
 
     worker_id: int
     pool_id: int
+    role: str = ROLE_MIXED
 
     def __post_init__(self) -> None:
         _check_id(self.worker_id, "worker_id")
         _check_id(self.pool_id, "pool_id")
+        if self.role not in ROLES:
+            raise ValueError(f"worker {self.worker_id}: role must be one of {ROLES}, got {self.role!r}")
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,17 @@ class Topology:
         """GPU layout: worker w owns pool w."""
         return cls(tuple(PoolSpec(w, num_blocks) for w in range(num_workers)),
                    tuple(WorkerSpec(w, w) for w in range(num_workers)))
+
+    @classmethod
+    def pd(cls, num_blocks: int, num_prefill: int, num_decode: int,
+           separate_pools: bool = False) -> Topology:
+        """PD layout: workers [0, P) prefill, [P, P + D) decode. Shared: all map pool 0 (CPU,
+        zero-copy hand-off); separate: prefill workers map pool 0, decode workers pool 1."""
+        workers = [WorkerSpec(w, 0, ROLE_PREFILL) for w in range(num_prefill)]
+        workers += [WorkerSpec(num_prefill + w, int(separate_pools), ROLE_DECODE)
+                    for w in range(num_decode)]
+        pools = [PoolSpec(p, num_blocks) for p in range(1 + int(separate_pools))]
+        return cls(tuple(pools), tuple(workers))
 
 
 @dataclass(frozen=True)

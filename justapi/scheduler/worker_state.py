@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from justapi.scheduler.request import Request
+from justapi.scheduler.topology import ROLE_MIXED
 
 
 @dataclass(eq=False)
@@ -26,6 +27,7 @@ class InFlightStep:
 class WorkerState:
     worker_id: int
     pool_id: int
+    role: str = ROLE_MIXED  # mixed | prefill | decode (topology.py)
     running: dict[str, Request] = field(default_factory=dict)  # admission order
     in_flight: InFlightStep | None = None
     known: set[str] = field(default_factory=set)  # requests the worker holds state for

@@ -21,9 +21,11 @@ class StepCostModel:
     a_s: float = 0.004  # fixed cost per step (launch, sampling, IPC)
     b_s: float = 0.0002  # per token computed (weights pass)
     c_s: float = 0.000001  # per (token, attended position) read
+    copy_a_s: float = 0.0005  # PD hand-off copy: fixed cost (the order and its ack)
+    copy_b_s: float = 0.00002  # PD hand-off copy: per block
 
     def __post_init__(self) -> None:
-        for name in ("a_s", "b_s", "c_s"):
+        for name in ("a_s", "b_s", "c_s", "copy_a_s", "copy_b_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
@@ -32,3 +34,6 @@ class StepCostModel:
         n = plan.num_tokens.astype(np.int64)
         context_reads = int(np.sum(n * plan.start_positions + n * (n + 1) // 2))
         return self.a_s + self.b_s * num_tokens + self.c_s * context_reads
+
+    def copy_time_s(self, num_blocks: int) -> float:
+        return self.copy_a_s + self.copy_b_s * num_blocks

@@ -6,7 +6,8 @@ those positions; the block table has exactly the blocks the positions need, all 
 pool; the entry before the chunk reads back with the right position. It then writes the
 chunk's KV entries and, for sampled chunks, reads every position back through the table
 (positions must match) to compute the next token - verifying drafts greedily (accepted
-drafts, then one corrected/bonus token). Any violation raises FakeWorkerError.
+drafts, then one corrected/bonus token). PD copy orders copy slots between stores. Any
+violation raises FakeWorkerError.
 Owns: the fake worker's request memory. Does not own: the model function (fake_model).
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from justapi.protocol import StepPlan, StepResult, offsets
+from justapi.protocol import BlocksCopied, CopyBlocks, StepPlan, StepResult, offsets
 from justapi.scheduler.sim.fake_model import SEED_HASH, FakeKvStore, mix, next_token
 
 
@@ -44,6 +45,7 @@ class FakeWorker:
         self.requests: dict[str, list[int]] = {}  # request id -> tokens known to this worker
         self.wants_logprobs: dict[str, bool] = {}
         self.num_steps = 0
+        self.num_copies = 0
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.num_steps += 1
@@ -124,6 +126,23 @@ class FakeWorker:
             if j == num_drafts or token != int(chunk[len(chunk) - num_drafts + j]):
                 break
         return out
+
+    def copy_blocks(self, order: CopyBlocks, src_store: FakeKvStore) -> BlocksCopied:
+        """A PD hand-off copy: every slot of the listed blocks, src_store -> this worker's store."""
+        src_ids = order.src_block_ids.astype(np.int64)
+        dst_ids = order.dst_block_ids.astype(np.int64)
+        for ids, store, what in ((src_ids, src_store, "source"), (dst_ids, self.store, "destination")):
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= store.num_blocks):
+                raise FakeWorkerError(f"copy {order.copy_id}: {what} block outside its pool")
+        if len(set(dst_ids.tolist())) != len(dst_ids):
+            raise FakeWorkerError(f"copy {order.copy_id}: a destination block is listed twice")
+        bs = self.store.block_size
+        src_slots = (src_ids[:, None] * bs + np.arange(bs)).reshape(-1)
+        dst_slots = (dst_ids[:, None] * bs + np.arange(bs)).reshape(-1)
+        for name in ("tokens", "positions", "hashes"):
+            getattr(self.store, name)[dst_slots] = getattr(src_store, name)[src_slots]
+        self.num_copies += 1
+        return BlocksCopied(order.copy_id, self.worker_id, len(dst_ids))
 
     def _result(self, step_id: int, request_ids: list[str], counts: list[int],
                 tokens: list[int]) -> StepResult:

@@ -13,9 +13,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from justapi.config import CacheConfig, SchedulerConfig
-from justapi.protocol import StepPlan, SubmitRequest, TokenDeltas, offsets
+from justapi.protocol import CopyBlocks, SubmitRequest, TokenDeltas, offsets
 from justapi.sampling import SamplingParams
-from justapi.scheduler.scheduler import Scheduler
+from justapi.scheduler.pd_scheduler import PdScheduler
+from justapi.scheduler.scheduler import Scheduler, WorkerOrder
 from justapi.scheduler.sim.fake_model import FakeKvStore
 from justapi.scheduler.sim.fake_worker import FakeWorker
 from justapi.scheduler.topology import ModelLimits, Topology
@@ -30,6 +31,7 @@ class Harness:
         state = scheduler.state
         stores = {p: FakeKvStore(state.pool.num_blocks(p), state.block_size)
                   for p in state.pool.pool_ids}
+        self.stores = stores
         self.workers = {w.worker_id: FakeWorker(w.worker_id, stores[w.pool_id], vocab_size)
                         for w in state.workers.values()}
         self.outputs: dict[str, list[int]] = {}
@@ -45,17 +47,33 @@ class Harness:
         self.outputs[request_id] = []
         self._check()
 
-    def schedule(self) -> list[tuple[int, StepPlan]]:
+    def schedule(self) -> list[tuple[int, WorkerOrder]]:
         plans = self.scheduler.schedule()
         self._check()
         return plans
 
-    def complete(self, worker_id: int, plan: StepPlan) -> TokenDeltas:
-        """Execute the plan on its fake worker and deliver the result."""
-        deltas = self.scheduler.update(self.workers[worker_id].execute(plan))
+    def complete(self, worker_id: int, plan: WorkerOrder) -> TokenDeltas:
+        """Execute the plan (or PD copy order) on its fake worker and deliver the result."""
+        worker = self.workers[worker_id]
+        if isinstance(plan, CopyBlocks):
+            ack = worker.copy_blocks(plan, self.stores[plan.src_pool])
+            deltas = self.scheduler.copy_done(ack)  # type: ignore[attr-defined]
+        else:
+            deltas = self.scheduler.update(worker.execute(plan))
         self.record(deltas)
         self._check()
         return deltas
+
+    def tick(self, now_s: float) -> None:
+        deltas = self.scheduler.tick(now_s)
+        if deltas is not None:
+            self.record(deltas)
+        self._check()
+
+    def kill(self, worker_id: int) -> None:
+        """The worker died: the scheduler re-queues or fails what it had."""
+        self.record(self.scheduler.mark_worker_unhealthy(worker_id))
+        self._check()
 
     def step(self) -> list[tuple[int, StepPlan]]:
         """One schedule() and the completion of every plan it returned."""
@@ -101,6 +119,21 @@ def build_scheduler(pool_blocks: int = 64, num_workers: int = 1, shared_pool: bo
     """A Scheduler with small, test-friendly defaults (block_size 4, max_context 1024, EOS 1).
 
     `options` go to CacheConfig, ModelLimits or SchedulerConfig by field name."""
+    topology = (Topology.shared_pool(pool_blocks, num_workers) if shared_pool
+                else Topology.pool_per_worker(pool_blocks, num_workers))
+    return Scheduler(*_sections(topology, options))  # type: ignore[arg-type]
+
+
+def build_pd_scheduler(pool_blocks: int = 64, num_prefill: int = 1, num_decode: int = 1,
+                       separate_pools: bool = False, lease_s: float = 30.0,
+                       **options: object) -> PdScheduler:
+    """A PdScheduler (prefill workers first, then decode workers) with build_scheduler's
+    defaults; separate_pools gives the decode workers their own pool (the copy path)."""
+    topology = Topology.pd(pool_blocks, num_prefill, num_decode, separate_pools)
+    return PdScheduler(*_sections(topology, options), lease_s=lease_s)  # type: ignore[arg-type]
+
+
+def _sections(topology: Topology, options: dict[str, object]) -> tuple[object, ...]:
     sections: dict[type, dict[str, object]] = {
         CacheConfig: {"block_size": 4}, ModelLimits: {"max_context": 1024, "eos_token_ids": (1,)},
         SchedulerConfig: {}}
@@ -110,8 +143,6 @@ def build_scheduler(pool_blocks: int = 64, num_workers: int = 1, shared_pool: bo
         if owner is None:
             raise TypeError(f"unknown option {name!r}")
         sections[owner][name] = value
-    topology = (Topology.shared_pool(pool_blocks, num_workers) if shared_pool
-                else Topology.pool_per_worker(pool_blocks, num_workers))
-    return Scheduler(SchedulerConfig(**sections[SchedulerConfig]),  # type: ignore[arg-type]
-                     CacheConfig(**sections[CacheConfig]),  # type: ignore[arg-type]
-                     topology, ModelLimits(**sections[ModelLimits]))  # type: ignore[arg-type]
+    return (SchedulerConfig(**sections[SchedulerConfig]),  # type: ignore[arg-type]
+            CacheConfig(**sections[CacheConfig]),  # type: ignore[arg-type]
+            topology, ModelLimits(**sections[ModelLimits]))  # type: ignore[arg-type]

@@ -1,8 +1,9 @@
 """Replays a trace through the real Scheduler with fake workers on a modelled clock.
 
 Event loop: at time t, submit arrivals and due aborts, ask schedule() for plans, execute
-each on its FakeWorker at once and deliver its result at t + cost(plan); jump to the next
-event (arrival, abort, or step completion) and repeat. Records per-request queue time,
+each on its FakeWorker at once and deliver its result at t + cost(plan) (a PD copy order is
+done at t + copy cost); jump to the next event (arrival, abort, step or copy completion) and
+repeat. The scheduler's clock (tick) is the modelled time. Records per-request queue time,
 TTFT and TPOT in modelled seconds and in steps (plans dispatched so far, all workers).
 Owns: the event loop and the records. Does not own: scheduling (Scheduler), checks of
 plans (FakeWorker), the cost formula (StepCostModel).
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from justapi.protocol import StepPlan, SubmitRequest, TokenDeltas, offsets
+from justapi.protocol import CopyBlocks, StepPlan, SubmitRequest, TokenDeltas, offsets
 from justapi.sampling import SamplingParams
 from justapi.scheduler.request import Request, RequestStatus
 from justapi.scheduler.scheduler import Scheduler
@@ -46,10 +47,11 @@ class Simulation:
         state = self.scheduler.state
         stores = {p: FakeKvStore(state.pool.num_blocks(p), state.block_size)
                   for p in state.pool.pool_ids}
+        self.stores = stores
         self.workers = {w.worker_id: FakeWorker(w.worker_id, stores[w.pool_id], self.vocab_size)
                         for w in state.workers.values()}
         self.now_s = 0.0
-        self._completions: list[tuple[float, int, int, StepPlan]] = []
+        self._completions: list[tuple[float, int, int, StepPlan | CopyBlocks]] = []
         self._aborts: list[tuple[float, str]] = []
         self._result = SimResult()
 
@@ -62,6 +64,7 @@ class Simulation:
                 self._submit(trace[index], index)
                 next_arrival += 1
             self._abort_due()
+            self._tick()
             self._dispatch()
             upcoming = [t for t in (
                 trace[arrivals[next_arrival]].arrival_s if next_arrival < len(arrivals) else None,
@@ -107,6 +110,10 @@ class Simulation:
             self._propose_drafts()
         result = self._result
         for worker_id, plan in self.scheduler.schedule():
+            if isinstance(plan, CopyBlocks):  # PD hand-off: done after a modelled copy time
+                done_s = self.now_s + self.cost.copy_time_s(len(plan.dst_block_ids))
+                heapq.heappush(self._completions, (done_s, -plan.copy_id, worker_id, plan))
+                continue
             result.num_steps += 1
             if result.num_steps > self.max_steps:
                 raise SimulationStuck(f"more than {self.max_steps} steps")
@@ -123,9 +130,19 @@ class Simulation:
     def _complete_due(self) -> None:
         while self._completions and self._completions[0][0] <= self.now_s:
             _, _, worker_id, plan = heapq.heappop(self._completions)
-            step_result = self.workers[worker_id].execute(plan)
-            self._record(self.scheduler.update(step_result))
+            worker = self.workers[worker_id]
+            if isinstance(plan, CopyBlocks):
+                ack = worker.copy_blocks(plan, self.stores[plan.src_pool])
+                self._record(self.scheduler.copy_done(ack))  # type: ignore[attr-defined]
+            else:
+                self._record(self.scheduler.update(worker.execute(plan)))
             self._after_change()
+
+    def _tick(self) -> None:
+        deltas = self.scheduler.tick(self.now_s)
+        if deltas is not None and deltas.request_ids:
+            self._record(deltas)
+        self._after_change()
 
     def _propose_drafts(self) -> None:
         assert self.draft_proposer is not None
