@@ -1,0 +1,109 @@
+"""Shared command-line plumbing of the admin tools (status, drain, flush_cache, health):
+the --admin / --timeout / --json flags, connecting to the server, one-line errors and exit
+codes, and plain-text tables.
+
+Without --admin the tools talk to the most recently started live `justapi serve` of this
+user (its state file, see justapi/discovery.py and docs/operations.md).
+Owns: how the admin tools look and fail. Does not own: the admin protocol
+(justapi/admin_client.py) or what each tool shows.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from justapi.admin_client import DEFAULT_TIMEOUT_S, AdminClient, AdminError
+
+EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 2
+FIND_HELP = ("admin endpoint of the server, e.g. ipc:///tmp/justapi-xyz/admin.sock "
+             "(default: the most recently started live server of this user)")
+
+
+def parser(prog: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
+    """An ArgumentParser with the flags every admin tool shares."""
+    out = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    out.add_argument("--admin", metavar="ENDPOINT", help=FIND_HELP)
+    out.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                     help=f"how long to wait for the server's answer (default {DEFAULT_TIMEOUT_S:g})")
+    out.add_argument("--json", action="store_true", help="print the reply as JSON")
+    return out
+
+
+def run(prog: str, action: Callable[[AdminClient], int], args: argparse.Namespace) -> int:
+    """Connect, run `action`, close; a server that cannot be reached is one line, exit 2."""
+    try:
+        with AdminClient(args.admin, timeout_s=args.timeout) as client:
+            return action(client)
+    except (AdminError, ValueError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+
+
+def fail(prog: str, message: str, code: int = EXIT_FAILED) -> NoReturn:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def print_json(message: Any) -> None:
+    data = dataclasses.asdict(message) if dataclasses.is_dataclass(message) else message
+    print(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Aligned columns: numbers to the right, text to the left; None shows as '-'."""
+    cells = [[_cell(value) for value in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    numeric = [all(_is_number(row[i]) for row in rows) and any(row[i] is not None for row in rows)
+               for i in range(len(headers))]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(list(headers))] + [line(r) for r in cells])
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def _is_number(value: object) -> bool:
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def human_bytes(num_bytes: object) -> str | None:
+    if not isinstance(num_bytes, (int, float)) or isinstance(num_bytes, bool):
+        return None
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return None
+
+
+def seconds(value: object) -> str | None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    if value < 60:
+        return f"{value:.1f}s"
+    minutes, secs = divmod(int(value), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def percent(value: object) -> str | None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    return f"{100 * value:.1f}%"

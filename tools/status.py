@@ -1,0 +1,91 @@
+"""Show a running server's state: workers (pool, health, load, KV usage), queues per pool,
+prefix-cache statistics and request totals, from the scheduler's admin socket.
+
+Usage: python tools/status.py [--admin ENDPOINT] [--json] [--check-invariants]
+Exit codes: 0 healthy, 1 unhealthy (or an invariant violated), 2 server not reachable.
+Owns: the status view. Does not own: the figures (justapi/scheduler/stats.py, justapi/health.py).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+
+from justapi.admin_client import AdminClient
+from justapi.protocol import StatusReply
+from ops_cli import (EXIT_FAILED, EXIT_OK, human_bytes, parser, percent, print_json, run,
+                     seconds, table)
+
+PROG = "status.py"
+
+
+def render(reply: StatusReply, endpoint: str) -> str:
+    stats = reply.stats
+    verdict = "healthy" if reply.healthy else "UNHEALTHY"
+    lines = [f"server {endpoint}  up {seconds(reply.uptime_s)}  {verdict}"]
+    lines += [f"problem: {p}" for p in reply.problems] + [f"warning: {w}" for w in reply.warnings]
+    lines += ["", "workers", table(
+        ["id", "pool", "pid", "device", "health", "draining", "running", "busy", "pool KV use",
+         "RSS", "heartbeat"],
+        [[w["worker_id"], w["pool_id"], w.get("pid"), w.get("device"),
+          "ok" if w["healthy"] else f"DOWN: {w.get('reason', '')}", w.get("draining"),
+          w.get("num_requests_running"), w.get("busy"),
+          percent(stats.get(f"pool_{w['pool_id']}_kv_usage")), human_bytes(w.get("rss_bytes")),
+          seconds(w.get("heartbeat_age_s"))] for w in reply.workers])]
+    pool_ids = sorted({w["pool_id"] for w in reply.workers})
+    lines += ["", "queues", table(
+        ["pool", "waiting", "running", "KV use", "free blocks", "cached blocks"],
+        [[p, _int(stats.get(f"pool_{p}_num_requests_waiting")),
+          _int(stats.get(f"pool_{p}_num_requests_running")),
+          percent(stats.get(f"pool_{p}_kv_usage")), _int(stats.get(f"pool_{p}_kv_blocks_free")),
+          _int(stats.get(f"pool_{p}_prefix_cache_blocks"))] for p in pool_ids])]
+    lines += ["", "prefix cache", _cache_line(stats), "", "totals", _totals_line(stats)]
+    return "\n".join(lines)
+
+
+def _cache_line(stats: dict) -> str:
+    hits, misses = _int(stats.get("prefix_cache_hits")), _int(stats.get("prefix_cache_misses"))
+    return (f"  {hits} block hits / {misses} misses (hit ratio "
+            f"{stats.get('prefix_cache_hit_ratio', 0.0):.3f}); "
+            f"{_int(stats.get('prefix_cache_blocks'))} blocks cached; "
+            f"{_int(stats.get('prefix_cache_hit_tokens'))} of "
+            f"{_int(stats.get('prefix_cache_query_tokens'))} prompt tokens served from cache; "
+            f"KV blocks {_int(stats.get('kv_blocks_in_use'))} in use / "
+            f"{_int(stats.get('kv_blocks_total'))}")
+
+
+def _totals_line(stats: dict) -> str:
+    return (f"  requests {_int(stats.get('num_requests'))}, finished "
+            f"{_int(stats.get('num_finished'))} (aborted {_int(stats.get('num_aborted'))}, "
+            f"errors {_int(stats.get('num_errors'))}), preemptions "
+            f"{_int(stats.get('num_preemptions'))}, steps {_int(stats.get('num_steps'))}, "
+            f"generated tokens {_int(stats.get('num_generated_tokens'))}")
+
+
+def _int(value: object) -> int:
+    return int(value) if isinstance(value, (int, float)) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cli = parser(PROG, __doc__.split("\n\n")[0])
+    cli.add_argument("--check-invariants", action="store_true",
+                     help="also run the scheduler's full consistency check (blocks, requests)")
+    args = cli.parse_args(argv)
+
+    def action(client: AdminClient) -> int:
+        reply = client.status()
+        check = client.check_invariants() if args.check_invariants else None
+        if args.json:
+            print_json({"status": asdict(reply), "invariants": asdict(check) if check else None})
+        else:
+            print(render(reply, client.endpoint))
+            if check is not None:
+                print(f"\ninvariants: {check.message}")
+        if check is not None and not check.ok:
+            return EXIT_FAILED
+        return EXIT_OK if reply.healthy else EXIT_FAILED
+
+    return run(PROG, action, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
