@@ -179,12 +179,15 @@ class HealthWatch:
         now = self._clock()
         stats = core.stats()
         workers = self.monitor.table(now)
+        roles = core.worker_roles()
         for row in workers:
             prefix = f"worker_{row['worker_id']}_"
+            row["role"] = roles.get(row["worker_id"], "mixed")  # PD: prefill | decode
             row["draining"] = bool(stats.get(prefix + "is_draining", 0.0))
             row["num_requests_running"] = int(stats.get(prefix + "num_requests_running", 0))
             row["busy"] = bool(stats.get(prefix + "is_busy", 0.0))
         problems = self.monitor.problems(core.pool_ids())
+        problems += core.problems()  # PD: a side without a healthy worker
         problems += self._draining_problems(core.pool_ids(), workers)
         stall = self._stall(now, int(stats.get("num_requests_running", 0)
                                      + stats.get("num_requests_waiting", 0)))

@@ -27,7 +27,7 @@ from justapi.child import ChildSpec, Endpoints
 from justapi.model_info import ModelInfo
 from justapi.protocol import ProcessFailed, ProcessReady
 from justapi.serve_config import ServeConfig
-from justapi.shm_pool import SharedPoolSegment, plan_cpu_pool
+from justapi.shm_pool import PoolSegments, plan_cpu_pool
 from justapi.supervisor import WorkerSupervisor
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class Launcher:
         self.runtime_dir = transport.make_runtime_dir()
         self.endpoints = Endpoints.in_dir(self.runtime_dir, config.server.zmq, config.ops.admin)
         self.children: list[Child] = []
-        self.segment: SharedPoolSegment | None = None
+        self.segment: PoolSegments | None = None
         self.pool: dict[str, Any] = {}
         self.supervisor = WorkerSupervisor(config.ops, self._respawn)
         self._context = zmq.Context()
@@ -107,10 +107,12 @@ class Launcher:
         if self.config.model.device != "cpu":
             return {}
         plan = plan_cpu_pool(self.model, self.config.cache, self.config.scheduler)
-        self.segment = SharedPoolSegment.create(plan)
+        self.segment = PoolSegments.create(plan, self.config.pd)  # one, or one per PD side
         return self.segment.describe()
 
     def _spawn(self, role: str, index: int, pool: dict[str, Any]) -> None:
+        if role == "worker" and self.segment is not None:
+            pool = self.segment.for_worker(index)  # --pd-separate-pools: its side's segment
         spec = ChildSpec(role=role, index=index, config=self.config, endpoints=self.endpoints,
                          model_path=self.model.path, pool=pool,
                          extra={"num_workers": self.config.server.workers})

@@ -21,8 +21,9 @@ from justapi import transport
 from justapi.admin import AdminServer
 from justapi.child import ChildSpec, StopFlag, report, start_child
 from justapi.health_watch import HealthWatch
-from justapi.protocol import (FINISH_ERROR, AbortRequest, Heartbeat, Ready, SchedulerStats,
-                              Shutdown, StepPlan, StepResult, SubmitRequest, TokenDeltas)
+from justapi.protocol import (FINISH_ERROR, AbortRequest, BlocksCopied, CopyBlocks, Heartbeat,
+                              Ready, SchedulerStats, Shutdown, StepPlan, StepResult,
+                              SubmitRequest, TokenDeltas)
 from justapi.scheduler.factory import build_scheduler
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class SchedulerProcess:
                 self._on_worker(sender, message)
             self.admin.serve(self.core, self.health)
             self._check_health()
+            self._send_deltas(self.core.tick(time.monotonic()))  # PD: hand-off leases
             for worker_id, plan in self.core.schedule():
                 self._send_plan(worker_id, plan)
             self._maybe_push_stats()
@@ -105,6 +107,8 @@ class SchedulerProcess:
                 logger.error("worker %d step %d failed: %s", message.worker_id, message.step_id,
                              message.error)
             self._send_deltas(self.core.update(message))
+        elif isinstance(message, BlocksCopied):  # PD: a KV hand-off copy is in place
+            self._send_deltas(self.core.copy_done(message))
         elif isinstance(message, Heartbeat):
             self.health.on_heartbeat(message)
         elif isinstance(message, Ready):
@@ -123,13 +127,14 @@ class SchedulerProcess:
             token_ids=np.zeros(0, np.int32), finish_reasons=[FINISH_ERROR],
             errors={request_id: error}))
 
-    def _send_plan(self, worker_id: int, plan: StepPlan) -> None:
+    def _send_plan(self, worker_id: int, plan: StepPlan | CopyBlocks) -> None:
         try:
             transport.send(self.workers, plan, to=worker_identity(worker_id))
         except zmq.ZMQError as exc:  # its process is gone: retired at the next health check
             self.health.on_unreachable(worker_id, str(exc))
             return
-        self.health.on_step_sent(worker_id, plan.step_id)
+        if isinstance(plan, StepPlan):  # (a PD copy order is not a step)
+            self.health.on_step_sent(worker_id, plan.step_id)
 
     def _check_health(self) -> None:
         for worker_id, reason in self.health.poll():

@@ -30,6 +30,12 @@ def _flags(fn: Any) -> Any:
         click.option("--workers", type=int, help="Worker processes (default 1)."),
         click.option("--gpu", "device", flag_value="cuda", default=None,
                      help="Run workers on CUDA GPUs (one per GPU)."),
+        click.option("--pd", help="Prefill/decode disaggregation: P prefill and D decode "
+                                  "workers, e.g. 1:1 (sets --workers to P + D)."),
+        click.option("--pd-separate-pools/--pd-shared-pool", default=None,
+                     help="CPU: a KV segment per PD side, so hand-offs copy blocks (shared)."),
+        click.option("--pd-lease-s", type=float,
+                     help="An unclaimed PD hand-off is taken back after this long (30)."),
         click.option("--scheduled/--no-scheduled", default=None,
                      help="Continuous batching (default) or static batching."),
         click.option("--max-seqs", type=int, help="Most requests per step (32)."),
@@ -122,12 +128,23 @@ def banner(config: ServeConfig, deployment: Deployment) -> str:
         f"justapi: model {m.name} ({m.architecture}, {m.num_layers} layers, context "
         f"{m.context_length}) from {m.path}",
         f"justapi: {config.server.workers} worker(s) on {config.model.device}; KV pool {pool_text}",
+        *_pd_lines(config),
         f"justapi: HTTP  {deployment.http_url}/v1 (OpenAI-compatible), /health, /metrics",
         f"justapi: ZMQ   {deployment.zmq_url} (justapi.client)",
         f"justapi: admin {deployment.endpoints.admin} (tools/status.py, drain.py, health.py, "
         "flush_cache.py)",
     ]
     return "\n".join(lines)
+
+
+def _pd_lines(config: ServeConfig) -> list[str]:
+    pd = config.pd
+    if not pd.is_enabled:
+        return []
+    how = ("by copy (a KV pool per side)" if pd.pd_separate_pools or config.model.device != "cpu"
+           else "zero-copy (one shared KV pool)")
+    return [f"justapi: PD {pd.pd}: workers 0-{pd.num_prefill - 1} prefill, "
+            f"{pd.num_prefill}-{pd.num_workers - 1} decode; hand-off {how}"]
 
 
 def _fail(message: str) -> None:

@@ -2,9 +2,11 @@
 
 All CPU workers map this one segment as the pool tensor
 `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` (fp32), so a block cached by one
-worker serves requests on another. The launcher owns its lifetime: it unlinks it at
-shutdown even if workers were killed. Owns: sizing and the segment. Does not own: the tensor
-view (workers/kv_pool.py) or which blocks are in use (scheduler BlockPool).
+worker serves requests on another - except with `--pd P:D --pd-separate-pools`, where the
+prefill workers map pool 0 and the decode workers pool 1, each its own segment (PoolSegments).
+The launcher owns their lifetime: it unlinks them at shutdown even if workers were killed.
+Owns: sizing and the segments. Does not own: the tensor view (workers/kv_pool.py) or which
+blocks are in use (scheduler BlockPool).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 
 from justapi.config import CacheConfig, ConfigError, SchedulerConfig
 from justapi.model_info import ModelInfo
+from justapi.pd_config import PdConfig
 
 FP32_BYTES = 4
 MIN_BLOCKS = 4
@@ -86,3 +89,36 @@ class SharedPoolSegment:
             self.shm.unlink()
         except FileNotFoundError:
             pass
+
+
+class PoolSegments:
+    """Every CPU KV segment of a deployment by pool id, and which one each worker maps."""
+
+    def __init__(self, segments: dict[int, SharedPoolSegment], pd: PdConfig) -> None:
+        self.segments = segments
+        self.pd = pd
+
+    @classmethod
+    def create(cls, plan: PoolPlan, pd: PdConfig) -> PoolSegments:
+        num_pools = 2 if pd.pd_separate_pools else 1
+        segments: dict[int, SharedPoolSegment] = {}
+        try:
+            for pool_id in range(num_pools):
+                segments[pool_id] = SharedPoolSegment.create(plan)
+        except BaseException:
+            for segment in segments.values():
+                segment.unlink()
+            raise
+        return cls(segments, pd)
+
+    def describe(self) -> dict[str, Any]:
+        """Pool 0 (what every worker maps unless the PD sides have their own)."""
+        return self.for_worker(0)
+
+    def for_worker(self, index: int) -> dict[str, Any]:
+        pool_id = self.pd.cpu_pool_of(index) if self.pd.is_enabled else 0
+        return {**self.segments[pool_id].describe(), "pool_id": pool_id}
+
+    def unlink(self) -> None:
+        for segment in self.segments.values():
+            segment.unlink()

@@ -1,7 +1,8 @@
 """The worker process: loads the model, maps its KV pool, runs the steps the scheduler plans.
 
-CPU workers map the launcher's shared-memory pool (all CPU workers share one pool); a GPU
-worker allocates its own pool on its device and exports a CUDA IPC handle in its Ready.
+CPU workers map the launcher's shared-memory pool (all CPU workers share one pool, or with
+--pd-separate-pools one per side); a GPU worker allocates its own pool on its device and
+exports a CUDA IPC handle in its Ready. A PD decode worker also executes CopyBlocks orders.
 A heartbeat thread (own socket) reports every HEARTBEAT_INTERVAL_S with process figures.
 Owns: its model, its ModelRunner state, its sockets. Does not own: which blocks hold what.
 """
@@ -23,11 +24,12 @@ from justapi import transport
 from justapi.child import ChildSpec, StopFlag, report, start_child
 from justapi.gguf_file import GGUFFile
 from justapi.health import HEARTBEAT_INTERVAL_S
-from justapi.protocol import Heartbeat, PoolInfo, Ready, Shutdown, StepPlan, StepResult
+from justapi.protocol import CopyBlocks, Heartbeat, PoolInfo, Ready, Shutdown, StepPlan, StepResult
 from justapi.shm_pool import available_memory_bytes
 from workers.attention import make_backend, require_cuda
 from workers.gguf_loader import load_llama
 from workers.kv_pool import KVPool, PoolShape
+from workers.kv_transfer import BlockCopier
 from workers.model import LlamaModel
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
@@ -56,7 +58,7 @@ def set_cpu_threads(spec: ChildSpec) -> int:
 def open_pool(spec: ChildSpec, model: LlamaModel, device: str) -> KVPool:
     p = model.params
     if spec.pool:  # CPU: the launcher's shared segment
-        info = PoolInfo(pool_id=0, kind=spec.pool["kind"], handle=spec.pool["name"], device="cpu",
+        info = PoolInfo(pool_id=spec.pool.get("pool_id", 0), kind=spec.pool["kind"], handle=spec.pool["name"], device="cpu",
                         dtype=spec.pool["dtype"], num_layers=spec.pool["num_layers"],
                         num_blocks=spec.pool["num_blocks"], block_size=spec.pool["block_size"],
                         num_kv_heads=spec.pool["num_kv_heads"], head_dim=spec.pool["head_dim"])
@@ -91,6 +93,7 @@ class Worker:
         block_size = self.pool.shape.block_size
         self.runner = ModelRunner(self.model, self.pool, make_backend(self.device, block_size),
                                   Sampler(), worker_id=spec.index)
+        self.copier = BlockCopier(self.pool, spec.index)  # PD: KV hand-offs into our pool
         self.context = zmq.Context()
         self.sock = transport.make_socket(self.context, zmq.DEALER, spec.endpoints.workers,
                                           bind=False, identity=worker_identity(spec.index))
@@ -116,6 +119,8 @@ class Worker:
                         self.stop.set()
                     elif isinstance(message, StepPlan):
                         transport.send(self.sock, self.execute(message))
+                    elif isinstance(message, CopyBlocks):
+                        transport.send(self.sock, self.copier.execute(message))
                     else:
                         logger.warning("ignored unexpected %s", type(message).__name__)
 
@@ -173,6 +178,7 @@ class Worker:
         if self._beat.is_alive():
             self._beat.join(timeout=2 * HEARTBEAT_INTERVAL_S)
         self.sock.close(0)
+        self.copier.close()
         self.pool.close()
         self.context.term()
 

@@ -195,6 +195,6 @@ def _health_details(stats: SchedulerStats | None) -> dict[str, Any]:
         return {"warnings": [], "workers": []}
     workers = [{"worker_id": int(w["worker_id"]), "pool_id": int(w.get("pool_id", 0)),
                 "healthy": bool(w.get("healthy")), "draining": bool(w.get("draining")),
-                "reason": str(w.get("reason", ""))}
+                "reason": str(w.get("reason", "")), "role": str(w.get("role", "mixed"))}
                for w in stats.workers if isinstance(w, dict) and "worker_id" in w]
     return {"warnings": [str(x) for x in stats.warnings], "workers": workers}

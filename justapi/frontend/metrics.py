@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
                                generate_latest)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                    HistogramMetricFamily, Metric)
 from prometheus_client.registry import Collector
 
 from justapi.protocol import SchedulerStats
@@ -61,6 +62,37 @@ SCHEDULER_METRICS = (
     StatMetric(PREFIX + "num_preemptions", "Requests preempted (blocks freed, re-queued).",
                "num_preemptions", is_counter=True),
 )
+# PD disaggregation (--pd P:D; justapi/scheduler/pd_stats.py): absent from a colocated snapshot.
+PD_METRICS = (
+    StatMetric(PREFIX + "pd_handoffs", "Requests handed from a prefill to a decode worker.",
+               "pd_num_handoffs", is_counter=True),
+    StatMetric(PREFIX + "pd_handoff_blocks", "KV blocks handed off (zero-copy or copied).",
+               "pd_handoff_blocks", is_counter=True),
+    StatMetric(PREFIX + "pd_handoff_bytes", "KV bytes handed off (zero-copy or copied).",
+               "pd_handoff_bytes", is_counter=True),
+    StatMetric(PREFIX + "pd_copies", "Hand-offs copied between KV pools.", "pd_num_copies",
+               is_counter=True),
+    StatMetric(PREFIX + "pd_copied_blocks", "KV blocks copied between pools.",
+               "pd_copied_blocks", is_counter=True),
+    StatMetric(PREFIX + "pd_copied_bytes", "KV bytes copied between pools.", "pd_copied_bytes",
+               is_counter=True),
+    StatMetric(PREFIX + "pd_leases_expired", "Hand-offs taken back unclaimed (recomputed).",
+               "pd_num_leases_expired", is_counter=True),
+    StatMetric(PREFIX + "pd_handoffs_pending", "Hand-offs not yet claimed by a decode worker.",
+               "pd_num_handoffs_pending"),
+    StatMetric(PREFIX + "pd_copies_in_flight", "Hand-off copies ordered and not acknowledged.",
+               "pd_num_copies_in_flight"),
+)
+PD_SIDES = ("prefill", "decode")
+PD_SIDE_GAUGES = (  # stats key pd_<side>_<key>, labelled pool="prefill"|"decode"
+    ("num_requests_waiting", "pd_pool_num_requests_waiting",
+     "Queue depth: waiting requests (prefill) or unclaimed hand-offs (decode)."),
+    ("num_requests_running", "pd_pool_num_requests_running", "Requests running on the side."),
+    ("num_workers_healthy", "pd_pool_num_workers_healthy", "Healthy workers of the side."),
+    ("seq_occupancy", "pd_pool_seq_occupancy", "Running requests / (healthy workers * max-seqs)."),
+    ("kv_usage", "pd_pool_kv_cache_usage_perc", "Fraction of the side's KV blocks in use."),
+)
+PD_HANDOFF_LATENCY = "pd_handoff_latency_seconds"
 WORKER_LABELS = ["model_name", "worker_id"]
 # The scheduler's health table (justapi/health.py rows: process, pool and NVML figures), one
 # gauge per figure and worker; a figure a worker lacks (no GPU, no NVML) is left out.
@@ -106,7 +138,8 @@ class SchedulerStatsCollector(Collector):
     def __init__(self, model_name: str, source: Callable[[], SchedulerStats | None]) -> None:
         self._model_name = model_name
         self._source = source
-        self._totals = {m.name: MonotonicTotal() for m in SCHEDULER_METRICS if m.is_counter}
+        self._totals = {m.name: MonotonicTotal() for m in SCHEDULER_METRICS + PD_METRICS
+                        if m.is_counter}
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._source()
@@ -120,9 +153,10 @@ class SchedulerStatsCollector(Collector):
         yield from self._scheduler_figures(snapshot.stats)
         yield from self._worker_figures(snapshot)
         yield from self._health_figures(snapshot)
+        yield from self._pd_figures(snapshot.stats)
 
     def _scheduler_figures(self, stats: dict) -> Iterator[Metric]:
-        for spec in SCHEDULER_METRICS:
+        for spec in SCHEDULER_METRICS + PD_METRICS:
             value = _number(stats.get(spec.stat_key))
             if value is None:
                 continue
@@ -172,6 +206,30 @@ class SchedulerStatsCollector(Collector):
                     family.add_metric([self._model_name, str(row["worker_id"])], float(value))
             if family.samples:
                 yield family
+
+
+    def _pd_figures(self, stats: dict) -> Iterator[Metric]:
+        """Per PD side gauges, and the hand-off latency histogram (`<name>_bucket:<le>`
+        cumulative counts, `_sum`, `_count` in the snapshot)."""
+        for key, name, doc in PD_SIDE_GAUGES:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name", "pool"])
+            for side in PD_SIDES:
+                value = _number(stats.get(f"pd_{side}_{key}"))
+                if value is not None:
+                    family.add_metric([self._model_name, side], value)
+            if family.samples:
+                yield family
+        name = PD_HANDOFF_LATENCY
+        if _number(stats.get(f"{name}_count")) is None:
+            return
+        marker = f"{name}_bucket:"
+        buckets = sorted(((key[len(marker):], float(value)) for key, value in stats.items()
+                          if key.startswith(marker)), key=lambda b: float(b[0]))
+        family = HistogramMetricFamily(PREFIX + PD_HANDOFF_LATENCY,
+                                       "Prefill done to decode worker's claim of a hand-off.",
+                                       labels=["model_name"])
+        family.add_metric([self._model_name], buckets, float(stats.get(f"{name}_sum", 0.0)))
+        yield family
 
 
 class RequestTimer:

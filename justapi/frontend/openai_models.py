@@ -255,6 +255,7 @@ class HealthWorker(ResponseModel):
     healthy: bool
     draining: bool = False
     reason: str = ""
+    role: str = "mixed"  # PD (--pd P:D): prefill | decode
 
 
 class HealthResponse(ResponseModel):

@@ -255,6 +255,10 @@ class Scheduler:
     def stats(self) -> dict[str, float]:
         return collect_stats(self.state)
 
+    def worker_roles(self) -> dict[int, str]:
+        """worker id -> mixed | prefill | decode (the health table shows it)."""
+        return {w.worker_id: w.role for w in self.state.workers.values()}
+
     def problems(self) -> list[str]:
         """Why the core cannot serve as configured, one line each (PdScheduler: a side down)."""
         return []

@@ -1,0 +1,56 @@
+"""The decode worker's side of the KV hand-off (workers/kv_transfer.py) over real KV pools:
+a source pool in another shared-memory segment is mapped once through its PoolInfo and its
+blocks land, every layer's K and V, at the destination ids; failures answer with the error."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from justapi.protocol import CopyBlocks
+from workers.kv_pool import KVPool, PoolShape
+from workers.kv_transfer import BlockCopier
+
+SHAPE = PoolShape(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8)
+
+
+def order(copy_id: int, src: KVPool, src_ids: list[int], dst_ids: list[int],
+          with_info: bool = True) -> CopyBlocks:
+    return CopyBlocks(copy_id=copy_id, src_pool=src.pool_id,
+                      src_block_ids=np.asarray(src_ids, np.int32),
+                      dst_block_ids=np.asarray(dst_ids, np.int32),
+                      src=src.info() if with_info else None)
+
+
+def test_copies_blocks_from_another_segment_mapped_once():
+    with KVPool.create(SHAPE, "shm", pool_id=0) as prefill, \
+            KVPool.create(SHAPE, "shm", pool_id=1) as decode:
+        prefill.tensor.copy_(torch.randn(SHAPE.dims))
+        copier = BlockCopier(decode, worker_id=1)
+        ack = copier.execute(order(1, prefill, [5, 2, 7], [0, 1, 3]))
+        assert (ack.copy_id, ack.worker_id, ack.num_blocks, ack.error) == (1, 1, 3, None)
+        for src, dst in ((5, 0), (2, 1), (7, 3)):
+            assert torch.equal(decode.tensor[:, :, dst], prefill.tensor[:, :, src])
+        assert not decode.tensor[:, :, 2].any()  # untouched blocks stay as they were
+        prefill.tensor[:, :, 6] = 1.0  # the mapping is live and reused for the next order
+        assert copier.execute(order(2, prefill, [6], [4])).error is None
+        assert torch.equal(decode.tensor[:, :, 4], prefill.tensor[:, :, 6])
+        assert len(copier._sources) == 1
+        copier.close()
+
+
+def test_own_pool_copy_and_errors():
+    with KVPool.create(SHAPE, "shm", pool_id=0) as pool:
+        pool.tensor.copy_(torch.randn(SHAPE.dims))
+        copier = BlockCopier(pool, worker_id=0)
+        assert copier.execute(order(1, pool, [1], [6], with_info=False)).error is None
+        assert torch.equal(pool.tensor[:, :, 6], pool.tensor[:, :, 1])
+        bad = copier.execute(order(2, pool, [99], [0]))
+        assert bad.num_blocks == 0 and "out of range" in bad.error
+        gone = pool.info()
+        missing = CopyBlocks(3, 5, np.zeros(1, np.int32), np.zeros(1, np.int32),
+                             src=type(gone)(**{**gone.__dict__, "pool_id": 5,
+                                               "handle": "justapi-kv-0-missing"}))
+        assert "does not exist" in copier.execute(missing).error
+        no_handle = CopyBlocks(4, 5, np.zeros(1, np.int32), np.zeros(1, np.int32))
+        assert "no handle for source pool 5" in copier.execute(no_handle).error
+        copier.close()
