@@ -97,8 +97,13 @@ class ServedPool:
                 self.proc.wait()
         return self.proc.returncode
 
-    def leftovers(self) -> list[str]:
-        """What the pool left behind after stop(): live children, shm segments, runtime dir."""
+    def leftovers(self, settle_s: float = 5.0) -> list[str]:
+        """What the pool left behind after stop(): live children, shm segments, runtime dir.
+        Children get `settle_s` to finish exiting (multiprocessing's resource tracker, a child
+        of the launcher, leaves only once it sees the launcher's pipe close)."""
+        deadline = time.monotonic() + settle_s
+        while any(pid_alive(pid) for pid in self.children) and time.monotonic() < deadline:
+            time.sleep(0.1)
         found = [f"process {pid}" for pid in self.children if pid_alive(pid)]
         prefix = f"justapi-kv-{self.proc.pid}-"
         found += [f"/dev/shm/{name}" for name in os.listdir("/dev/shm") if name.startswith(prefix)]
