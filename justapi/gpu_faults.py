@@ -48,7 +48,8 @@ class GpuFaults:
         for xid in reading.xids:
             if xid in FATAL_XIDS:
                 return f"{gpu} reported XID {xid} ({FATAL_XIDS[xid]})"
-        return self._check_ecc(state, reading, gpu) or self._check_thermal(state, reading, gpu, now_s)
+        return (self._check_ecc(state, reading, gpu)
+                or self._check_thermal(state, reading, gpu, now_s))
 
     def recent_xids(self, cuda_index: int) -> list[int]:
         state = self._state.get(cuda_index)

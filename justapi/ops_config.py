@@ -34,7 +34,7 @@ class OpsConfig:
     """A step in flight this long is hung (its worker is fenced even if it still beats); with
     unfinished requests and no step done for this long, the scheduler is not progressing."""
     thermal_hold_s: float = 60.0
-    """A GPU at its thermal limit (slowdown temperature or thermal throttling) this long is fatal."""
+    """A GPU at its thermal limit (slowdown temperature, thermal throttling) this long is fatal."""
     gpu_poll_interval_s: float = 1.0
     """How often the scheduler reads NVML."""
     admin: str = ""

@@ -68,7 +68,8 @@ def _tensor_types(tensors: list) -> list[dict[str, Any]]:
 
 def _tokenizer(gguf: GGUFFile) -> dict[str, Any]:
     tokens = gguf.get("tokenizer.ggml.tokens") or []
-    types = Counter(TOKEN_TYPES.get(int(t), str(t)) for t in gguf.get("tokenizer.ggml.token_type") or [])
+    type_ids = gguf.get("tokenizer.ggml.token_type") or []
+    types = Counter(TOKEN_TYPES.get(int(t), str(t)) for t in type_ids)
     special = {}
     for role in ("bos", "eos", "eot", "eom", "unknown", "padding"):
         token_id = gguf.get(f"tokenizer.ggml.{role}_token_id")
@@ -111,12 +112,13 @@ def render(report: dict[str, Any], show_tensors: bool, show_template: bool) -> s
              f"{m['num_parameters'] / 1e6:.1f} M parameters)", "", "shapes",
              f"  layers {s['num_layers']}, hidden {s['hidden_size']}, heads {s['num_heads']} "
              f"(kv {s['num_kv_heads']}, head dim {s['head_dim']}), ffn {s['ffn_size']}, context "
-             f"{s['context_length']}, vocab {s['vocab_size']}, rope base {_num(s['rope_freq_base'])}, "
-             f"rms eps {_num(s['rms_norm_eps'])}", "", "tensor types"]
+             f"{s['context_length']}, vocab {s['vocab_size']}, rope base "
+             f"{_num(s['rope_freq_base'])}, rms eps {_num(s['rms_norm_eps'])}", "", "tensor types"]
     lines.append(_indent(table(["type", "tensors", "parameters", "size"],
                                [[r["type"], r["num_tensors"], r["num_parameters"],
                                  human_bytes(r["bytes"])] for r in report["tensor_types"]])))
-    special = ", ".join(f"{role} {v['id']} {v['text']!r}" for role, v in tok["special_tokens"].items())
+    special = ", ".join(f"{role} {v['id']} {v['text']!r}"
+                        for role, v in tok["special_tokens"].items())
     lines += ["", "tokenizer",
               f"  {tok['model'] or '?'} (pre-tokenizer {tok['pre'] or '-'}), {tok['num_tokens']} "
               f"tokens, {tok['num_merges']} merges, add BOS {tok['add_bos_token']}",
@@ -130,7 +132,8 @@ def render(report: dict[str, Any], show_tensors: bool, show_template: bool) -> s
                             [[r["dtype"], human_bytes(r["weights_bytes"]),
                               human_bytes(r["weights_quantized_bytes"]),
                               human_bytes(r["kv_bytes_per_token"]), human_bytes(r["kv_bytes"]),
-                              human_bytes(r["total_bytes"]), human_bytes(r["total_quantized_bytes"])]
+                              human_bytes(r["total_bytes"]),
+                              human_bytes(r["total_quantized_bytes"])]
                              for r in mem["rows"]]))]
     if show_tensors:
         lines += ["", "tensors", _indent(table(

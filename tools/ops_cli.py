@@ -29,7 +29,7 @@ def parser(prog: str, description: str, epilog: str = "") -> argparse.ArgumentPa
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     out.add_argument("--admin", metavar="ENDPOINT", help=FIND_HELP)
     out.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                     help=f"how long to wait for the server's answer (default {DEFAULT_TIMEOUT_S:g})")
+                     help=f"how long to wait for the answer (default {DEFAULT_TIMEOUT_S:g})")
     out.add_argument("--json", action="store_true", help="print the reply as JSON")
     return out
 
