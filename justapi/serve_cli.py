@@ -47,6 +47,8 @@ def _flags(fn: Any) -> Any:
                      help="Waiting-queue order (fcfs)."),
         click.option("--pool-blocks", type=int, help="KV blocks per pool (0: size from memory)."),
         click.option("--block-size", type=int, help="Tokens per KV block (16)."),
+        click.option("--prefix-cache/--no-prefix-cache", "enable_prefix_cache", default=None,
+                     help="Share cached KV blocks of identical prefixes (default on)."),
         click.option("--max-context", type=int, help="Cap on the model's context length."),
         click.option("--host", help="HTTP bind address (127.0.0.1)."),
         click.option("--port", type=int, help="HTTP port (8000; 0 picks a free one)."),

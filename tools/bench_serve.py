@@ -1,0 +1,182 @@
+#!/usr/bin/env python
+"""Serving benchmarks that compare configurations of `justapi serve` side by side, one run each.
+
+Each comparison starts the real process pool per configuration, drives it with
+`tools/bench.py` (streaming OpenAI requests), stops it, and prints the figures with their
+ratio. The machine is noisy: compare ratios from one run, not absolute figures across runs.
+
+  scheduled-vs-static  mixed output lengths 16..256: continuous vs static batching
+  prefix-cache         shared ~512-token prefix: with vs without the prefix cache
+  overhead             64 requests at concurrency 16: HTTP serving vs the in-process engine
+  control-plane        tiny synthetic model, 64 concurrent streams: tokens/s through HTTP
+
+    python tools/bench_serve.py all
+    python tools/bench_serve.py prefix-cache --num-requests 32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+TOOLS = Path(__file__).resolve().parent
+TINY = "synthetic:layers=1,hidden=64,heads=4,kv_heads=2,ffn=128,context=2048"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """`justapi serve ARGS` on a free port until stopped."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "justapi.cli", "serve", "--port",
+                                      str(self.port), "--log-level", "warning", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise SystemExit(f"bench_serve: server exited:\n{self.log.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise SystemExit("bench_serve: server did not become healthy in 300 s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=60)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_bench(url: str, bench_args: list[str]) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, str(TOOLS / "bench.py"), "--base-url", url, "--json",
+                        out.name, "--no-progress", *bench_args], check=True,
+                       stdout=subprocess.DEVNULL)
+        return json.load(open(out.name))
+
+
+def serve_and_bench(serve_args: list[str], bench_args: list[str]) -> dict[str, Any]:
+    with Server(serve_args) as server:
+        return run_bench(server.url, bench_args)["summary"]
+
+
+def show(title: str, rows: list[tuple[str, dict[str, Any]]], ratio_of: str, target: str) -> None:
+    print(f"\n## {title}")
+    print(f"{'configuration':<28} {'output tok/s':>13} {'req/s':>8} {'TTFT p50 s':>11} "
+          f"{'ITL p50 ms':>11} {'e2e p50 s':>10}")
+    for name, s in rows:
+        print(f"{name:<28} {s['output_throughput']:>13.1f} {s['request_throughput']:>8.2f} "
+              f"{s['ttft_ms']['p50'] / 1e3:>11.3f} {s['itl_ms']['p50']:>11.1f} "
+              f"{s['e2e_ms']['p50'] / 1e3:>10.2f}")
+    a, b = rows[0][1], rows[1][1]
+    print(f"ratio ({ratio_of}): {a['output_throughput'] / b['output_throughput']:.2f}x "
+          f"output tokens/s; e2e p50 {b['e2e_ms']['p50'] / a['e2e_ms']['p50']:.2f}x faster "
+          f"(target: {target})")
+
+
+def scheduled_vs_static(args: argparse.Namespace) -> None:
+    bench = ["--workload", "mixed", "--ignore-eos", "--num-requests", str(args.num_requests),
+             "--concurrency", "32", "--max-tokens", "256"]
+    common = ["--model", args.model, "--max-seqs", "16"]
+    rows = [("continuous (--scheduled)", serve_and_bench(common, bench)),
+            ("static (--no-scheduled)", serve_and_bench([*common, "--no-scheduled"], bench))]
+    show("continuous vs static batching, outputs 16..256", rows, "continuous / static", ">= 2x")
+
+
+def prefix_cache(args: argparse.Namespace) -> None:
+    bench = ["--workload", "shared-prefix", "--ignore-eos", "--num-requests",
+             str(args.num_requests), "--max-tokens", "16"]
+    common = ["--model", args.model]
+    rows = [("with prefix cache", serve_and_bench(common, bench)),
+            ("--no-prefix-cache", serve_and_bench([*common, "--no-prefix-cache"], bench))]
+    show("shared ~512-token prefix + short questions", rows, "cache / no cache", ">= 3x")
+
+
+def overhead(args: argparse.Namespace) -> None:
+    num, prompt_tokens, max_tokens = args.num_requests, 128, 128
+    bench = ["--workload", "batch", "--ignore-eos", "--num-requests", str(num),
+             "--concurrency", "16", "--max-tokens", str(max_tokens), "--prompt-tokens",
+             str(prompt_tokens)]
+    served = serve_and_bench(["--model", args.model, "--max-seqs", "16"], bench)
+    offline = offline_engine(args.model, num, prompt_tokens, max_tokens, max_seqs=16)
+    print("\n## serving path vs in-process engine, 64 x (~128 prompt + 128 output), 16 at a time")
+    print(f"in-process engine (offline)   {offline:10.1f} output tok/s")
+    print(f"justapi serve over HTTP       {served['output_throughput']:10.1f} output tok/s")
+    print(f"ratio (serve / offline): {served['output_throughput'] / offline:.2f} (target: >= 0.90)")
+
+
+def offline_engine(model: str, num: int, prompt_tokens: int, max_tokens: int, max_seqs: int) -> float:
+    """Output tokens/s of workers.engine.LLMEngine on the same shape of work."""
+    code = f"""
+import time
+from justapi.sampling import SamplingParams
+from workers.engine import LLMEngine
+engine = LLMEngine({model!r}, max_seqs={max_seqs}, progress=False)
+prompts = [[(17 * i + 7 * j) % 1000 + 100 for j in range({prompt_tokens})] for i in range({num})]
+engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))
+t = time.perf_counter()
+outs = engine.generate(prompts, SamplingParams(max_tokens={max_tokens}, temperature=0, ignore_eos=True))
+print(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+def control_plane(args: argparse.Namespace) -> None:
+    bench = ["--workload", "batch", "--ignore-eos", "--num-requests", "256", "--concurrency",
+             "64", "--max-tokens", "512", "--prompt-tokens", "16"]
+    summary = serve_and_bench(["--model", TINY, "--max-seqs", "64", "--max-decode", "64",
+                               "--pool-blocks", "4096"], bench)
+    print("\n## control plane: tiny synthetic model, 64 concurrent streams, 512 tokens each")
+    print(f"output tokens/s through HTTP: {summary['output_throughput']:.0f} (target: >= 10,000)"
+          f"; ITL p50 {summary['itl_ms']['p50']:.1f} ms, p99 {summary['itl_ms']['p99']:.1f} ms")
+
+
+COMPARISONS = {"scheduled-vs-static": scheduled_vs_static, "prefix-cache": prefix_cache,
+               "overhead": overhead, "control-plane": control_plane}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("which", choices=[*COMPARISONS, "all"])
+    parser.add_argument("--model", default="", help="GGUF (default: the embedded SmolLM2)")
+    parser.add_argument("--num-requests", type=int, default=64)
+    args = parser.parse_args()
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    for name, fn in COMPARISONS.items():
+        if args.which in (name, "all"):
+            fn(args)
+
+
+if __name__ == "__main__":
+    main()
