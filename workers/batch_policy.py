@@ -18,6 +18,10 @@ from justapi.protocol import FINISH_LENGTH, FINISH_STOP, NewRequest, StepPlan, S
 from justapi.sampling import SamplingParams
 
 
+Chunk = tuple[str, int, list[int], list[int], bool]
+"""(request_id, start position, token ids, block ids, sample?) as StepPlan.build takes it."""
+
+
 @dataclass
 class Sequence:
     request_id: str
@@ -74,7 +78,7 @@ class BatchPolicy:
 
     def schedule(self) -> StepPlan:
         budget = self.max_batched_tokens
-        chunks: list[tuple[str, int, list[int], list[int], bool]] = []
+        chunks: list[Chunk] = []
         new_requests: list[NewRequest] = []
         for seq in list(self.running):
             if seq not in self.running:  # preempted while making room for an older one
@@ -116,7 +120,7 @@ class BatchPolicy:
 
     # ------------------------------------------------------------------ internals
 
-    def _chunk(self, seq: Sequence, num: int, new_requests: list[NewRequest]):
+    def _chunk(self, seq: Sequence, num: int, new_requests: list[NewRequest]) -> Chunk:
         if not seq.is_announced:
             new_requests.append(NewRequest(seq.request_id, seq.params, seq.num_prompt_tokens,
                                            np.asarray(seq.token_ids, dtype=np.int32)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -208,7 +209,10 @@ def load_llama(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.f
     """Every tensor dequantized, checked and fused, on `device` in `dtype`."""
     params = read_hyper_params(gguf)
     src = _TensorSource(gguf, params, progress)
-    put = lambda t: t.to(device=device, dtype=dtype).contiguous()  # noqa: E731
+
+    def put(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(device=device, dtype=dtype).contiguous()
+
     try:
         layers = [_load_layer(src, params, i, put) for i in range(params.num_layers)]
         token_embd = put(src.get("token_embd.weight"))
@@ -221,7 +225,8 @@ def load_llama(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.f
         src.bar.close()
 
 
-def _load_layer(src: _TensorSource, p: LlamaHyperParams, i: int, put) -> LayerWeights:
+def _load_layer(src: _TensorSource, p: LlamaHyperParams, i: int,
+                put: Callable[[torch.Tensor], torch.Tensor]) -> LayerWeights:
     q = unpermute_rotary_rows(src.get("blk.{i}.attn_q.weight", i), p.num_heads)
     k = unpermute_rotary_rows(src.get("blk.{i}.attn_k.weight", i), p.num_kv_heads)
     v = src.get("blk.{i}.attn_v.weight", i)

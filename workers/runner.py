@@ -20,7 +20,7 @@ from justapi.sampling import SamplingParams
 from workers.attention import AttentionBackend, AttentionBatch
 from workers.kv_pool import KVPool
 from workers.model import LlamaModel
-from workers.sampler import Sampler, SamplingRow
+from workers.sampler import Sampler, SamplerOutput, SamplingRow
 
 
 @dataclass
@@ -54,13 +54,9 @@ class ModelRunner:
         logits = self.forward_logits(plan)  # [num sampled, vocab]: drafts are 0, one row each
         sampled = np.flatnonzero(plan.sample_flags)
         ids = [plan.request_ids[i] for i in sampled]
-        if not len(sampled):
-            self._forget(plan.finished_request_ids)
-            return StepResult(step_id=plan.step_id, worker_id=self.worker_id, request_ids=[],
-                              num_sampled=np.zeros(0, np.int32), sampled_token_ids=np.zeros(0, np.int32))
         ends = plan.start_positions[sampled] + plan.num_tokens[sampled]
         rows = [self._sampling_row(rid, int(end)) for rid, end in zip(ids, ends)]
-        out = self.sampler.sample(logits, rows)
+        out = self.sampler.sample(logits, rows) if rows else SamplerOutput(np.zeros(0, np.int32))
         self._forget(plan.finished_request_ids)
         result = StepResult(step_id=plan.step_id, worker_id=self.worker_id, request_ids=ids,
                             num_sampled=np.ones(len(ids), np.int32), sampled_token_ids=out.token_ids)
@@ -72,10 +68,11 @@ class ModelRunner:
     def forward_logits(self, plan: StepPlan) -> torch.Tensor:
         """Forward the plan and return fp32 logits of the last 1 + num_draft_tokens[i] positions
         of every sampled sequence i, in plan order: [sum over sampled (1 + drafts), vocab]."""
-        self._learn(plan)
         if plan.num_seqs == 0:
+            self._learn(plan)
             return torch.zeros(0, self.model.params.vocab_size)
         self._check(plan)
+        self._learn(plan)
         batch = AttentionBatch(plan.start_positions.astype(np.int64), plan.num_tokens.astype(np.int64),
                                plan.num_blocks.astype(np.int64), plan.block_ids, self.block_size)
         with torch.inference_mode():

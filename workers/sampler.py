@@ -85,7 +85,8 @@ def _wants_logprobs(rows: list[SamplingRow]) -> bool:
     return any(r.params.logprobs is not None for r in rows)
 
 
-def _logprob_columns(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SamplingRow]):
+def _logprob_columns(raw: torch.Tensor, tokens: torch.Tensor,
+                     rows: list[SamplingRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     chosen = raw.gather(1, tokens[:, None])[:, 0]
     top_n = max(r.params.logprobs or 0 for r in rows)
     top_ids = np.full((len(rows), top_n), -1, dtype=np.int32)
