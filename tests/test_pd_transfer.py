@@ -54,3 +54,19 @@ def test_own_pool_copy_and_errors():
         no_handle = CopyBlocks(4, 5, np.zeros(1, np.int32), np.zeros(1, np.int32))
         assert "no handle for source pool 5" in copier.execute(no_handle).error
         copier.close()
+
+
+def test_cpu_threads_favour_prefill_workers(monkeypatch):
+    from justapi.child import ChildSpec, Endpoints
+    from justapi.serve_config import build_config
+    from workers import process
+
+    monkeypatch.setattr(process.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(process.torch, "set_num_threads", lambda n: None)
+
+    def threads(values: dict, index: int) -> int:
+        spec = ChildSpec("worker", index, build_config(values, {}), Endpoints.in_dir("/tmp/x"), "")
+        return process.set_cpu_threads(spec)
+
+    assert [threads({"workers": 2}, i) for i in range(2)] == [4, 4]
+    assert [threads({"pd": "2:1"}, i) for i in range(3)] == [4, 4, 1]  # decode: one thread

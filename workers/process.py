@@ -48,9 +48,17 @@ def device_of(spec: ChildSpec) -> str:
 
 
 def set_cpu_threads(spec: ChildSpec) -> int:
-    """Each CPU worker gets its share of the cores (at least one)."""
-    num_workers = int(spec.extra.get("num_workers", spec.config.server.workers))
-    threads = max(1, (os.cpu_count() or 1) // num_workers)
+    """Each CPU worker gets its share of the cores (at least one). With PD, the prefill
+    workers share all the cores (their steps are long, compute-bound chunks) and each decode
+    worker takes one thread (its steps are small; it mostly waits for the next one)."""
+    cores = os.cpu_count() or 1
+    pd = spec.config.pd
+    if pd.is_enabled:
+        is_decode = pd.role_of(spec.index) == "decode"
+        threads = 1 if is_decode else max(1, cores // pd.num_prefill)
+    else:
+        num_workers = int(spec.extra.get("num_workers", spec.config.server.workers))
+        threads = max(1, cores // num_workers)
     torch.set_num_threads(threads)
     return threads
 
