@@ -2,19 +2,23 @@
 
 Frame 0 is an orjson header (the message's type tag and its fields); every numpy array in
 the message travels as one raw little-endian frame after it, referenced from the header by
-index. Decoding trusts nothing: unknown types, unknown fields, dtypes outside an allowlist
-and frames whose size disagrees with their shape raise `ProtocolError`.
+index. Decoding trusts nothing: unknown types, unknown fields, a value that does not have
+its field's annotated type, dtypes outside an allowlist and frames whose size disagrees
+with their shape raise `ProtocolError`.
 Owns: encoding rules and the type registry. Does not own: sockets (justapi/transport.py).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence, TypeVar
+import types
+import typing
+from typing import Any, Callable, Sequence, TypeVar, Union
 
 import numpy as np
 import orjson
 
 _REGISTRY: dict[str, type] = {}
+_FIELD_TYPES: dict[type, dict[str, Any]] = {}
 _ALLOWED_DTYPES = {"<i4", "<i8", "<f4", "<f2", "|u1", "|b1", "<u4"}
 _FRAME_KEY = "__frame__"
 _TYPE_KEY = "__type__"
@@ -124,10 +128,59 @@ def _decode_dataclass(value: dict, buffers: list[memoryview], used: set[int], de
         if key not in names:
             raise ProtocolError(f"{cls.__name__} has no field {key!r}")
         kwargs[key] = _decode_value(item, buffers, used, depth + 1)
+    _check_field_types(cls, kwargs)
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"bad {cls.__name__}: {exc}") from None
+
+
+def _check_field_types(cls: type, kwargs: dict[str, Any]) -> None:
+    """A peer could send any JSON value for any field: refuse one of the wrong type here, so
+    no process ever works on a str where an int or an array belongs."""
+    hints = _FIELD_TYPES.get(cls)
+    if hints is None:
+        try:
+            hints = typing.get_type_hints(cls)
+        except (NameError, TypeError):  # an annotation we cannot resolve: the class checks it
+            hints = {}
+        _FIELD_TYPES[cls] = hints
+    for name, value in kwargs.items():
+        hint = hints.get(name, Any)
+        if not _has_type(value, hint):
+            raise ProtocolError(f"{cls.__name__}.{name} must be {_type_name(hint)}, got "
+                                f"{type(value).__name__}")
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """isinstance for the annotations messages use: int, float, str, bool, np.ndarray,
+    dataclasses, X | None, list[X], tuple[X, ...], dict[K, V]; anything else is accepted."""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin is Union or origin is types.UnionType:
+        return any(_has_type(value, arg) for arg in typing.get_args(hint))
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (list, tuple, set, frozenset):  # all travel as JSON arrays
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return isinstance(value, list) and (
+            len(set(args)) != 1 or all(_has_type(v, args[0]) for v in value))
+    if origin is dict:
+        args = typing.get_args(hint)
+        return isinstance(value, dict) and (
+            len(args) != 2 or all(_has_type(v, args[1]) for v in value.values()))
+    if hint in (list, tuple):
+        return isinstance(value, list)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True  # Literal, TypeVar...: left to the class's own checks
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
 def _decode_array(ref: dict, buffers: list[memoryview], used: set[int]) -> np.ndarray:

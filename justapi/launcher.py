@@ -3,7 +3,8 @@
 The launcher sizes and creates the shared CPU KV pool (so it alone unlinks it, even when a
 worker is SIGKILLed), starts frontend, scheduler and workers as `python -m` children with a
 JSON spec, and waits for each one's ProcessReady on a control socket. On SIGINT/SIGTERM it
-stops frontend, then scheduler, then workers; stragglers are killed; the runtime dir goes.
+stops frontend (which first lets in-flight requests finish, shutdown-grace-s), then
+scheduler, then workers; stragglers are killed; the runtime dir goes.
 A worker that dies while serving goes to the supervisor (justapi/supervisor.py), which logs
 it and, with --restart-workers, starts a replacement.
 Owns: child processes, the runtime dir, the CPU shared-memory pool's lifetime.
@@ -26,7 +27,7 @@ from justapi import transport
 from justapi.child import ChildSpec, Endpoints
 from justapi.model_info import ModelInfo
 from justapi.protocol import ProcessFailed, ProcessReady
-from justapi.serve_config import ServeConfig
+from justapi.serve_config import API_KEY_ENV, ServeConfig
 from justapi.shm_pool import PoolSegments, plan_cpu_pool
 from justapi.supervisor import WorkerSupervisor
 
@@ -113,11 +114,16 @@ class Launcher:
     def _spawn(self, role: str, index: int, pool: dict[str, Any]) -> None:
         if role == "worker" and self.segment is not None:
             pool = self.segment.for_worker(index)  # --pd-separate-pools: its side's segment
+        extra: dict[str, Any] = {"num_workers": self.config.server.workers}
+        if role == "frontend":  # it watches the scheduler's process (a SIGKILL -> 503s at once)
+            extra["scheduler_pid"] = next((c.process.pid for c in self.children
+                                           if c.role == "scheduler"), 0)
         spec = ChildSpec(role=role, index=index, config=self.config, endpoints=self.endpoints,
-                         model_path=self.model.path, pool=pool,
-                         extra={"num_workers": self.config.server.workers})
+                         model_path=self.model.path, pool=pool, extra=extra)
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if role != "frontend":
+            env.pop(API_KEY_ENV, None)  # only the frontend checks the HTTP API key
         process = subprocess.Popen([sys.executable, "-m", ROLE_MODULES[role], spec.to_json()],
                                    env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         self.children.append(Child(role, index, process))
@@ -181,12 +187,15 @@ class Launcher:
             group = [c for c in self.children if c.role == role and c.process.poll() is None]
             for child in group:
                 _signal(child.process, signal.SIGTERM)
-            deadline = time.monotonic() + STOP_GRACE_S
+            # the frontend first lets in-flight requests finish (shutdown-grace-s)
+            grace_s = STOP_GRACE_S + (self.config.server.shutdown_grace_s
+                                      if role == "frontend" else 0.0)
+            deadline = time.monotonic() + grace_s
             for child in group:
                 try:
                     child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    logger.warning("%s did not stop in %.0fs; killing it", child.name, STOP_GRACE_S)
+                    logger.warning("%s did not stop in %.0fs; killing it", child.name, grace_s)
                     _signal(child.process, signal.SIGKILL)
                     child.process.wait()
         if self.segment is not None:

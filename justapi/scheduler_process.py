@@ -91,6 +91,7 @@ class SchedulerProcess:
     def _on_frontend(self, message: Any) -> None:
         if isinstance(message, SubmitRequest):
             try:
+                self._check_vocab(message)
                 self.core.add_request(message)
             except ValueError as exc:
                 self._reject(message.request_id, str(exc))
@@ -100,7 +101,23 @@ class SchedulerProcess:
         else:
             logger.warning("ignored unexpected %s from the frontend", type(message).__name__)
 
+    def _check_vocab(self, request: SubmitRequest) -> None:
+        """A token id past the vocabulary would fail the whole step it is batched in."""
+        vocab_size = min((r.vocab_size for r in self.readies.values()), default=0)
+        ids = request.prompt_token_ids
+        if vocab_size and len(ids) and int(np.max(ids)) >= vocab_size:
+            raise ValueError(f"request {request.request_id!r}: token id {int(np.max(ids))} "
+                             f"is not in the vocabulary [0, {vocab_size})")
+
     def _on_worker(self, sender: bytes | None, message: Any) -> None:
+        worker_id = getattr(message, "worker_id", None)
+        suffix = b"-heartbeat" if isinstance(message, Heartbeat) else b""
+        if not isinstance(worker_id, int) or sender != worker_identity(worker_id) + suffix:
+            # Only worker N's own socket may speak for worker N (a stray or hostile peer on
+            # the workers socket cannot forge results, heartbeats or a Ready).
+            logger.warning("dropped %s from %r: not that worker's socket",
+                           type(message).__name__, sender)
+            return
         if isinstance(message, StepResult):
             self.health.on_step_result(message.worker_id)
             if message.error:

@@ -15,10 +15,12 @@ import click
 from justapi import discovery
 from justapi.child import StopFlag
 from justapi.config import ConfigError
+from justapi.curve_keys import public_key_of, read_secret_key
 from justapi.gguf_file import GGUFError, GGUFFile
 from justapi.launcher import Deployment, LaunchError, Launcher
+from justapi.model_check import check_model_file
 from justapi.model_info import ModelInfo, resolve_model
-from justapi.serve_config import ServeConfig, build_config, load_toml
+from justapi.serve_config import API_KEY_ENV, ServeConfig, build_config, load_toml
 
 
 def _flags(fn: Any) -> Any:
@@ -64,6 +66,20 @@ def _flags(fn: Any) -> Any:
                      help="A step in flight this long is hung; its worker is fenced (120)."),
         click.option("--admin", help="Admin socket for tools/ (default: ipc in the runtime dir; "
                                      "tcp must be loopback)."),
+        click.option("--api-key", envvar=API_KEY_ENV, show_envvar=True,
+                     help="Bearer key every HTTP route but /health needs (prefer the "
+                          "environment variable: a flag is visible to `ps`)."),
+        click.option("--max-request-bytes", type=int,
+                     help="Larger HTTP request bodies get 413 (4 MiB)."),
+        click.option("--max-queue", type=int,
+                     help="Requests admitted beyond max-seqs x workers; past that 429 (1024)."),
+        click.option("--shutdown-grace-s", type=float,
+                     help="On SIGTERM, in-flight requests get this long to finish (30)."),
+        click.option("--log-requests/--no-log-requests", default=None,
+                     help="Log each request's prompt and parameters (off)."),
+        click.option("--zmq-curve-secret-key", type=click.Path(dir_okay=False),
+                     help="z85 CURVE secret key file of the ZMQ endpoint (needed for tcp "
+                          "beyond loopback; tools/curve_keys.py makes one)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -72,14 +88,20 @@ def _flags(fn: Any) -> Any:
 
 @click.command()
 @_flags
-def serve(config_path: str | None, **flags: Any) -> None:
+def serve(config_path: str | None, api_key: str | None, **flags: Any) -> None:
     """Serve a GGUF model over an OpenAI-compatible HTTP API and a ZMQ client API."""
     try:
         file_values = load_toml(config_path) if config_path else {}
         config = build_config(file_values, {k: v for k, v in flags.items() if v is not None})
-        model = ModelInfo.from_gguf(GGUFFile(resolve_model(config.model.model)))
+        gguf = GGUFFile(resolve_model(config.model.model))
+        model = ModelInfo.from_gguf(gguf)
+        check_model_file(gguf, model)
+        if config.server.zmq_curve_secret_key:
+            read_secret_key(config.server.zmq_curve_secret_key)
     except (ConfigError, GGUFError, ValueError) as exc:
         _fail(str(exc))
+    if api_key:  # the frontend reads it from its environment (the launcher passes it on)
+        os.environ[API_KEY_ENV] = api_key
     sys.exit(run_server(config, model))
 
 
@@ -132,11 +154,18 @@ def banner(config: ServeConfig, deployment: Deployment) -> str:
         f"justapi: {config.server.workers} worker(s) on {config.model.device}; KV pool {pool_text}",
         *_pd_lines(config),
         f"justapi: HTTP  {deployment.http_url}/v1 (OpenAI-compatible), /health, /metrics",
-        f"justapi: ZMQ   {deployment.zmq_url} (justapi.client)",
+        f"justapi: ZMQ   {deployment.zmq_url} (justapi.client){_curve_text(config)}",
         f"justapi: admin {deployment.endpoints.admin} (tools/status.py, drain.py, health.py, "
         "flush_cache.py)",
     ]
     return "\n".join(lines)
+
+
+def _curve_text(config: ServeConfig) -> str:
+    path = config.server.zmq_curve_secret_key
+    if not path:
+        return ""
+    return f", CURVE: server public key {public_key_of(read_secret_key(path)).decode()}"
 
 
 def _pd_lines(config: ServeConfig) -> list[str]:

@@ -12,11 +12,14 @@ import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
+from justapi import transport
 from justapi.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig, _require
 from justapi.ops_config import OpsConfig
 from justapi.pd_config import PdConfig
 
 LAUNCHERS = ("local", "ray")
+API_KEY_ENV = "JUSTAPI_API_KEY"
+"""The HTTP API key reaches the frontend in its environment only (never a config or argv)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,18 @@ class ServerConfig:
     """local | ray."""
     log_level: str = "info"
     """Log level of every process."""
+    max_request_bytes: int = 4 << 20
+    """HTTP request bodies larger than this are refused with 413."""
+    max_queue: int = 1024
+    """Requests admitted beyond what the workers run at once (max-seqs x workers); past that
+    new requests get 429 with Retry-After."""
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM, requests in flight get this long to finish (new ones get 503)."""
+    log_requests: bool = False
+    """Log prompts and parameters of each request (off: prompt text never reaches the logs)."""
+    zmq_curve_secret_key: str = ""
+    """File with the z85 CURVE secret key of the ZMQ client endpoint (needed for tcp beyond
+    loopback)."""
 
     def __post_init__(self) -> None:
         _require(isinstance(self.port, int) and 0 <= self.port <= 65535,
@@ -50,6 +65,18 @@ class ServerConfig:
                  f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}")
         _require(self.log_level in ("debug", "info", "warning", "error"),
                  f"log-level must be debug|info|warning|error, got {self.log_level!r}")
+        _require(isinstance(self.max_request_bytes, int) and self.max_request_bytes >= 1024,
+                 f"max-request-bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
+        _require(isinstance(self.max_queue, int) and self.max_queue >= 0,
+                 f"max-queue must be an integer >= 0, got {self.max_queue!r}")
+        _require(isinstance(self.shutdown_grace_s, (int, float)) and self.shutdown_grace_s >= 0,
+                 f"shutdown-grace-s must be a number >= 0, got {self.shutdown_grace_s!r}")
+        _require(isinstance(self.log_requests, bool),
+                 f"log-requests must be true or false, got {self.log_requests!r}")
+        _require(not self.zmq.startswith("tcp://") or transport.is_loopback_endpoint(self.zmq)
+                 or bool(self.zmq_curve_secret_key),
+                 f"zmq {self.zmq} is reachable beyond this host: it needs CURVE encryption, "
+                 "give --zmq-curve-secret-key FILE (make a pair with tools/curve_keys.py)")
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,10 @@ Owns: the HTTP surface. Does not own: request semantics (serving*.py) or the pro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any
 
 import orjson
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from justapi.frontend import metrics as metrics_module
 from justapi.frontend.errors import (INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, ApiError,
                                      error_body, from_validation_errors)
+from justapi.frontend.guards import DEFAULT_MAX_REQUEST_BYTES, HttpGuards
 from justapi.frontend.openai_models import (ChatCompletionRequest, ChatCompletionResponse,
                                             CompletionRequest, CompletionResponse,
                                             DetokenizeRequest, DetokenizeResponse,
@@ -46,15 +48,28 @@ def json_response(payload: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(payload), status_code=status, media_type="application/json")
 
 
-def build_app(serving: Serving) -> FastAPI:
-    """The FastAPI app over one Serving (engine link, tokenizer, template, metrics)."""
+def build_app(serving: Serving, *, api_key: str = "",
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI app over one Serving (engine link, tokenizer, template, metrics); with
+    `api_key` every route but /health needs it (guards.py)."""
     app = FastAPI(title="JustAPI inference", version="0.1.0",
                   description="OpenAI-compatible completions and chat completions.")
+    app.add_middleware(HttpGuards, api_key=api_key, max_request_bytes=max_request_bytes,
+                       rejections=serving.admission.rejections)
     _add_error_handlers(app)
     _add_generation_routes(app, serving)
     _add_model_routes(app, serving)
     _add_ops_routes(app, serving)
     return app
+
+
+class HttpServer(uvicorn.Server):
+    """uvicorn without its own SIGINT/SIGTERM handlers: the frontend process decides when to
+    stop listening (after draining in-flight requests, justapi/frontend/lifecycle.py)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 def make_http_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
@@ -64,7 +79,7 @@ def make_http_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
     config = uvicorn.Config(app, host=host, port=port, http="httptools", loop="uvloop",
                             log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5)
-    return uvicorn.Server(config)
+    return HttpServer(config)
 
 
 # ------------------------------------------------------------------------ errors
@@ -76,7 +91,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> Response:
-        return json_response(exc.body(), exc.status)
+        response = json_response(exc.body(), exc.status)
+        response.headers.update(exc.headers)
+        return response
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
@@ -178,6 +195,8 @@ def _add_ops_routes(app: FastAPI, serving: Serving) -> None:
                                    503: {"model": HealthResponse}})
     async def health() -> Response:
         problems = serving.engine.health_problems()
+        if serving.admission.is_draining:  # take this instance out of the load balancer
+            problems = ["the server is shutting down (draining)", *problems]
         details = _health_details(serving.engine.stats)
         if problems:
             return json_response({"status": "unhealthy", "problems": problems, **details}, 503)

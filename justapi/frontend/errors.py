@@ -19,13 +19,16 @@ class ApiError(ValueError):
     """A request the server refuses; `status`, `param` and `code` go into the error body."""
 
     def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 code: str | None = None, error_type: str = INVALID_REQUEST) -> None:
+                 code: str | None = None, error_type: str = INVALID_REQUEST,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
         self.code = code
         self.error_type = error_type
+        self.headers = dict(headers or {})
+        """Extra response headers (Retry-After on 429/503)."""
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.error_type, self.param, self.code)

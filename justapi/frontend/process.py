@@ -1,7 +1,9 @@
 """The frontend process: one uvloop event loop running the HTTP API, the ZMQ client endpoint
 and the link to the scheduler; reports its URL to the launcher once it listens.
 
-SIGTERM (from the launcher) stops accepting, aborts what is still running and exits.
+SIGTERM (from the launcher) drains: new requests are refused (503) while those in flight get
+up to `shutdown-grace-s` to finish; then what is left is aborted and it exits. The scheduler
+process is watched: once it is gone, open requests fail at once (503).
 Owns: the frontend's event loop and its start-up handshake. Does not own: what is served
 (justapi/frontend/server.py and below).
 """
@@ -9,27 +11,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 
 import uvloop
 
 from justapi.child import ChildSpec, report, start_child
+from justapi.curve_keys import read_secret_key
 from justapi.frontend.engine_client import EngineClient
+from justapi.frontend.lifecycle import drain, watch_scheduler
 from justapi.frontend.server import FrontendServer, FrontendSettings, build_serving
 from justapi.gguf_file import GGUFFile
+from justapi.serve_config import API_KEY_ENV
 
 logger = logging.getLogger(__name__)
 
 
 def settings_of(spec: ChildSpec) -> FrontendSettings:
+    """Settings from the spec; secrets (API key, CURVE key) from the environment and the key
+    file, never from the spec, which is on the command line for anyone to read in `ps`."""
     server = spec.config.server
+    running_capacity = spec.config.scheduler.max_seqs * server.workers
+    curve_key = read_secret_key(server.zmq_curve_secret_key) if server.zmq_curve_secret_key \
+        else b""
     return FrontendSettings(
         scheduler_endpoint=spec.endpoints.scheduler_in,
         frontend_endpoint=spec.endpoints.frontend_in,
         zmq_endpoint=spec.endpoints.client,
         model_name=server.served_model_name,
         max_context=spec.config.model.max_context,
-        host=server.host, port=server.port, log_level=server.log_level)
+        zmq_curve_secret_key=curve_key.decode(),
+        host=server.host, port=server.port, log_level=server.log_level,
+        api_key=os.environ.get(API_KEY_ENV, ""),
+        max_request_bytes=server.max_request_bytes,
+        max_in_flight=running_capacity + server.max_queue,
+        log_requests=server.log_requests)
 
 
 async def serve(spec: ChildSpec) -> None:
@@ -51,10 +67,18 @@ async def serve(spec: ChildSpec) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
+    scheduler_pid = int(spec.extra.get("scheduler_pid", 0))
+    watch = asyncio.ensure_future(watch_scheduler(engine, scheduler_pid)) if scheduler_pid \
+        else None
     waiter = asyncio.ensure_future(server.wait())
     await asyncio.wait([waiter, asyncio.ensure_future(stopping.wait())],
                        return_when=asyncio.FIRST_COMPLETED)
-    await server.stop()
+    if stopping.is_set():
+        await drain(server, spec.config.server.shutdown_grace_s)
+    else:
+        await server.stop()
+    if watch is not None:
+        watch.cancel()
     await engine.close()
 
 

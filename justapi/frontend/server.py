@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from justapi.chat_template import ChatTemplate
 from justapi.frontend.api_server import build_app, make_http_server
 from justapi.frontend.engine_client import EngineClient
+from justapi.frontend.guards import DEFAULT_MAX_REQUEST_BYTES
 from justapi.frontend.metrics import FrontendMetrics
 from justapi.frontend.serving import Serving, ServingConfig
 from justapi.frontend.zmq_server import ZmqServer
@@ -46,6 +47,14 @@ class FrontendSettings:
     port: int = 8000
     """0 picks a free port (see FrontendServer.http_url)."""
     log_level: str = "info"
+    api_key: str = field(default="", repr=False)
+    """Bearer key every HTTP route but /health needs; "" serves without one."""
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    """Larger HTTP request bodies are refused with 413."""
+    max_in_flight: int = 0
+    """Most scheduler requests in flight (running capacity + max-queue); 0: no bound."""
+    log_requests: bool = False
+    """Log prompts and parameters of each request."""
 
 
 def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettings) -> Serving:
@@ -60,8 +69,10 @@ def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettin
         max_context = min(max_context, model_context)
     name = settings.model_name or gguf.name
     metrics = FrontendMetrics(name, lambda: engine.stats)
-    return Serving(engine, tokenizer, template.render,
-                   ServingConfig(model_name=name, max_context=max_context), metrics)
+    config = ServingConfig(model_name=name, max_context=max_context,
+                           max_in_flight=settings.max_in_flight,
+                           log_requests=settings.log_requests)
+    return Serving(engine, tokenizer, template.render, config, metrics)
 
 
 class FrontendServer:
@@ -69,7 +80,8 @@ class FrontendServer:
 
     def __init__(self, serving: Serving, settings: FrontendSettings) -> None:
         self.serving = serving
-        self.app = build_app(serving)
+        self.app = build_app(serving, api_key=settings.api_key,
+                             max_request_bytes=settings.max_request_bytes)
         self._http = make_http_server(self.app, settings.host, settings.port, settings.log_level)
         self._zmq = ZmqServer(serving, settings.zmq_endpoint,
                               curve_secret_key=settings.zmq_curve_secret_key.encode() or None)
@@ -83,6 +95,11 @@ class FrontendServer:
     @property
     def zmq_endpoint(self) -> str:
         return self._zmq.endpoint
+
+    @property
+    def num_in_flight(self) -> int:
+        """Scheduler requests not finished, plus ZMQ generations whose last chunk is unsent."""
+        return self.serving.engine.num_in_flight + self._zmq.num_running
 
     async def start(self) -> None:
         """Start serving; returns once HTTP listens (raises if it could not start)."""

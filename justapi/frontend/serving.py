@@ -20,8 +20,9 @@ import numpy as np
 import orjson
 
 from justapi.detokenizer import StopStringMatcher
+from justapi.frontend.admission import Admission, RejectionCounter, unavailable
 from justapi.frontend.engine_client import EngineClient
-from justapi.frontend.errors import NOT_FOUND, UNAVAILABLE, ApiError, sampling_error
+from justapi.frontend.errors import NOT_FOUND, SERVER_ERROR, ApiError, sampling_error
 from justapi.frontend.generation import Generation, GenerationOutput, TextOptions
 from justapi.frontend.metrics import FrontendMetrics
 from justapi.frontend.openai_models import GenerationFields
@@ -37,6 +38,7 @@ MAX_CHOICES = 64  # prompts x n of one request
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "frequency_penalty", "repetition_penalty")
 SSE_DONE = b"data: [DONE]\n\n"
+LOGGED_PROMPT_CHARS = 2000  # --log-requests: longer prompts are cut in the log
 _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 
@@ -49,6 +51,10 @@ class ServingConfig:
     """Prompt + generated tokens of one request."""
     cache_salt: str = ""
     """Prefix-cache namespace sent with every request."""
+    max_in_flight: int = 0
+    """Most scheduler requests in flight at once (running + queued); past it 429. 0: no bound."""
+    log_requests: bool = False
+    """Log each request's prompt and parameters (off: prompts never reach the logs)."""
 
 
 def derive_seed(seed: int, choice_index: int) -> int:
@@ -82,6 +88,8 @@ class Serving:
         self._id_prefix = os.urandom(4).hex()
         self._next_id = 0
         self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
+        self.admission = Admission(engine, config.max_in_flight,
+                                   RejectionCounter(metrics.registry, config.model_name))
 
     def new_id(self, kind: str) -> str:
         self._next_id += 1
@@ -102,10 +110,25 @@ class Serving:
                            f"{self.config.model_name!r})", param="model", code="model_not_found",
                            status=404, error_type=NOT_FOUND)
 
-    def check_available(self) -> None:
+    def check_available(self, num_requests: int = 1) -> None:
+        """503 (draining, scheduler lost) or 429 (queue full) unless the requests may start."""
+        self.admission.check(num_requests)
+
+    def generation_failed(self, error: str | None) -> ApiError:
+        """A request the engine failed: 503 when the scheduler is gone (retry elsewhere), 500
+        otherwise."""
         if self.engine.scheduler_lost:
-            raise ApiError("the engine is not available (scheduler lost)", status=503,
-                           error_type=UNAVAILABLE)
+            return unavailable(f"generation failed: {error}")
+        return ApiError(f"generation failed: {error}", status=500, error_type=SERVER_ERROR)
+
+    def log_request(self, kind: str, prompts: Sequence[Prompt], sampling: SamplingParams) -> None:
+        """With --log-requests only: prompts are user data and stay out of the logs otherwise."""
+        if not self.config.log_requests:
+            return
+        for prompt in prompts:
+            text = prompt.text if prompt.text is not None else str(prompt.token_ids)
+            logger.info("%s request: prompt (%d tokens) %r, %s", kind, len(prompt.token_ids),
+                        text[:LOGGED_PROMPT_CHARS], sampling)
 
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> list[int]:
         ids = list(token_ids)
@@ -140,7 +163,9 @@ class Serving:
         return requested
 
     # ---------------------------------------------------------------- prompts
-    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode_text(self, text: str, add_special_tokens: bool = True,
+                    param: str = "prompt") -> list[int]:
+        _check_unicode(text, param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> Prompt:
@@ -148,7 +173,7 @@ class Serving:
             text = self.render_chat(messages, add_generation_prompt)
         except ValueError as exc:
             raise ApiError(str(exc), param="messages") from None
-        return Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
+        return Prompt(self.encode_text(text, False, "messages"), text)
 
     # ---------------------------------------------------------------- sampling
     def sampling_for(self, request: GenerationFields, max_tokens: int, logprobs: int | None,
@@ -206,8 +231,19 @@ class Serving:
                 seed = None if request.seed is None else derive_seed(request.seed, j)
                 sampling = self.sampling_for(request, limit, logprobs, seed)
                 plans.append((prompt.token_ids, sampling, self.text_options(sampling, stop)))
-        self.check_available()  # everything validated: only now submit
+        self.check_available(len(plans))  # everything validated: only now submit
+        self.log_request("HTTP", prompts, plans[0][1])
         return [self.start(ids, sampling, options, arrival_s) for ids, sampling, options in plans]
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """JSON can carry lone UTF-16 surrogates ("\\ud800"); they are not text and no tokenizer
+    takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(f"{param} is not valid Unicode: {exc.reason} at character {exc.start}",
+                       param=param) from None
 
 
 def close_all(generations: Sequence[Generation]) -> None:

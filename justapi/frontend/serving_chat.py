@@ -69,8 +69,7 @@ async def create_chat_completion(serving: Serving, request: ChatCompletionReques
     choices = []
     for index, output in enumerate(outputs):
         if output.finish_reason == FINISH_ERROR:
-            raise ApiError(f"generation failed: {output.error}", status=500,
-                           error_type=SERVER_ERROR)
+            raise serving.generation_failed(output.error)
         choices.append({
             "index": index, "message": {"role": "assistant", "content": output.text},
             "logprobs": chat_logprobs(serving, output.logprobs, top_n) if logprobs is not None

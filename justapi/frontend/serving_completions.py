@@ -65,8 +65,7 @@ async def create_completion(serving: Serving, request: CompletionRequest,
     outputs = await collect_all(generations)
     for output in outputs:
         if output.finish_reason == FINISH_ERROR:
-            raise ApiError(f"generation failed: {output.error}", status=500,
-                           error_type=SERVER_ERROR)
+            raise serving.generation_failed(output.error)
     with_logprobs = request.logprobs is not None
     choices = [_choice(serving, index, echoes[index] + output.text, output, len(echoes[index]),
                        with_logprobs) for index, output in enumerate(outputs)]

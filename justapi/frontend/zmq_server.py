@@ -25,7 +25,7 @@ from justapi.codec import ProtocolError, decode, encode
 from justapi.frontend.errors import ApiError, from_validation_errors
 from justapi.frontend.generation import Generation, GenerationOutput
 from justapi.frontend.openai_models import ChatMessage
-from justapi.frontend.serving import Serving
+from justapi.frontend.serving import Prompt, Serving
 from justapi.frontend.serving_chat import message_dicts
 from justapi.protocol import (FINISH_ERROR, AbortGeneration, GenerationChunk, QueryStats,
                               StatsReport, SubmitGeneration)
@@ -119,6 +119,7 @@ class ZmqServer:
         serving.max_tokens_for(sampling.max_tokens, len(token_ids))  # the context rule
         stop = serving.stop_strings([str(s) for s in submit.stop])
         serving.check_available()
+        serving.log_request("ZMQ", [Prompt(token_ids, submit.prompt or None)], sampling)
         return serving.start(token_ids, sampling, serving.text_options(sampling, stop),
                              time.perf_counter())
 
