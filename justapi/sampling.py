@@ -13,6 +13,7 @@ from justapi.codec import register
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 256
+MAX_INT32 = 2**31 - 1  # token ids and counts travel as int32
 
 
 @register("SamplingParams")
@@ -49,14 +50,14 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, tuple):  # lists arrive from JSON
             _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids must be a list")
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+        _check(isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= MAX_INT32,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_number(self.temperature) and 0.0 <= self.temperature <= 100.0,
                f"temperature must be in [0, 100], got {self.temperature!r}")
         _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
                f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1,
-               f"top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
+        _check(isinstance(self.top_k, int) and -1 <= self.top_k <= MAX_INT32,
+               f"top_k must be an integer in [-1, 2**31) (0 or -1 disables), got {self.top_k!r}")
         _check(_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
                f"min_p must be in [0, 1], got {self.min_p!r}")
         _check(_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0,
@@ -68,8 +69,9 @@ class SamplingParams:
         _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
                f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
-               and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} non-negative integers")
+               and all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids),
+               f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} token ids (integers in "
+               f"[0, 2**31))")
         _check(self.logprobs is None
                or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
                f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")

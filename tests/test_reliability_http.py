@@ -43,7 +43,7 @@ async def guarded_stack(script: Script = seeded_script, *, api_key: str = "",
                       FrontendMetrics(MODEL, lambda: engine.stats))
     app = build_app(serving, api_key=api_key, max_request_bytes=LIMIT)
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False), base_url="http://test",
                              timeout=30, headers=headers)
     try:
         yield Stack(fake, engine, serving, app, http, runtime_dir)

@@ -133,8 +133,12 @@ class Serving:
     def check_token_ids(self, token_ids: Sequence[int], param: str) -> list[int]:
         ids = list(token_ids)
         if ids:
-            array = np.asarray(ids, dtype=np.int64)
-            if int(array.min()) < 0 or int(array.max()) >= self.tokenizer.vocab_size:
+            try:
+                array = np.asarray(ids, dtype=np.int64)
+                is_valid = int(array.min()) >= 0 and int(array.max()) < self.tokenizer.vocab_size
+            except OverflowError:  # JSON integers have no size limit
+                is_valid = False
+            if not is_valid:
                 bad = next(t for t in ids if not 0 <= t < self.tokenizer.vocab_size)
                 raise ApiError(f"token id {bad} is not in the vocabulary "
                                f"[0, {self.tokenizer.vocab_size})", param=param)
