@@ -71,9 +71,11 @@ class Deployment:
 
 
 class Launcher:
-    def __init__(self, config: ServeConfig, model: ModelInfo) -> None:
+    def __init__(self, config: ServeConfig, model: ModelInfo, *, api_key: str = "") -> None:
+        """api_key: the HTTP API key, handed to the frontend in its environment only."""
         self.config = config
         self.model = model
+        self._api_key = api_key
         self.runtime_dir = transport.make_runtime_dir()
         self.endpoints = Endpoints.in_dir(self.runtime_dir, config.server.zmq, config.ops.admin)
         self.children: list[Child] = []
@@ -122,8 +124,9 @@ class Launcher:
                          model_path=self.model.path, pool=pool, extra=extra)
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        if role != "frontend":
-            env.pop(API_KEY_ENV, None)  # only the frontend checks the HTTP API key
+        env.pop(API_KEY_ENV, None)
+        if role == "frontend" and self._api_key:  # only the frontend checks the HTTP API key
+            env[API_KEY_ENV] = self._api_key
         process = subprocess.Popen([sys.executable, "-m", ROLE_MODULES[role], spec.to_json()],
                                    env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         self.children.append(Child(role, index, process))

@@ -100,17 +100,16 @@ def serve(config_path: str | None, api_key: str | None, **flags: Any) -> None:
             read_secret_key(config.server.zmq_curve_secret_key)
     except (ConfigError, GGUFError, ValueError) as exc:
         _fail(str(exc))
-    if api_key:  # the frontend reads it from its environment (the launcher passes it on)
-        os.environ[API_KEY_ENV] = api_key
-    sys.exit(run_server(config, model))
+    os.environ.pop(API_KEY_ENV, None)  # only the frontend's environment will hold the key
+    sys.exit(run_server(config, model, api_key=api_key or ""))
 
 
-def run_server(config: ServeConfig, model: ModelInfo) -> int:
+def run_server(config: ServeConfig, model: ModelInfo, *, api_key: str = "") -> int:
     stop = StopFlag()
     signal.signal(signal.SIGINT, stop.set)
     signal.signal(signal.SIGTERM, stop.set)
     try:
-        launcher = Launcher(config, model)
+        launcher = Launcher(config, model, api_key=api_key)
         deployment = launcher.start()
     except (LaunchError, ConfigError, ValueError, OSError) as exc:
         _fail(str(exc))
