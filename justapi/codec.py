@@ -169,9 +169,9 @@ def _has_type(value: Any, hint: Any) -> bool:
         return isinstance(value, list) and (
             len(set(args)) != 1 or all(_has_type(v, args[0]) for v in value))
     if origin is dict:
-        args = typing.get_args(hint)
+        key_value = typing.get_args(hint)
         return isinstance(value, dict) and (
-            len(args) != 2 or all(_has_type(v, args[1]) for v in value.values()))
+            len(key_value) != 2 or all(_has_type(v, key_value[1]) for v in value.values()))
     if hint in (list, tuple):
         return isinstance(value, list)
     if isinstance(hint, type):
