@@ -124,6 +124,10 @@ class Launcher:
                          model_path=self.model.path, pool=pool, extra=extra)
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        if role == "worker" and self.config.pd.is_enabled:
+            # PD on CPU gives prefill workers every core and decode workers a thread more: an
+            # OpenMP thread that loses its core must sleep at barriers, not spin its peers out.
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env.pop(API_KEY_ENV, None)
         if role == "frontend" and self._api_key:  # only the frontend checks the HTTP API key
             env[API_KEY_ENV] = self._api_key

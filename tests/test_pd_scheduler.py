@@ -113,7 +113,7 @@ def test_repeated_system_prompt_is_prefilled_once():
 # ---------------------------------------------------------------------- copy path
 def test_copy_path_copies_the_computed_blocks_and_decodes_after_the_ack():
     sched = build_pd_scheduler(pool_blocks=32, separate_pools=True)
-    sched.handoff.pool_infos[0] = pool_info(0)
+    sched.set_pool_info(pool_info(0))
     h = Harness(sched)
     h.submit("a", prompt(10), max_tokens=5, ignore_eos=True)
     h.step()
@@ -350,3 +350,25 @@ def test_copy_messages_round_trip():
     assert codec.decode(codec.encode(ack)) == ack
     with pytest.raises(codec.ProtocolError, match="2 source and 1 destination"):
         CopyBlocks(1, 0, np.array([1, 2], np.int32), np.array([3], np.int32))
+
+
+def test_gpu_prefill_pool_dying_with_its_worker_recomputes_its_hand_offs():
+    sched = build_pd_scheduler(pool_blocks=32, separate_pools=True)
+    for pool_id in (0, 1):  # GPU layout: each pool lives in its worker's process
+        sched.set_pool_info(PoolInfo(pool_id, "cuda_ipc", "h", f"cuda:{pool_id}", "bfloat16",
+                                     2, 32, 4, 1, 8))
+    h = Harness(sched)
+    h.submit("copying", prompt(10), max_tokens=5, ignore_eos=True)
+    h.step()
+    [(worker, order)] = schedule_copies(h)
+    h.submit("waiting", prompt(9, base=3), max_tokens=5, ignore_eos=True)
+    h.step()
+    assert sched.request("waiting").status is RequestStatus.HANDOFF
+    h.kill(0)  # pool 0's memory is gone: neither hand-off can be copied from it any more
+    assert sched.request("copying").status is RequestStatus.WAITING
+    assert sched.request("waiting").status is RequestStatus.WAITING
+    h.complete(worker, order)  # the orphaned copy's ack only releases its blocks
+    h.run()  # the decode worker serves alone
+    assert h.outputs["copying"] == reference(prompt(10), 5)
+    assert h.outputs["waiting"] == reference(prompt(9, base=3), 5)
+    assert sched.stats()["kv_blocks_in_use"] == 0

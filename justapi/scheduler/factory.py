@@ -31,8 +31,10 @@ def build_scheduler(config: ServeConfig, readies: Sequence[Ready], extra: dict[s
     limits = limits_of(config, readies, extra)
     if not pd.is_enabled:
         return Scheduler(config.scheduler, config.cache, topology, limits)
-    return PdScheduler(config.scheduler, config.cache, topology, limits, pd.pd_lease_s,
-                       {r.pool.pool_id: r.pool for r in readies})
+    core = PdScheduler(config.scheduler, config.cache, topology, limits, pd.pd_lease_s)
+    for ready in readies:
+        core.set_pool_info(ready.pool)
+    return core
 
 
 def topology_of(readies: Sequence[Ready], block_size: int,

@@ -9,7 +9,8 @@ take back (lease lapsed, decode side lost), and re-route queued requests to pref
     claim(worker)       a decode worker takes ready hand-offs into its next step
     expire(now)         lease lapsed: re-queue for recompute (a copy in flight is orphaned:
                         its blocks stay held until its ack or its worker's death)
-    on_worker_lost(w)   copies to w are redone elsewhere; its unclaimed hand-offs move on
+    on_worker_lost(w)   copies to w are redone elsewhere; its unclaimed hand-offs move on;
+                        a GPU pool that died with its last worker: its hand-offs recompute
 
 Owns: those transitions and the PD counters. Does not own: the records (handoff.py), block
 accounting (KvCacheManager), when they are called (pd_scheduler.py).
@@ -35,14 +36,14 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 class HandOffManager:
     def __init__(self, state: SchedulerState, planner: StepPlanner, router: Router,
-                 lease_s: float, pool_infos: dict[int, PoolInfo]) -> None:
+                 lease_s: float) -> None:
         self.state = state
         self.planner = planner
         self.router = router
         self.kv = state.kv
         self.handoffs = state.handoffs
         self.lease_s = lease_s
-        self.pool_infos = pool_infos
+        self.pool_infos: dict[int, PoolInfo] = {}  # pool id -> its handle (workers' Ready)
         self.counters = PdCounters()
         self.latency = LatencyHistogram()
         self.now_s = 0.0
@@ -297,6 +298,17 @@ class HandOffManager:
                 self.take_back(handoff, deltas)
         for handoff in list(self.handoffs.by_request.values()):
             self._rehome(handoff, worker, deltas)
+        self.on_pool_lost(worker.pool_id, deltas)
+
+    def on_pool_lost(self, pool_id: int, deltas: DeltaBuilder) -> None:
+        """A pool whose memory died with its last worker (a GPU's: CUDA IPC): hand-offs not
+        yet copied out of it are recomputed (a copy still reading it is orphaned)."""
+        info = self.pool_infos.get(pool_id)
+        if info is None or info.kind != "cuda_ipc" or self.state.healthy_workers(pool_id):
+            return
+        for handoff in list(self.handoffs.by_request.values()):
+            if handoff.src_pool_id == pool_id and not handoff.is_copied:
+                self.take_back(handoff, deltas)
 
     def _rehome(self, handoff: HandOff, lost: WorkerState, deltas: DeltaBuilder) -> None:
         if handoff.is_copied and handoff.worker_id == lost.worker_id:

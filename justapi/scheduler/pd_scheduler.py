@@ -22,8 +22,6 @@ Owns: the PD public API. Does not own: hand-off transitions (pd_handoffs.py), th
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from justapi.config import CacheConfig, SchedulerConfig
 from justapi.protocol import BlocksCopied, PoolInfo, Ready, StepResult, TokenDeltas
 from justapi.scheduler.batch import StepBatch
@@ -41,16 +39,18 @@ class PdScheduler(Scheduler):
     """Scheduler with prefill workers, decode workers and the KV hand-off between them."""
 
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, topology: Topology,
-                 limits: ModelLimits, lease_s: float = DEFAULT_LEASE_S,
-                 pool_infos: Mapping[int, PoolInfo] | None = None) -> None:
+                 limits: ModelLimits, lease_s: float = DEFAULT_LEASE_S) -> None:
         _check_topology(topology)
         if not config.scheduled:
             raise ValueError("PD disaggregation needs continuous batching (scheduled=True)")
         if lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {lease_s!r}")
         super().__init__(config, cache, topology, _decode_capped(limits, topology, cache.block_size))
-        self.handoff = HandOffManager(self.state, self.planner, self.router, lease_s,
-                                      dict(pool_infos or {}))
+        self.handoff = HandOffManager(self.state, self.planner, self.router, lease_s)
+
+    def set_pool_info(self, info: PoolInfo) -> None:
+        """Where a pool lives (a worker's Ready): copy orders carry it to decode workers."""
+        self.handoff.pool_infos[info.pool_id] = info
 
     # ------------------------------------------------------------------ worker side
     def schedule(self) -> list[tuple[int, WorkerOrder]]:
@@ -98,7 +98,7 @@ class PdScheduler(Scheduler):
             raise ValueError(f"worker {ready.worker_id} is not part of the PD layout "
                              f"(workers {sorted(self.state.workers)})")
         super().add_worker(ready)
-        self.handoff.pool_infos[ready.pool.pool_id] = ready.pool
+        self.set_pool_info(ready.pool)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, float]:
