@@ -16,7 +16,7 @@ from reference_llama import ReferenceLlama
 from workers.attention import SHORT_CHUNK_TOKENS, TorchPagedBackend
 from workers.gguf_loader import load_llama
 from workers.kv_pool import KVPool, PoolShape
-from workers.model import Linear, LlamaModel, has_onednn_linear
+from workers.model import Linear, LlamaModel, has_onednn_linear, onednn_rows
 from workers.runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -125,7 +125,7 @@ def test_runner_samples_the_reference_argmax(models):
     assert result.sampled_token_ids.tolist() == want
 
 
-@pytest.mark.parametrize("rows", [1, 2, 16, 33])
+@pytest.mark.parametrize("rows", [1, 2, 16, 17, 33, 70, 300])
 def test_linear_kernels_equal_a_plain_matmul(rows):
     torch.manual_seed(rows)
     w, x = torch.randn(96, 64), torch.randn(rows, 64)
@@ -135,6 +135,13 @@ def test_linear_kernels_equal_a_plain_matmul(rows):
     dense = Linear(w.to(torch.bfloat16))  # not fp32: the plain path GPUs take
     assert not dense.is_onednn
     torch.testing.assert_close(dense(x.to(torch.bfloat16)).float(), x @ w.T, atol=0.2, rtol=0.05)
+
+
+def test_onednn_row_buckets_are_few_and_cover_every_size():
+    buckets = [onednn_rows(m) for m in range(1, 4097)]
+    assert all(b >= m for m, b in zip(range(1, 4097), buckets))
+    assert all(b <= m * 1.25 for m, b in zip(range(65, 4097), buckets))  # bounded padding
+    assert len(set(buckets)) <= 60  # few shapes: oneDNN keeps buffers per shape
 
 
 # ------------------------------------------------------------------------------ SmolLM2 vs HF

@@ -65,13 +65,16 @@ class SoakReport:
                                         sorted(self.outcomes.items())),
                 f"counted in /metrics {int(self.metrics_finished)}; lost {self.num_lost}",
                 f"KV blocks in use after the run {self.kv_blocks_in_use}; {self.invariants}",
-                f"RSS of the pool after the first tenth {self.rss_first_bytes / 2**20:.1f} MiB, "
+                f"private RSS (RssAnon) of the pool after the first tenth {self.rss_first_bytes / 2**20:.1f} MiB, "
                 f"at the end {self.rss_last_bytes / 2**20:.1f} MiB "
                 f"(growth {100 * self.rss_growth:+.2f}%, limit {100 * MAX_RSS_GROWTH:.0f}%)"]
 
 
 def pool_rss_bytes(launcher_pid: int) -> int:
-    """Resident memory of the launcher's children (frontend, scheduler, workers)."""
+    """Private resident memory (RssAnon) of the launcher's children (frontend, scheduler,
+    workers). Shared-memory pages are left out: the KV pool's pages become resident as blocks
+    are first used (the prefix cache keeps filling the pool), which is not growth of the
+    processes' own memory."""
     total = 0
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -80,8 +83,10 @@ def pool_rss_bytes(launcher_pid: int) -> int:
             with open(f"/proc/{entry}/stat") as handle:
                 if int(handle.read().rsplit(")", 1)[1].split()[1]) != launcher_pid:
                     continue
-            with open(f"/proc/{entry}/statm") as handle:
-                total += int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            with open(f"/proc/{entry}/status") as handle:
+                for line in handle:
+                    if line.startswith("RssAnon:"):
+                        total += int(line.split()[1]) * 1024
         except (OSError, ValueError, IndexError):
             continue
     return total

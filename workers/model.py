@@ -20,6 +20,18 @@ ONEDNN_BATCH_HINT = 16
 """Rows per step the oneDNN weight layout is tuned for; measured fastest from 1 to 512 rows."""
 
 
+def onednn_rows(num_rows: int) -> int:
+    """Rows padded up to a bucket: oneDNN caches one primitive per input shape and each holds
+    buffers that grow with the rows (about 4.5 MB per shape at 256-512 rows for SmolLM2's
+    gate/up), so every distinct step size cost memory for good (GBs under varied batches).
+    Buckets keep the shapes few (exact to 16, then steps of 8, 32 and 128 rows: at most
+    ~12% padding past 64 rows)."""
+    if num_rows <= 16:
+        return num_rows
+    step = 8 if num_rows <= 64 else 32 if num_rows <= 256 else 128
+    return -(-num_rows // step) * step
+
+
 def has_onednn_linear() -> bool:
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
@@ -43,9 +55,14 @@ class Linear:
             self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        return x @ self.weight.T
+        if not self.is_onednn:
+            return x @ self.weight.T
+        num_rows = x.shape[0]
+        padded = onednn_rows(num_rows)
+        if padded != num_rows:
+            x = torch.cat([x, x.new_zeros(padded - num_rows, x.shape[1])])  # [padded, in]
+        out = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        return out[:num_rows] if padded != num_rows else out
 
 
 @dataclass
