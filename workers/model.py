@@ -125,6 +125,20 @@ class LlamaModel:
         self.output = Linear(weights.output)
         self.rotary = Rotary(p.head_dim, p.rope_theta, p.rope_scale, weights.rope_freq_factors, self.device)
 
+    def warm_up(self, max_rows: int, max_sampled_rows: int) -> None:
+        """Run every row bucket through one layer's matmuls (their shapes are every layer's)
+        and the head, so oneDNN builds its per-shape primitives at start-up rather than
+        growing the worker's memory during serving."""
+        if not self.output.is_onednn:
+            return
+        layer = self.layers[0]
+        shapes = [(layer.qkv, max_rows), (layer.attn_out, max_rows), (layer.gate_up, max_rows),
+                  (layer.down, max_rows), (self.output, max_sampled_rows)]
+        with torch.inference_mode():
+            for linear, limit in shapes:
+                for rows in sorted({onednn_rows(m) for m in range(1, limit + 1)}):
+                    linear(torch.zeros(rows, linear.in_features, dtype=self.dtype))
+
     def forward(self, token_ids: torch.Tensor, kv_layers: list[torch.Tensor],
                 backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
         """token_ids [T] (int64) -> hidden [T, hidden]. Writes the step's K/V into the pool."""

@@ -96,6 +96,8 @@ class Worker:
         gguf = GGUFFile(spec.model_path)
         dtype = torch.bfloat16 if self.device != "cpu" else torch.float32
         self.model = LlamaModel(load_llama(gguf, self.device, dtype, progress=False))
+        sched = spec.config.scheduler
+        self.model.warm_up(sched.max_batched_tokens, sched.max_seqs)
         self.model_name = gguf.name
         self.pool = open_pool(spec, self.model, self.device)
         block_size = self.pool.shape.block_size
