@@ -225,11 +225,11 @@ class SchedulerStatsCollector(Collector):
         marker = f"{name}_bucket:"
         buckets = sorted(((key[len(marker):], float(value)) for key, value in stats.items()
                           if key.startswith(marker)), key=lambda b: float(b[0]))
-        family = HistogramMetricFamily(PREFIX + PD_HANDOFF_LATENCY,
-                                       "Prefill done to decode worker's claim of a hand-off.",
-                                       labels=["model_name"])
-        family.add_metric([self._model_name], buckets, float(stats.get(f"{name}_sum", 0.0)))
-        yield family
+        latency = HistogramMetricFamily(PREFIX + PD_HANDOFF_LATENCY,
+                                        "Prefill done to decode worker's claim of a hand-off.",
+                                        labels=["model_name"])
+        latency.add_metric([self._model_name], buckets, float(stats.get(f"{name}_sum", 0.0)))
+        yield latency
 
 
 class RequestTimer:

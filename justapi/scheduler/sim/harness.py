@@ -75,7 +75,7 @@ class Harness:
         self.record(self.scheduler.mark_worker_unhealthy(worker_id))
         self._check()
 
-    def step(self) -> list[tuple[int, StepPlan]]:
+    def step(self) -> list[tuple[int, WorkerOrder]]:
         """One schedule() and the completion of every plan it returned."""
         plans = self.schedule()
         for worker_id, plan in plans:
@@ -130,7 +130,8 @@ def build_pd_scheduler(pool_blocks: int = 64, num_prefill: int = 1, num_decode: 
     """A PdScheduler (prefill workers first, then decode workers) with build_scheduler's
     defaults; separate_pools gives the decode workers their own pool (the copy path)."""
     topology = Topology.pd(pool_blocks, num_prefill, num_decode, separate_pools)
-    return PdScheduler(*_sections(topology, options), lease_s=lease_s)  # type: ignore[arg-type]
+    config, cache, _, limits = _sections(topology, options)
+    return PdScheduler(config, cache, topology, limits, lease_s)  # type: ignore[arg-type]
 
 
 def _sections(topology: Topology, options: dict[str, object]) -> tuple[object, ...]:
