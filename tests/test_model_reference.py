@@ -34,10 +34,10 @@ def models(request, tiny_gguf):
     return LlamaModel(load_llama(GGUFFile(path), progress=False)), ReferenceLlama(path)
 
 
-def make_runner(model: LlamaModel) -> ModelRunner:
+def make_runner(model: LlamaModel, chunk_bytes: int | None = None) -> ModelRunner:
     p = model.params
     pool = KVPool.create(PoolShape(p.num_layers, NUM_BLOCKS, BLOCK_SIZE, p.num_kv_heads, p.head_dim))
-    return ModelRunner(model, pool, TorchPagedBackend(BLOCK_SIZE))
+    return ModelRunner(model, pool, TorchPagedBackend(BLOCK_SIZE, chunk_bytes=chunk_bytes))
 
 
 class Seqs:
@@ -89,14 +89,15 @@ def test_chunked_prefill_across_steps(models):
         start += size
 
 
-def test_mixed_batches_decoding_across_block_boundaries(models):
+@pytest.mark.parametrize("chunk_bytes", [None, 1])  # one SDPA for all short chunks, or one each
+def test_mixed_batches_decoding_across_block_boundaries(models, chunk_bytes):
     """One step mixes a long prefill, short chunks and decodes of sequences of other lengths;
     then all decode together (teacher-forced) across block boundaries, while a late sequence
     prefills in the middle of the decodes."""
     model, ref = models
     lengths = {"a": 3 + 10, "b": 18 + 10, "c": 9 + 10, "d": 21 + 5}
     seqs = Seqs(lengths, model.params.vocab_size, seed=2)
-    runner = make_runner(model)
+    runner = make_runner(model, chunk_bytes)
     expected = {rid: ref.forward(tokens) for rid, tokens in seqs.tokens.items()}
     prompt = {"a": 3, "b": 18, "c": 9}
     got = all_row_logits(runner, 0, [seqs.chunk(r, 0, n) for r, n in prompt.items()],

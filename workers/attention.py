@@ -6,7 +6,7 @@ slot = block_ids[p // block_size] * block_size + p % block_size. Per step the ru
 `prepare` once; per layer the model calls `write_kv` (new K/V into their slots) then `attend`.
 
     rows:    | seq 0 chunk (prefill) | seq 1 (1 token) | seq 2 (1 token) | seq 3 chunk |
-    groups:  | long: one SDPA each   | short: one padded batch, all sequences at once |
+    groups:  | long: one SDPA each   | short: one padded batch, SDPA per cache-sized group |
 
 Owns: slot arithmetic, the grouping, masks, CPU/CUDA attention kernels.
 Does not own: the KV pool tensor (kv_pool.py) or block allocation (the scheduler).
@@ -22,6 +22,9 @@ import torch.nn.functional as F
 
 SHORT_CHUNK_TOKENS = 16
 """Chunks of at most this many tokens (decodes, speculative verification) share one padded batch."""
+CPU_CHUNK_BYTES = 2 << 20
+"""The padded batch is attended a few sequences at a time, ~2 MiB of gathered K/V each: at 64
+sequences x 176 positions this cut attention CPU time from 10.3 to 4.4 ms per layer."""
 
 
 @dataclass(frozen=True)
@@ -128,9 +131,11 @@ class TorchPagedBackend(AttentionBackend):
 
     Works on any device; TorchCpuBackend and CudaBackend below pick the device."""
 
-    def __init__(self, block_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, block_size: int, device: torch.device | str = "cpu",
+                 chunk_bytes: int | None = CPU_CHUNK_BYTES) -> None:
         self.block_size = block_size
         self.device = torch.device(device)
+        self.chunk_bytes = chunk_bytes
 
     def prepare(self, batch: AttentionBatch) -> AttentionMetadata:
         assert batch.block_size == self.block_size, "batch built for another block size"
@@ -195,13 +200,25 @@ class TorchPagedBackend(AttentionBackend):
             q_pad = q.view(num_seqs, 1, heads, head_dim)
         else:
             q_pad = q[group.rows]  # [A, Qmax, heads, head_dim]
-        keys = gather_blocks(kv, group.tables)  # [2, A, Tk, kv_heads, head_dim]
-        keys = keys.transpose(2, 3)  # [2, A, kv_heads, Tk, head_dim]
-        out = F.scaled_dot_product_attention(
-            q_pad.transpose(1, 2), keys[0], keys[1], attn_mask=group.mask,
-            enable_gqa=True)  # [A, heads, Qmax, head_dim]
-        out = out.transpose(1, 2).reshape(num_seqs * q_max, heads, head_dim)
+        out = torch.empty_like(q_pad)
+        for seqs in self._seq_chunks(kv, group.tables):
+            keys = gather_blocks(kv, group.tables[seqs])  # [2, c, Tk, kv_heads, head_dim]
+            keys = keys.transpose(2, 3)  # [2, c, kv_heads, Tk, head_dim]
+            out[seqs] = F.scaled_dot_product_attention(
+                q_pad[seqs].transpose(1, 2), keys[0], keys[1], attn_mask=group.mask[seqs],
+                enable_gqa=True).transpose(1, 2)  # [c, Qmax, heads, head_dim]
+        out = out.view(num_seqs * q_max, heads, head_dim)
         return out if group.is_identity else out[group.valid_rows]
+
+    def _seq_chunks(self, kv: torch.Tensor, tables: torch.Tensor) -> list[slice]:
+        """Sequences in groups whose gathered K/V stay within chunk_bytes (cache-sized: SDPA
+        reads each K/V once per query head of a group; from cache that is cheap)."""
+        num_seqs = tables.shape[0]
+        if self.chunk_bytes is None:
+            return [slice(0, num_seqs)]
+        per_seq = 2 * tables.shape[1] * kv[0, 0].numel() * kv.element_size()
+        step = max(1, self.chunk_bytes // per_seq)
+        return [slice(first, first + step) for first in range(0, num_seqs, step)]
 
     def _attend_long(self, kv: torch.Tensor, q: torch.Tensor, chunk: LongChunk) -> torch.Tensor:
         keys = gather_blocks(kv, chunk.blocks[None])[:, 0, :chunk.num_keys]  # [2, num_keys, kvh, hd]
@@ -225,8 +242,8 @@ def gather_blocks(kv: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 class TorchCpuBackend(TorchPagedBackend):
     """The CPU backend: fp32, torch's CPU SDPA kernels over gathered blocks."""
 
-    def __init__(self, block_size: int) -> None:
-        super().__init__(block_size, "cpu")
+    def __init__(self, block_size: int, chunk_bytes: int | None = CPU_CHUNK_BYTES) -> None:
+        super().__init__(block_size, "cpu", chunk_bytes)
 
 
 class CudaBackend(TorchPagedBackend):
@@ -236,7 +253,7 @@ class CudaBackend(TorchPagedBackend):
 
     def __init__(self, block_size: int, device: str = "cuda") -> None:
         require_cuda(device)
-        super().__init__(block_size, device)
+        super().__init__(block_size, device, chunk_bytes=None)  # one launch for the whole batch
 
 
 def require_cuda(device: str = "cuda") -> None:
