@@ -19,12 +19,11 @@ from justapi.sampling import SamplingParams
 from justapi.tokenizer import Tokenizer
 from workers.attention import make_backend, require_cuda
 from workers.batch_policy import BatchPolicy, Sequence as Seq
-from workers.gguf_loader import load_llama
 from workers.kv_pool import KVPool, PoolShape
-from workers.model import LlamaModel
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.synthetic import SPEC_PREFIX, materialize
+from workers.weight_paths import load_model
 
 DEFAULT_KV_BYTES = 2 << 30
 """KV pool size when num_blocks is 0 (an anonymous mapping: pages cost nothing until used)."""
@@ -49,13 +48,13 @@ class LLMEngine:
     def __init__(self, model: str = "", device: str = "cpu", block_size: int = 16,
                  num_blocks: int = 0, max_seqs: int = 32, chunk_size: int = 512,
                  max_batched_tokens: int = 2048, max_context: int = 0,
-                 seed: int | None = None, progress: bool = True) -> None:
+                 seed: int | None = None, progress: bool = True, weights: str = "fp32") -> None:
         if torch.device(device).type == "cuda":
             require_cuda(device)  # fail before the slow parts
         self.path = resolve_model(model)
         self.gguf = GGUFFile(self.path)
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-        self.model = LlamaModel(load_llama(self.gguf, device, dtype, progress))
+        self.model = load_model(self.gguf, device, dtype, weights, progress)  # weights: fp32|q4|auto
         p = self.model.params
         self.max_context = min(max_context or p.max_context, p.max_context)
         if num_blocks <= 0:

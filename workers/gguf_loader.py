@@ -6,20 +6,22 @@ dequantized (workers/dequant.py) to the compute dtype. Layout decisions made her
   `(W @ x.T).T`, which ran fastest on the CPU we target;
 - Q and K rows are un-permuted from GGUF's interleaved-pairs rotary layout back to the
   "rotate halves" layout (what llama.cpp's converter undid), so model.py rotates halves;
-- QKV and gate/up are fused into one matrix each; `output.weight` absent -> tied to token_embd.
+- QKV and gate/up are fused into one matrix each; `output.weight` absent -> tied to token_embd;
+- with `keep_quantized`, Q4_0/Q4_1/Q8_0 matrices stay 4-bit codes (quant_blocks.QuantMatrix).
 Owns: tensor names, shape checks, the Q/K permutation. Does not own: the forward (model.py).
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from justapi.gguf_file import GGUFError, GGUFFile
 from workers.dequant import dequantize, is_supported, supported_type_names
+from workers.quant_blocks import Matrix, QuantMatrix, cat_rows, is_quantizable, quant_matrix
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 MAX_HIDDEN = 65536
@@ -76,21 +78,21 @@ class LlamaHyperParams:
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden], Q/K rows in rotate-halves layout
-    attn_out: torch.Tensor  # [hidden, q_size]
+    qkv: Matrix  # [q_size + 2 * kv_size, hidden], Q/K rows in rotate-halves layout
+    attn_out: Matrix  # [hidden, q_size]
     ffn_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * ffn, hidden]: gate rows then up rows
-    down: torch.Tensor  # [hidden, ffn]
+    gate_up: Matrix  # [2 * ffn, hidden]: gate rows then up rows
+    down: Matrix  # [hidden, ffn]
 
 
 @dataclass
 class LlamaWeights:
     params: LlamaHyperParams
     name: str
-    token_embd: torch.Tensor  # [vocab, hidden]
+    token_embd: Matrix  # [vocab, hidden]
     layers: list[LayerWeights]
     output_norm: torch.Tensor  # [hidden]
-    output: torch.Tensor  # [vocab, hidden]; the same tensor as token_embd when tied
+    output: Matrix  # [vocab, hidden]; the same object as token_embd when tied
     rope_freq_factors: torch.Tensor | None  # [head_dim / 2] or None (llama3-style scaling)
 
     @property
@@ -163,10 +165,12 @@ def expected_shapes(p: LlamaHyperParams) -> dict[str, tuple[int, ...]]:
     }
 
 
-def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+def unpermute_rotary_rows(w: Matrix, num_heads: int) -> Matrix:
     """GGUF Q/K rows -> "rotate halves" rows. llama.cpp's converter stores, per head, the rows
     of pair i (dims i and i + d/2 in HF's layout) next to each other (rows 2i, 2i+1); this
     regroups them as [first halves | second halves]. [num_heads * d, in] -> same shape."""
+    if isinstance(w, QuantMatrix):  # the same reordering of its code and scale rows
+        return w.map_rows(lambda rows: unpermute_rotary_rows(rows, num_heads))  # type: ignore[arg-type,return-value]
     rows, cols = w.shape
     head_dim = rows // num_heads
     return w.reshape(num_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
@@ -175,10 +179,12 @@ def unpermute_rotary_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 class _TensorSource:
     """Reads named tensors from a GGUFFile, checking type and shape, updating a progress bar."""
 
-    def __init__(self, gguf: GGUFFile, params: LlamaHyperParams, progress: bool) -> None:
+    def __init__(self, gguf: GGUFFile, params: LlamaHyperParams, progress: bool,
+                 keep_quantized: bool = False) -> None:
         from tqdm import tqdm
 
         self.gguf = gguf
+        self.keep_quantized = keep_quantized
         self.shapes = expected_shapes(params)
         self.bar = tqdm(total=len(gguf.tensors), desc=f"loading {gguf.name}", unit="tensor",
                         file=sys.stderr, disable=not progress, leave=False)
@@ -187,6 +193,22 @@ class _TensorSource:
         return name in self.gguf.tensors
 
     def get(self, name: str, layer: int | None = None) -> torch.Tensor:
+        key, info = self._checked(name, layer)
+        out = dequantize(info.data, info.tensor_type, self.shapes[name], key)
+        self.bar.update(1)
+        return out
+
+    def matrix(self, name: str, layer: int | None = None) -> Matrix:
+        """A weight matrix: kept as 4-bit codes when asked and its type has that form, else dense."""
+        key, info = self._checked(name, layer)
+        if not (self.keep_quantized and is_quantizable(info.tensor_type)):
+            out: Matrix = dequantize(info.data, info.tensor_type, self.shapes[name], key)
+        else:
+            out = quant_matrix(info.data, info.tensor_type, self.shapes[name], key)
+        self.bar.update(1)
+        return out
+
+    def _checked(self, name: str, layer: int | None) -> tuple[str, Any]:
         key = name if layer is None else name.replace("{i}", str(layer))
         info = self.gguf.tensors.get(key)
         if info is None:
@@ -199,24 +221,25 @@ class _TensorSource:
         if not is_supported(info.tensor_type):
             raise GGUFError(f"{self.gguf.path}: tensor {key!r} has unsupported type "
                             f"{info.tensor_type.name} (supported: {', '.join(supported_type_names())})")
-        out = dequantize(info.data, info.tensor_type, want, key)
-        self.bar.update(1)
-        return out
+        return key, info
 
 
 def load_llama(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               progress: bool = True) -> LlamaWeights:
-    """Every tensor dequantized, checked and fused, on `device` in `dtype`."""
+               progress: bool = True, keep_quantized: bool = False) -> LlamaWeights:
+    """Every tensor checked, fused and dequantized to `dtype` on `device` — except, with
+    `keep_quantized`, the Q4_0/Q4_1/Q8_0 matrices, kept as QuantMatrix (lookups give `dtype`)."""
     params = read_hyper_params(gguf)
-    src = _TensorSource(gguf, params, progress)
+    src = _TensorSource(gguf, params, progress, keep_quantized)
 
-    def put(tensor: torch.Tensor) -> torch.Tensor:
+    def put(tensor: Matrix) -> Any:
+        if isinstance(tensor, QuantMatrix):
+            return tensor.to(device, dtype)
         return tensor.to(device=device, dtype=dtype).contiguous()
 
     try:
         layers = [_load_layer(src, params, i, put) for i in range(params.num_layers)]
-        token_embd = put(src.get("token_embd.weight"))
-        output = put(src.get("output.weight")) if src.has("output.weight") else token_embd
+        token_embd = put(src.matrix("token_embd.weight"))
+        output = put(src.matrix("output.weight")) if src.has("output.weight") else token_embd
         rope = src.get("rope_freqs.weight") if src.has("rope_freqs.weight") else None
         return LlamaWeights(params=params, name=gguf.name, token_embd=token_embd, layers=layers,
                             output_norm=put(src.get("output_norm.weight")), output=output,
@@ -226,15 +249,15 @@ def load_llama(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.f
 
 
 def _load_layer(src: _TensorSource, p: LlamaHyperParams, i: int,
-                put: Callable[[torch.Tensor], torch.Tensor]) -> LayerWeights:
-    q = unpermute_rotary_rows(src.get("blk.{i}.attn_q.weight", i), p.num_heads)
-    k = unpermute_rotary_rows(src.get("blk.{i}.attn_k.weight", i), p.num_kv_heads)
-    v = src.get("blk.{i}.attn_v.weight", i)
-    gate, up = src.get("blk.{i}.ffn_gate.weight", i), src.get("blk.{i}.ffn_up.weight", i)
+                put: Callable[[Matrix], Any]) -> LayerWeights:
+    q = unpermute_rotary_rows(src.matrix("blk.{i}.attn_q.weight", i), p.num_heads)
+    k = unpermute_rotary_rows(src.matrix("blk.{i}.attn_k.weight", i), p.num_kv_heads)
+    v = src.matrix("blk.{i}.attn_v.weight", i)
+    gate, up = src.matrix("blk.{i}.ffn_gate.weight", i), src.matrix("blk.{i}.ffn_up.weight", i)
     return LayerWeights(
         attn_norm=put(src.get("blk.{i}.attn_norm.weight", i)),
-        qkv=put(torch.cat([q, k, v])),
-        attn_out=put(src.get("blk.{i}.attn_output.weight", i)),
+        qkv=put(cat_rows([q, k, v])),
+        attn_out=put(src.matrix("blk.{i}.attn_output.weight", i)),
         ffn_norm=put(src.get("blk.{i}.ffn_norm.weight", i)),
-        gate_up=put(torch.cat([gate, up])),
-        down=put(src.get("blk.{i}.ffn_down.weight", i)))
+        gate_up=put(cat_rows([gate, up])),
+        down=put(src.matrix("blk.{i}.ffn_down.weight", i)))

@@ -8,12 +8,14 @@ Owns: the math of one step. Does not own: weights loading, KV memory, sampling.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from workers.attention import AttentionBackend, AttentionMetadata
 from workers.gguf_loader import LayerWeights, LlamaWeights
+from workers.quant_blocks import Matrix, QuantMatrix
 
 
 ONEDNN_BATCH_HINT = 16
@@ -45,7 +47,9 @@ class Linear:
     matmuls at 16 rows versus 44 ms for MKL (W @ x.T) and 57 ms for x @ W[in, out] (see
     docs/runtime.md). Elsewhere (CUDA, or a torch without oneDNN): x @ W.T."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: Matrix) -> None:
+        if isinstance(weight, QuantMatrix):  # the dense path of a weight kept quantized
+            weight = weight.dense().to(weight.device, weight.dtype)
         self.out_features, self.in_features = weight.shape
         self.is_onednn = (weight.device.type == "cpu" and weight.dtype == torch.float32
                           and has_onednn_linear())
@@ -64,20 +68,42 @@ class Linear:
         out = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
         return out[:num_rows] if padded != num_rows else out
 
+    def warm_up(self, max_rows: int, min_rows: int = 1) -> None:
+        """Build oneDNN's primitive of every row bucket of min_rows..max_rows rows now."""
+        if not self.is_onednn:
+            return
+        for rows in sorted({onednn_rows(m) for m in range(min_rows, max_rows + 1)}):
+            self(torch.zeros(rows, self.in_features, dtype=torch.float32))
+
+
+class LinearLike(Protocol):
+    """What the forward needs of a linear layer: Linear, or the 4-bit kernels of quant_linear.py."""
+
+    out_features: int
+    in_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def warm_up(self, max_rows: int, min_rows: int = 1) -> None: ...
+
+
+LinearFactory = Callable[[Matrix], LinearLike]
+"""Makes the linear of one loaded weight (dense, or kept quantized: weight_paths.py)."""
+
 
 @dataclass
 class LayerLinears:
-    qkv: Linear
-    attn_out: Linear
-    gate_up: Linear
-    down: Linear
+    qkv: LinearLike
+    attn_out: LinearLike
+    gate_up: LinearLike
+    down: LinearLike
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
 
     @classmethod
-    def of(cls, layer: LayerWeights) -> LayerLinears:
-        return cls(Linear(layer.qkv), Linear(layer.attn_out), Linear(layer.gate_up),
-                   Linear(layer.down), layer.attn_norm, layer.ffn_norm)
+    def of(cls, layer: LayerWeights, make_linear: LinearFactory = Linear) -> LayerLinears:
+        return cls(make_linear(layer.qkv), make_linear(layer.attn_out), make_linear(layer.gate_up),
+                   make_linear(layer.down), layer.attn_norm, layer.ffn_norm)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,31 +139,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class LlamaModel:
     """The forward. `forward` returns the last hidden states (before the final norm);
     `logits` applies the final norm and the output head to chosen rows only.
-    Keeps the dense embedding (row lookups) and kernel-ready matrices, not the loader's copies."""
+    Keeps the embedding (row lookups: dense, or a QuantMatrix dequantizing the rows it is asked
+    for) and kernel-ready matrices (`make_linear`, dense oneDNN by default), not the loader's copies."""
 
-    def __init__(self, weights: LlamaWeights) -> None:
+    def __init__(self, weights: LlamaWeights, make_linear: LinearFactory = Linear) -> None:
         p = self.params = weights.params
         self.name = weights.name
         self.token_embd = weights.token_embd  # [vocab, hidden]
         self.device, self.dtype = self.token_embd.device, self.token_embd.dtype
-        self.layers = [LayerLinears.of(layer) for layer in weights.layers]
+        self.layers = [LayerLinears.of(layer, make_linear) for layer in weights.layers]
         self.output_norm = weights.output_norm
-        self.output = Linear(weights.output)
+        self.output = make_linear(weights.output)
         self.rotary = Rotary(p.head_dim, p.rope_theta, p.rope_scale, weights.rope_freq_factors, self.device)
 
     def warm_up(self, max_rows: int, max_sampled_rows: int) -> None:
         """Run every row bucket through one layer's matmuls (their shapes are every layer's)
         and the head, so oneDNN builds its per-shape primitives at start-up rather than
         growing the worker's memory during serving."""
-        if not self.output.is_onednn:
-            return
         layer = self.layers[0]
-        shapes = [(layer.qkv, max_rows), (layer.attn_out, max_rows), (layer.gate_up, max_rows),
-                  (layer.down, max_rows), (self.output, max_sampled_rows)]
         with torch.inference_mode():
-            for linear, limit in shapes:
-                for rows in sorted({onednn_rows(m) for m in range(1, limit + 1)}):
-                    linear(torch.zeros(rows, linear.in_features, dtype=self.dtype))
+            for linear in (layer.qkv, layer.attn_out, layer.gate_up, layer.down):
+                linear.warm_up(max_rows)
+            self.output.warm_up(max_sampled_rows)
 
     def forward(self, token_ids: torch.Tensor, kv_layers: list[torch.Tensor],
                 backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:

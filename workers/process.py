@@ -27,12 +27,12 @@ from justapi.health import HEARTBEAT_INTERVAL_S
 from justapi.protocol import CopyBlocks, Heartbeat, PoolInfo, Ready, Shutdown, StepPlan, StepResult
 from justapi.shm_pool import available_memory_bytes
 from workers.attention import make_backend, require_cuda
-from workers.gguf_loader import load_llama
 from workers.kv_pool import KVPool, PoolShape
 from workers.kv_transfer import BlockCopier
 from workers.model import LlamaModel
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
+from workers.weight_paths import load_model
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class Worker:
             set_cpu_threads(spec)
         gguf = GGUFFile(spec.model_path)
         dtype = torch.bfloat16 if self.device != "cpu" else torch.float32
-        self.model = LlamaModel(load_llama(gguf, self.device, dtype, progress=False))
+        self.model = load_model(gguf, self.device, dtype, spec.config.model.weights, progress=False)
         sched = spec.config.scheduler
         self.model.warm_up(sched.max_batched_tokens, sched.max_seqs)
         self.model_name = gguf.name
