@@ -71,6 +71,8 @@ class Deployment:
 
 
 class Launcher:
+    role_modules = ROLE_MODULES  # justapi/ray_launcher.py runs another scheduler module
+
     def __init__(self, config: ServeConfig, model: ModelInfo, *, api_key: str = "") -> None:
         """api_key: the HTTP API key, handed to the frontend in its environment only."""
         self.config = config
@@ -116,7 +118,7 @@ class Launcher:
     def _spawn(self, role: str, index: int, pool: dict[str, Any]) -> None:
         if role == "worker" and self.segment is not None:
             pool = self.segment.for_worker(index)  # --pd-separate-pools: its side's segment
-        extra: dict[str, Any] = {"num_workers": self.config.server.workers}
+        extra: dict[str, Any] = {"num_workers": self.config.server.workers, **self.extra_for(role)}
         if role == "frontend":  # it watches the scheduler's process (a SIGKILL -> 503s at once)
             extra["scheduler_pid"] = next((c.process.pid for c in self.children
                                            if c.role == "scheduler"), 0)
@@ -131,9 +133,13 @@ class Launcher:
         env.pop(API_KEY_ENV, None)
         if role == "frontend" and self._api_key:  # only the frontend checks the HTTP API key
             env[API_KEY_ENV] = self._api_key
-        process = subprocess.Popen([sys.executable, "-m", ROLE_MODULES[role], spec.to_json()],
+        process = subprocess.Popen([sys.executable, "-m", self.role_modules[role], spec.to_json()],
                                    env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         self.children.append(Child(role, index, process))
+
+    def extra_for(self, role: str) -> dict[str, Any]:
+        """What a role's ChildSpec.extra carries beyond the worker count (nothing here)."""
+        return {}
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

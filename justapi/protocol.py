@@ -195,6 +195,7 @@ class PoolInfo:
     block_size: int
     num_kv_heads: int
     head_dim: int
+    host: str = ""  # the host whose memory holds it ("" = the launcher's host, local launcher)
 
 
 @register("Ready")
@@ -233,6 +234,56 @@ class Heartbeat:
     cpu_time_s: float = 0.0
     gpu: dict = field(default_factory=dict)
     pool: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------
+# scheduler <-> workers: KV blocks between hosts (docs/scale-out.md). A copy whose source
+# pool the destination worker cannot map (another host) is relayed by the scheduler:
+# ReadBlocks to a worker on the source pool's host, BlockData chunks back, each forwarded
+# to the destination as WriteBlocks, which answers BlocksCopied after the last one.
+# --------------------------------------------------------------------------------------
+
+
+@register("ReadBlocks")
+@dataclass(frozen=True)
+class ReadBlocks:
+    """Send the KV of these blocks of your pool (ids relative to it) as BlockData chunks of
+    at most max_chunk_bytes each (at least one block per chunk)."""
+
+    copy_id: int
+    block_ids: np.ndarray  # int32 [n]
+    max_chunk_bytes: int = 32 << 20
+
+
+@register("BlockData")
+@dataclass(frozen=True)
+class BlockData:
+    """Blocks [first, first + num_blocks) of a ReadBlocks order: raw bytes of the pool's
+    layout [layers, 2, num_blocks, block_size, kv_heads, head_dim] in `dtype`."""
+
+    copy_id: int
+    worker_id: int
+    first: int
+    num_blocks: int
+    dtype: str
+    data: np.ndarray  # uint8 [num_bytes]
+    is_last: bool
+    error: str | None = None
+
+
+@register("WriteBlocks")
+@dataclass(frozen=True)
+class WriteBlocks:
+    """One chunk of a relayed copy into the receiving worker's pool (ids relative to it);
+    the worker answers BlocksCopied after the chunk with is_last (with `error` if this or an
+    earlier chunk failed, or the source was lost: then data is empty)."""
+
+    copy_id: int
+    dst_block_ids: np.ndarray  # int32 [num_blocks]
+    dtype: str
+    data: np.ndarray  # uint8 [num_bytes]
+    is_last: bool
+    error: str | None = None
 
 
 # --------------------------------------------------------------------------------------
@@ -413,6 +464,18 @@ class ProcessFailed:
     index: int
     pid: int
     error: str
+
+
+@register("FenceWorker")
+@dataclass(frozen=True)
+class FenceWorker:
+    """Scheduler -> launcher: kill worker `worker_id`'s process `pid`, declared unhealthy, which
+    the scheduler cannot signal itself (it runs on another host, e.g. as a Ray actor). A
+    replacement process (another pid) is never hit."""
+
+    worker_id: int
+    pid: int
+    reason: str
 
 
 # --------------------------------------------------------------------------------------

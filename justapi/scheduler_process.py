@@ -45,7 +45,7 @@ class SchedulerProcess:
         self.context = ctx
         self.inbox = transport.make_socket(ctx, zmq.PULL, spec.endpoints.scheduler_in, bind=True)
         self.outbox = transport.make_socket(ctx, zmq.PUSH, spec.endpoints.frontend_in, bind=False)
-        self.workers = transport.make_socket(ctx, zmq.ROUTER, spec.endpoints.workers, bind=True)
+        self.workers = self.open_worker_socket(ctx)
         self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
         self.admin = AdminServer(ctx, spec.endpoints.admin)
         self.poller = zmq.Poller()
@@ -56,6 +56,11 @@ class SchedulerProcess:
         self.health = HealthWatch(spec.config.ops)
         self.core: Any = None
         self._last_stats_s = 0.0
+
+    def open_worker_socket(self, context: zmq.Context) -> zmq.Socket:
+        """The ROUTER the workers connect to: ipc in the runtime dir (justapi/cluster_process.py
+        binds tcp with CURVE for workers on other hosts)."""
+        return transport.make_socket(context, zmq.ROUTER, self.spec.endpoints.workers, bind=True)
 
     # ---------------------------------------------------------------- start-up
     def wait_for_workers(self, timeout_s: float) -> None:

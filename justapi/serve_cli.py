@@ -30,6 +30,10 @@ def _flags(fn: Any) -> Any:
         click.option("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct), "
                                      "or synthetic:layers=2,hidden=64,... for random weights."),
         click.option("--workers", type=int, help="Worker processes (default 1)."),
+        click.option("--launcher", type=click.Choice(["local", "ray"]),
+                     help="Where workers run: local processes (default), or Ray actors on the "
+                          "nodes of a Ray cluster (docs/scale-out.md)."),
+        click.option("--address", help="Ray cluster address HOST:PORT (--launcher ray)."),
         click.option("--gpu", "device", flag_value="cuda", default=None,
                      help="Run workers on CUDA GPUs (one per GPU)."),
         click.option("--pd", help="Prefill/decode disaggregation: P prefill and D decode "
@@ -109,7 +113,7 @@ def run_server(config: ServeConfig, model: ModelInfo, *, api_key: str = "") -> i
     signal.signal(signal.SIGINT, stop.set)
     signal.signal(signal.SIGTERM, stop.set)
     try:
-        launcher = Launcher(config, model, api_key=api_key)
+        launcher = make_launcher(config, model, api_key)
         deployment = launcher.start()
     except (LaunchError, ConfigError, ValueError, OSError) as exc:
         _fail(str(exc))
@@ -123,6 +127,14 @@ def run_server(config: ServeConfig, model: ModelInfo, *, api_key: str = "") -> i
     click.echo(f"justapi: stopping ({reason})", err=True)
     launcher.shutdown()
     return 0 if reason == "stop requested" else 1
+
+
+def make_launcher(config: ServeConfig, model: ModelInfo, api_key: str) -> Launcher:
+    if config.server.launcher == "ray":
+        from justapi.ray_launcher import RayLauncher  # Ray is an optional extra
+
+        return RayLauncher(config, model, api_key=api_key)
+    return Launcher(config, model, api_key=api_key)
 
 
 def _publish(deployment: Deployment) -> str:
@@ -141,7 +153,9 @@ def _publish(deployment: Deployment) -> str:
 
 def banner(config: ServeConfig, deployment: Deployment) -> str:
     m, pool = deployment.model, deployment.pool
-    if pool:
+    if pool.get("kind") == "hosts":  # --launcher ray: a pool per host
+        pool_text = "; ".join(_host_text(row) for row in pool["hosts"])
+    elif pool:
         pool_text = (f"{pool['num_blocks']} blocks x {pool['block_size']} tokens, "
                      f"{pool['num_blocks'] * m.kv_bytes_per_token() * pool['block_size'] / 2**20:.0f} MiB"
                      " shared by the CPU workers")
@@ -158,6 +172,12 @@ def banner(config: ServeConfig, deployment: Deployment) -> str:
         "flush_cache.py)",
     ]
     return "\n".join(lines)
+
+
+def _host_text(row: dict) -> str:
+    pool = row.get("pool") or {}
+    size = f", {pool['num_blocks']} blocks" if pool else ", its own device pool"
+    return f"host {row['host']}: worker(s) {', '.join(map(str, row['workers']))}{size}"
 
 
 def _curve_text(config: ServeConfig) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from justapi import transport
+from justapi.cluster_config import ClusterConfig
 from justapi.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig, _require
 from justapi.ops_config import OpsConfig
 from justapi.pd_config import PdConfig
@@ -89,6 +90,7 @@ class ServeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     ops: OpsConfig = field(default_factory=OpsConfig)
     pd: PdConfig = field(default_factory=PdConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -102,6 +104,7 @@ class ServeConfig:
 _SECTION_TYPES: dict[str, type] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "server": ServerConfig, "ops": OpsConfig, "pd": PdConfig,
+    "cluster": ClusterConfig,
 }
 
 
@@ -126,10 +129,22 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Serv
             section, name = keys[key]
             sections[section][name] = value
     _apply_pd(sections)
+    _check_cluster(sections)
     try:
         return ServeConfig.from_dict(sections)
     except TypeError as exc:
         raise ConfigError(f"bad config value: {exc}") from None
+
+
+def _check_cluster(sections: dict[str, dict[str, Any]]) -> None:
+    """Cluster keys belong to launcher = "ray"; its KV pools are one per host (no PD side pools)."""
+    is_ray = sections["server"].get("launcher", "local") == "ray"
+    if sections["cluster"] and not is_ray:
+        keys = ", ".join(k.replace("_", "-") for k in sorted(sections["cluster"]))
+        raise ConfigError(f"{keys} need launcher = 'ray' (--launcher ray)")
+    if is_ray and sections["pd"].get("pd_separate_pools"):
+        raise ConfigError("pd-separate-pools does not apply to launcher = 'ray' (KV pools are "
+                          "one per host; hand-offs between hosts always copy)")
 
 
 def _apply_pd(sections: dict[str, dict[str, Any]]) -> None:

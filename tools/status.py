@@ -1,5 +1,6 @@
-"""Show a running server's state: workers (pool, health, load, KV usage), queues per pool,
-prefix-cache statistics and request totals, from the scheduler's admin socket.
+"""Show a running server's state: workers (pool, health, load, KV usage), hosts (--launcher
+ray), queues per pool, prefix-cache statistics and request totals, from the scheduler's
+admin socket.
 
 Usage: python tools/status.py [--admin ENDPOINT] [--json] [--check-invariants]
 Exit codes: 0 healthy, 1 unhealthy (or an invariant violated), 2 server not reachable.
@@ -31,6 +32,7 @@ def render(reply: StatusReply, endpoint: str) -> str:
           w.get("num_requests_running"), w.get("busy"),
           percent(stats.get(f"pool_{w['pool_id']}_kv_usage")), human_bytes(w.get("rss_bytes")),
           seconds(w.get("heartbeat_age_s"))] for w in reply.workers])]
+    lines += _hosts_table(reply.workers)
     pool_ids = sorted({w["pool_id"] for w in reply.workers})
     lines += ["", "queues", table(
         ["pool", "waiting", "running", "KV use", "free blocks", "cached blocks"],
@@ -40,6 +42,22 @@ def render(reply: StatusReply, endpoint: str) -> str:
           _int(stats.get(f"pool_{p}_prefix_cache_blocks"))] for p in pool_ids])]
     lines += ["", "prefix cache", _cache_line(stats), "", "totals", _totals_line(stats)]
     return "\n".join(lines)
+
+
+def _hosts_table(workers: list[dict]) -> list[str]:
+    """--launcher ray: which host runs which workers (and their pools), and how many are up."""
+    hosts: dict[str, list[dict]] = {}
+    for worker in workers:
+        if worker.get("host"):
+            hosts.setdefault(str(worker["host"]), []).append(worker)
+    if not hosts:
+        return []
+    rows = [[host, ", ".join(str(w["worker_id"]) for w in rows),
+             ", ".join(sorted({str(w["pool_id"]) for w in rows})),
+             f"{sum(bool(w['healthy']) for w in rows)}/{len(rows)}",
+             "ok" if any(w["healthy"] for w in rows) else "LOST"]
+            for host, rows in sorted(hosts.items())]
+    return ["", "hosts", table(["host", "workers", "pools", "healthy", "state"], rows)]
 
 
 def _cache_line(stats: dict) -> str:

@@ -88,11 +88,7 @@ class Worker:
     def __init__(self, spec: ChildSpec, stop: StopFlag) -> None:
         self.spec = spec
         self.stop = stop
-        self.device = device_of(spec)
-        if self.device != "cpu":
-            require_cuda(self.device)
-        else:
-            set_cpu_threads(spec)
+        self.device = self.claim_device(spec)
         gguf = GGUFFile(spec.model_path)
         dtype = torch.bfloat16 if self.device != "cpu" else torch.float32
         self.model = load_model(gguf, self.device, dtype, spec.config.model.weights, progress=False)
@@ -105,9 +101,26 @@ class Worker:
                                   Sampler(), worker_id=spec.index)
         self.copier = BlockCopier(self.pool, spec.index)  # PD: KV hand-offs into our pool
         self.context = zmq.Context()
-        self.sock = transport.make_socket(self.context, zmq.DEALER, spec.endpoints.workers,
-                                          bind=False, identity=worker_identity(spec.index))
+        self.sock = self.connect(worker_identity(spec.index))
         self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True)
+
+    def claim_device(self, spec: ChildSpec) -> str:
+        """The device this worker computes on; on CPU also its share of the cores."""
+        device = device_of(spec)
+        if device != "cpu":
+            require_cuda(device)
+        else:
+            set_cpu_threads(spec)
+        return device
+
+    def connect(self, identity: bytes) -> zmq.Socket:
+        """A DEALER to the scheduler's worker socket (workers/ray_worker.py: tcp with CURVE)."""
+        return transport.make_socket(self.context, zmq.DEALER, self.spec.endpoints.workers,
+                                     bind=False, identity=identity)
+
+    def handle_other(self, message: Any) -> None:
+        """A message the loop does not know (workers/ray_worker.py: KV copies between hosts)."""
+        logger.warning("ignored unexpected %s", type(message).__name__)
 
     def ready_message(self) -> Ready:
         p = self.model.params
@@ -132,7 +145,7 @@ class Worker:
                     elif isinstance(message, CopyBlocks):
                         transport.send(self.sock, self.copier.execute(message))
                     else:
-                        logger.warning("ignored unexpected %s", type(message).__name__)
+                        self.handle_other(message)
 
     def execute(self, plan: StepPlan) -> StepResult:
         try:
@@ -145,9 +158,7 @@ class Worker:
                               error=f"{type(exc).__name__}: {exc}")
 
     def _heartbeat_loop(self) -> None:
-        sock = transport.make_socket(self.context, zmq.DEALER, self.spec.endpoints.workers,
-                                     bind=False,
-                                     identity=worker_identity(self.spec.index) + b"-heartbeat")
+        sock = self.connect(worker_identity(self.spec.index) + b"-heartbeat")
         try:
             while not self.stop.is_set:
                 transport.send(sock, self.heartbeat())

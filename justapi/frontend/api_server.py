@@ -214,6 +214,20 @@ def _health_details(stats: SchedulerStats | None) -> dict[str, Any]:
         return {"warnings": [], "workers": []}
     workers = [{"worker_id": int(w["worker_id"]), "pool_id": int(w.get("pool_id", 0)),
                 "healthy": bool(w.get("healthy")), "draining": bool(w.get("draining")),
-                "reason": str(w.get("reason", "")), "role": str(w.get("role", "mixed"))}
+                "reason": str(w.get("reason", "")), "role": str(w.get("role", "mixed")),
+                "host": str(w.get("host", ""))}
                for w in stats.workers if isinstance(w, dict) and "worker_id" in w]
-    return {"warnings": [str(x) for x in stats.warnings], "workers": workers}
+    details: dict[str, Any] = {"warnings": [str(x) for x in stats.warnings], "workers": workers}
+    if any(w["host"] for w in workers):  # --launcher ray: workers on several hosts
+        details["hosts"] = _hosts(workers)
+    return details
+
+
+def _hosts(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for worker in workers:
+        row = out.setdefault(worker["host"], {"host": worker["host"], "num_workers": 0,
+                                              "num_workers_healthy": 0})
+        row["num_workers"] += 1
+        row["num_workers_healthy"] += int(worker["healthy"])
+    return [out[host] for host in sorted(out)]

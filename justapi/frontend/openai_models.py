@@ -256,6 +256,15 @@ class HealthWorker(ResponseModel):
     draining: bool = False
     reason: str = ""
     role: str = "mixed"  # PD (--pd P:D): prefill | decode
+    host: str = ""  # --launcher ray: the host it runs on ("" = this host)
+
+
+class HealthHost(ResponseModel):
+    """--launcher ray: one host's workers."""
+
+    host: str
+    num_workers: int
+    num_workers_healthy: int
 
 
 class HealthResponse(ResponseModel):
@@ -265,3 +274,4 @@ class HealthResponse(ResponseModel):
     problems: list[str] = []
     warnings: list[str] = []
     workers: list[HealthWorker] = []
+    hosts: list[HealthHost] = []

@@ -13,6 +13,8 @@ from typing import Any
 
 from justapi.gguf_file import GGUFFile, resolve_model_path
 from justapi.protocol import Ready
+from justapi.scheduler.cluster_scheduler import ClusterScheduler
+from justapi.scheduler.hosts import HostMap
 from justapi.scheduler.pd_scheduler import PdScheduler
 from justapi.scheduler.scheduler import Scheduler
 from justapi.scheduler.topology import ROLE_MIXED, ModelLimits, PoolSpec, Topology, WorkerSpec
@@ -22,13 +24,17 @@ logger = logging.getLogger(__name__)
 
 
 def build_scheduler(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, Any]) -> Scheduler:
-    """Scheduler, or PdScheduler with `pd` set (roles by worker index, pool handles from Ready)."""
+    """Scheduler, or PdScheduler with `pd` set (roles by worker index, pool handles from Ready),
+    or ClusterScheduler for workers on several hosts (launcher = "ray", pools per host)."""
     if not readies:
         raise ValueError("cannot build a scheduler without a ready worker")
     pd = config.pd
     role_of = pd.role_of if pd.is_enabled else None
     topology = topology_of(readies, config.cache.block_size, role_of)
     limits = limits_of(config, readies, extra)
+    if not pd.is_enabled and config.server.launcher == "ray":
+        hosts = HostMap((r.pool for r in readies), config.cluster.cross_host_copy_cost)
+        return ClusterScheduler(config.scheduler, config.cache, topology, limits, hosts)
     if not pd.is_enabled:
         return Scheduler(config.scheduler, config.cache, topology, limits)
     core = PdScheduler(config.scheduler, config.cache, topology, limits, pd.pd_lease_s)
