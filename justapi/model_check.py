@@ -4,7 +4,8 @@ GGUFFile already refuses a bad header, truncated metadata or tensor data; ModelI
 missing or absurd shape metadata. This adds what they do not see: tensor extents beyond the
 end of the file, absurd tensor sizes, tensors that disagree with the metadata (embedding
 width, vocabulary, layer count), and a chat template that does not compile or does not
-render a probe conversation in the sandbox (e.g. one that tries to reach Python internals).
+render a probe conversation in the sandbox (e.g. one that tries to reach Python internals);
+and that a draft model (speculative decoding) shares the model's vocabulary.
 Owns: those start-up checks. Does not own: parsing (gguf_file.py) or loading (workers/).
 """
 from __future__ import annotations
@@ -14,7 +15,8 @@ import re
 
 from justapi.chat_template import ChatTemplate
 from justapi.gguf_file import GGUFError, GGUFFile
-from justapi.model_info import ModelInfo
+from justapi.model_info import ModelInfo, resolve_model
+from justapi.serve_config import ServeConfig
 
 MAX_TENSOR_ELEMENTS = 1 << 36  # 64 Gi parameters in one tensor: no real model comes close
 PROBE_MESSAGES = [{"role": "user", "content": "Hello!"}]
@@ -66,3 +68,23 @@ def _check_chat_template(gguf: GGUFFile) -> None:
         ChatTemplate(str(source)).render(PROBE_MESSAGES, add_generation_prompt=True)
     except ValueError as exc:
         raise GGUFError(f"{gguf.path}: chat template rejected: {exc}") from None
+
+
+def check_draft_model(config: ServeConfig, target: ModelInfo) -> None:
+    """A draft model (--draft-model) must be a servable llama GGUF with the target's vocabulary
+    (same size and, when both files list them, the same tokens): its ids are the target's."""
+    path = config.speculative.draft_model
+    if config.speculative.spec != "draft" or not path:
+        return
+    gguf = GGUFFile(resolve_model(path))
+    draft = ModelInfo.from_gguf(gguf)
+    _check_tensor_extents(gguf)
+    _check_tensors_match_metadata(gguf, draft)
+    if draft.vocab_size != target.vocab_size:
+        raise GGUFError(f"{gguf.path}: draft model vocabulary has {draft.vocab_size} tokens, the "
+                        f"model's has {target.vocab_size}")
+    tokens = gguf.get("tokenizer.ggml.tokens")
+    target_tokens = GGUFFile(target.path).get("tokenizer.ggml.tokens")
+    if tokens is not None and target_tokens is not None and list(tokens) != list(target_tokens):
+        raise GGUFError(f"{gguf.path}: draft model tokens differ from the model's (a draft must "
+                        "share the tokenizer)")

@@ -29,6 +29,16 @@ def offsets(counts: np.ndarray) -> np.ndarray:
     return out
 
 
+def _check_parents(parents: np.ndarray, counts: np.ndarray, name: str) -> None:
+    """Each sequence's draft parents index its own earlier drafts (or -1, the root)."""
+    if len(parents) != int(np.sum(counts)):
+        raise ProtocolError(f"{name} has {len(parents)} entries, expected {int(np.sum(counts))}")
+    off = offsets(counts)
+    index = np.arange(len(parents)) - np.repeat(off[:-1], counts)  # draft index within its sequence
+    if np.any(parents < -1) or np.any(parents >= index):
+        raise ProtocolError(f"{name}: a parent must be -1 or an earlier draft of the same sequence")
+
+
 # --------------------------------------------------------------------------------------
 # scheduler -> worker
 # --------------------------------------------------------------------------------------
@@ -59,6 +69,11 @@ class StepPlan:
     block_ids[blk_off[i]:blk_off[i+1]] (offsets from `offsets(num_tokens)` and
     `offsets(num_blocks)`). When sample_flags[i] is set the last position's logits are
     sampled; the last num_draft_tokens[i] tokens of the chunk are speculative drafts to verify.
+    Drafts form a token tree: draft_parents (flat, offsets(num_draft_tokens)) gives each draft's
+    parent as an index into its sequence's drafts, -1 for the last known token (the root);
+    parents precede children; empty means every sequence's drafts are a chain. num_propose[i]
+    asks the worker's draft model for up to that many tokens for the request's next step
+    (empty: none); the block table then also covers those look-ahead positions.
 
         token_ids: | seq 0 chunk | seq 1 (decode: 1 token) | seq 2 chunk ... |
         block_ids: | seq 0 table ........ | seq 1 table | seq 2 table ...... |
@@ -75,6 +90,8 @@ class StepPlan:
     num_draft_tokens: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [num_seqs] or []
     new_requests: list[NewRequest] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    draft_parents: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum(drafts)] or []
+    num_propose: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [num_seqs] or []
 
     def __post_init__(self) -> None:
         num_seqs = len(self.request_ids)
@@ -90,6 +107,10 @@ class StepPlan:
             raise ProtocolError("StepPlan.block_ids length disagrees with num_blocks")
         if num_seqs and (np.min(self.num_tokens) < 1 or np.min(self.start_positions) < 0):
             raise ProtocolError("StepPlan chunks need >= 1 token and a start position >= 0")
+        if len(self.num_propose) not in (0, num_seqs):
+            raise ProtocolError("StepPlan.num_propose must be empty or one per sequence")
+        if len(self.draft_parents):
+            _check_parents(self.draft_parents, self.draft_counts, "StepPlan.draft_parents")
 
     @property
     def num_seqs(self) -> int:
@@ -101,6 +122,21 @@ class StepPlan:
         if len(self.num_draft_tokens) == self.num_seqs:
             return self.num_draft_tokens
         return np.zeros(self.num_seqs, dtype=np.int32)
+
+    @property
+    def propose_counts(self) -> np.ndarray:
+        """num_propose, with the empty default expanded to zeros."""
+        if len(self.num_propose) == self.num_seqs:
+            return self.num_propose
+        return np.zeros(self.num_seqs, dtype=np.int32)
+
+    def parents_of(self, seq: int) -> np.ndarray:
+        """Draft parents of sequence `seq` (a chain [-1, 0, 1, ...] when none were sent)."""
+        counts = self.draft_counts
+        if not len(self.draft_parents):
+            return np.arange(-1, int(counts[seq]) - 1, dtype=np.int32)
+        off = offsets(counts)
+        return self.draft_parents[off[seq]:off[seq + 1]]
 
     @staticmethod
     def build(step_id: int, chunks: list[tuple[str, int, list[int], list[int], bool]],
@@ -159,7 +195,10 @@ class StepResult:
 
     Sequence i (the plan's sampled sequences, in plan order) produced
     sampled_token_ids[off[i]:off[i+1]] with off = offsets(num_sampled); one token normally,
-    1..num_draft+1 when verifying drafts (accepted drafts then the bonus/corrected token).
+    1..num_draft+1 when verifying drafts (the accepted path's drafts, root first, then the
+    bonus/corrected token). A worker with a draft model returns its proposals for the next
+    step as a token tree: proposed_token_ids[p[i]:p[i+1]] (p = offsets(num_proposed)) with
+    proposed_parents in StepPlan.draft_parents' layout (empty: chains).
     When logprobs were asked, logprobs has one entry per sampled token and
     top_logprob_ids / top_logprobs are [num_sampled_total, max_top_n] padded with -1 / -inf."""
 
@@ -172,12 +211,21 @@ class StepResult:
     top_logprob_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum, n]
     top_logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)  # float32 [sum, n]
     error: str | None = None
+    num_proposed: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [num_seqs] or []
+    proposed_token_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum]
+    proposed_parents: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum] or []
 
     def __post_init__(self) -> None:
         if len(self.num_sampled) != len(self.request_ids):
             raise ProtocolError("StepResult.num_sampled must have one entry per request")
         if int(np.sum(self.num_sampled)) != len(self.sampled_token_ids):
             raise ProtocolError("StepResult.sampled_token_ids length disagrees with num_sampled")
+        if len(self.num_proposed) not in (0, len(self.request_ids)):
+            raise ProtocolError("StepResult.num_proposed must be empty or one per request")
+        if int(np.sum(self.num_proposed)) != len(self.proposed_token_ids):
+            raise ProtocolError("StepResult.proposed_token_ids length disagrees with num_proposed")
+        if len(self.proposed_parents):
+            _check_parents(self.proposed_parents, self.num_proposed, "StepResult.proposed_parents")
 
 
 @register("PoolInfo")

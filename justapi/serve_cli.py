@@ -18,7 +18,7 @@ from justapi.config import ConfigError
 from justapi.curve_keys import public_key_of, read_secret_key
 from justapi.gguf_file import GGUFError, GGUFFile
 from justapi.launcher import Deployment, LaunchError, Launcher
-from justapi.model_check import check_model_file
+from justapi.model_check import check_draft_model, check_model_file
 from justapi.model_info import ModelInfo, resolve_model
 from justapi.serve_config import API_KEY_ENV, ServeConfig, build_config, load_toml
 
@@ -81,6 +81,18 @@ def _flags(fn: Any) -> Any:
                      help="On SIGTERM, in-flight requests get this long to finish (30)."),
         click.option("--log-requests/--no-log-requests", default=None,
                      help="Log each request's prompt and parameters (off)."),
+        click.option("--spec", type=click.Choice(["ngram", "draft"]),
+                     help="Speculative decoding proposer: ngram (prompt lookup) or draft "
+                          "(--draft-model); off by default."),
+        click.option("--draft-model", help="Draft GGUF (same vocabulary) proposing tokens that "
+                                           "the model verifies; implies --spec draft."),
+        click.option("--gamma", type=int, help="Tokens proposed per step along one path (4)."),
+        click.option("--branch", type=int, help="Children per node of the token tree (1: a chain)."),
+        click.option("--spec-tree", help="Tree shape: children per node at each depth, e.g. 3,2,1."),
+        click.option("--spec-budget", type=int,
+                     help="Draft tokens verified per request per step (0: gamma x branch)."),
+        click.option("--spec-adaptive/--no-spec-adaptive", default=None,
+                     help="Propose fewer tokens when acceptance is poor or the batch large (on)."),
         click.option("--zmq-curve-secret-key", type=click.Path(dir_okay=False),
                      help="z85 CURVE secret key file of the ZMQ endpoint (needed for tcp "
                           "beyond loopback; tools/curve_keys.py makes one)."),
@@ -100,6 +112,7 @@ def serve(config_path: str | None, api_key: str | None, **flags: Any) -> None:
         gguf = GGUFFile(resolve_model(config.model.model))
         model = ModelInfo.from_gguf(gguf)
         check_model_file(gguf, model)
+        check_draft_model(config, model)
         if config.server.zmq_curve_secret_key:
             read_secret_key(config.server.zmq_curve_secret_key)
     except (ConfigError, GGUFError, ValueError) as exc:

@@ -17,6 +17,7 @@ from justapi.cluster_config import ClusterConfig
 from justapi.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig, _require
 from justapi.ops_config import OpsConfig
 from justapi.pd_config import PdConfig
+from justapi.spec_config import SpecConfig
 
 LAUNCHERS = ("local", "ray")
 API_KEY_ENV = "JUSTAPI_API_KEY"
@@ -91,6 +92,7 @@ class ServeConfig:
     ops: OpsConfig = field(default_factory=OpsConfig)
     pd: PdConfig = field(default_factory=PdConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    speculative: SpecConfig = field(default_factory=SpecConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,7 +105,7 @@ class ServeConfig:
 
 _SECTION_TYPES: dict[str, type] = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-    "server": ServerConfig, "ops": OpsConfig, "pd": PdConfig,
+    "server": ServerConfig, "ops": OpsConfig, "pd": PdConfig, "speculative": SpecConfig,
     "cluster": ClusterConfig,
 }
 
@@ -131,9 +133,23 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Serv
     _apply_pd(sections)
     _check_cluster(sections)
     try:
-        return ServeConfig.from_dict(sections)
+        config = ServeConfig.from_dict(sections)
     except TypeError as exc:
         raise ConfigError(f"bad config value: {exc}") from None
+    _check_spec(config)
+    return config
+
+
+def _check_spec(config: ServeConfig) -> None:
+    """Speculative decoding runs colocated; a draft model's KV pool is the worker's own, so
+    CPU workers (which share one target pool) are limited to one."""
+    spec = config.speculative
+    if not spec.is_enabled:
+        return
+    _require(not config.pd.is_enabled, f"spec={spec.spec!r} does not combine with pd={config.pd.pd!r}")
+    _require(spec.spec != "draft" or config.model.device != "cpu" or config.server.workers == 1,
+             f"draft-model on CPU needs workers = 1 (got {config.server.workers}): CPU workers "
+             "share one KV pool and the draft's pool is per worker; use spec = 'ngram'")
 
 
 def _check_cluster(sections: dict[str, dict[str, Any]]) -> None:

@@ -107,13 +107,15 @@ def test_bad_plans_raise_value_errors(model, plan, new_requests, needle):
         runner.execute(step)
 
 
-def test_drafts_need_verification_but_logits_are_available(model):
+def test_drafts_are_verified_against_their_logits(model):
     runner = make_runner(model)
     plan = StepPlan.build(1, [("a", 0, [1, 2, 3, 4], blocks(0), True)], [new("a", [1, 2, 3, 4], GREEDY)])
-    plan = dataclasses.replace(plan, num_draft_tokens=np.array([2], np.int32))
-    with pytest.raises(ValueError, match="verification"):
-        runner.execute(plan)
-    assert runner.forward_logits(plan).shape == (3, model.params.vocab_size)
+    plan = dataclasses.replace(plan, num_draft_tokens=np.array([2], np.int32))  # 3, 4: drafts
+    logits = runner.forward_logits(plan)
+    assert logits.shape == (3, model.params.vocab_size)
+    greedy = logits.argmax(dim=-1).tolist()
+    expected = [greedy[0]] if greedy[0] != 3 else [3, greedy[1]] if greedy[1] != 4 else [3, 4, greedy[2]]
+    assert runner.execute(plan).sampled_token_ids.tolist() == expected
 
 
 def test_runner_passes_prompt_and_output_history_to_penalties(tiny_gguf):

@@ -8,6 +8,8 @@ slot = block_ids[p // block_size] * block_size + p % block_size. Per step the ru
     rows:    | seq 0 chunk (prefill) | seq 1 (1 token) | seq 2 (1 token) | seq 3 chunk |
     groups:  | long: one SDPA each   | short: one padded batch, SDPA per cache-sized group |
 
+A sequence may carry a token-tree mask (speculative verification, workers/spec_tree.py): its
+tree rows get rotary positions by depth and see only their ancestors among the chunk's rows.
 Owns: slot arithmetic, the grouping, masks, CPU/CUDA attention kernels.
 Does not own: the KV pool tensor (kv_pool.py) or block allocation (the scheduler).
 """
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from workers.spec_tree import TreeLayout
 
 SHORT_CHUNK_TOKENS = 16
 """Chunks of at most this many tokens (decodes, speculative verification) share one padded batch."""
@@ -36,6 +40,7 @@ class AttentionBatch:
     num_blocks: np.ndarray  # int [S]
     block_ids: np.ndarray  # int [sum(num_blocks)]
     block_size: int
+    tree: TreeLayout | None = None  # speculative token trees: masks and rotary positions
 
     def __post_init__(self) -> None:
         need = -(-(self.start_positions + self.num_tokens) // self.block_size)  # ceil
@@ -141,6 +146,8 @@ class TorchPagedBackend(AttentionBackend):
         assert batch.block_size == self.block_size, "batch built for another block size"
         positions = batch.positions()
         slots = batch.slots(positions)
+        if batch.tree:  # token-tree rows: rotary position = root + depth, slots stay in order
+            positions = batch.tree.rotary_positions(batch.token_offsets(), positions)
         short_seqs = np.flatnonzero(batch.num_tokens <= SHORT_CHUNK_TOKENS)
         long_seqs = np.flatnonzero(batch.num_tokens > SHORT_CHUNK_TOKENS)
         return AttentionMetadata(
@@ -162,6 +169,8 @@ class TorchPagedBackend(AttentionBackend):
         keys = np.arange(tables.shape[1] * self.block_size)
         query_pos = batch.start_positions[seqs][:, None] + q_index[None, :]  # [A, Qmax]
         mask = keys[None, None, :] <= query_pos[:, :, None]  # [A, Qmax, Tk]: causal, within length
+        if batch.tree:
+            batch.tree.restrict_short(mask, seqs)
         is_identity = q_max == 1 and np.array_equal(rows[:, 0], np.arange(batch.num_tokens.sum()))
         return ShortGroup(rows=self._tensor(rows), valid_rows=self._tensor(np.flatnonzero(is_valid)),
                           out_rows=self._tensor(rows[is_valid]), tables=self._tensor(tables),
@@ -173,6 +182,8 @@ class TorchPagedBackend(AttentionBackend):
         num_keys = start + n
         table = batch.padded_tables(np.array([seq]))[0]
         mask = np.arange(num_keys)[None, :] <= start + np.arange(n)[:, None]  # [n, num_keys]
+        if batch.tree:
+            batch.tree.restrict_long(mask, seq)
         return LongChunk(first_row=int(batch.token_offsets()[seq]), num_tokens=n, num_keys=num_keys,
                          blocks=self._tensor(table), mask=torch.from_numpy(mask).to(self.device))
 

@@ -2,7 +2,9 @@
 
 The loop is three lines (schedule, execute, update) between a small continuous-batching
 policy (workers/batch_policy.py, to be replaced by the real scheduler) and the runtime
-(ModelRunner: model + KV pool + attention backend + sampler), which stays as it is.
+(ModelRunner: model + KV pool + attention backend + sampler), which stays as it is. With
+speculative decoding (`speculative=SpecConfig(...)`) the real scheduler core drives the
+runner (workers/engine_loop.py) and a draft model, if any, runs beside the target.
 Text: the model's own tokenizer and chat template (justapi.tokenizer, justapi.chat_template).
 Owns: wiring the runtime together. Does not own: the policy or the runtime.
 """
@@ -16,9 +18,12 @@ import torch
 from justapi.chat_template import ChatTemplate
 from justapi.gguf_file import GGUFFile, resolve_model_path
 from justapi.sampling import SamplingParams
+from justapi.spec_config import SpecConfig
 from justapi.tokenizer import Tokenizer
 from workers.attention import make_backend, require_cuda
 from workers.batch_policy import BatchPolicy, Sequence as Seq
+from workers.draft import load_draft
+from workers.engine_loop import LoopLimits, SchedulerLoop
 from workers.kv_pool import KVPool, PoolShape
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
@@ -48,7 +53,8 @@ class LLMEngine:
     def __init__(self, model: str = "", device: str = "cpu", block_size: int = 16,
                  num_blocks: int = 0, max_seqs: int = 32, chunk_size: int = 512,
                  max_batched_tokens: int = 2048, max_context: int = 0,
-                 seed: int | None = None, progress: bool = True, weights: str = "fp32") -> None:
+                 seed: int | None = None, progress: bool = True, weights: str = "fp32",
+                 speculative: SpecConfig | None = None) -> None:
         if torch.device(device).type == "cuda":
             require_cuda(device)  # fail before the slow parts
         self.path = resolve_model(model)
@@ -63,7 +69,13 @@ class LLMEngine:
                                     max_seqs * -(-self.max_context // block_size)))
         shape = PoolShape(p.num_layers, num_blocks, block_size, p.num_kv_heads, p.head_dim)
         self.pool = KVPool.create(shape, "local", dtype, device)
-        self.runner = ModelRunner(self.model, self.pool, make_backend(device, block_size), Sampler(seed))
+        self.speculative = speculative or SpecConfig()
+        draft = (load_draft(self.speculative, num_blocks, block_size, device, seed, weights, progress)
+                 if self.speculative.spec == "draft" else None)
+        if draft is not None:
+            self.max_context = min(self.max_context, draft.model.params.max_context)
+        self.runner = ModelRunner(self.model, self.pool, make_backend(device, block_size), Sampler(seed),
+                                  draft=draft)
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
         self.eos_token_ids = self.tokenizer.eog_token_ids  # ignore_eos turns these off
         self.policy_args = dict(num_blocks=num_blocks, block_size=block_size, max_seqs=max_seqs,
@@ -86,8 +98,10 @@ class LLMEngine:
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Output]:
         """Run every prompt to completion, batched; outputs in prompt order."""
         params = self._per_prompt(sampling, len(prompts))
-        policy = BatchPolicy(**self.policy_args)  # type: ignore[arg-type]
         seqs = [self._sequence(prompt, p) for prompt, p in zip(prompts, params)]
+        if self.speculative.is_enabled:
+            return self._generate_speculative(seqs)
+        policy = BatchPolicy(**self.policy_args)  # type: ignore[arg-type]
         for seq in seqs:
             policy.add(seq)
         with torch.inference_mode():
@@ -98,6 +112,19 @@ class LLMEngine:
         self.num_preemptions += policy.num_preemptions
         return [Output(self.decode(s.output_ids), s.output_ids, s.token_ids[:s.num_prompt_tokens],
                        s.finish_reason) for s in seqs]
+
+    def _generate_speculative(self, seqs: list[Seq]) -> list[Output]:
+        """The real scheduler core drives the runner (it owns drafts and their rollback)."""
+        limits = LoopLimits(eos_token_ids=tuple(self.eos_token_ids), max_context=self.max_context,
+                            **self.policy_args)  # type: ignore[arg-type]
+        self.loop = SchedulerLoop(self.runner, limits, self.speculative)
+        with torch.inference_mode():
+            outs = self.loop.generate([s.token_ids for s in seqs], [s.params for s in seqs])
+        for out in outs:
+            if out.error:
+                raise RuntimeError(f"generation failed: {out.error}")
+        return [Output(self.decode(o.token_ids), o.token_ids, s.token_ids[:s.num_prompt_tokens],
+                       o.finish_reason) for s, o in zip(seqs, outs)]
 
     def _per_prompt(self, sampling: SamplingParams | Sequence[SamplingParams] | None,
                     count: int) -> list[SamplingParams]:
@@ -124,4 +151,6 @@ class LLMEngine:
 
     def close(self) -> None:
         self.pool.close()
+        if self.runner.draft is not None:
+            self.runner.draft.pool.close()
 

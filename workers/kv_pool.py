@@ -163,6 +163,16 @@ class KVPool:
         """[2, num_blocks, block_size, kv_heads, head_dim] view of one layer."""
         return self.tensor[index]
 
+    def move_slots(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+        """Copy every layer's K and V of slot src_slots[i] to dst_slots[i] within the pool
+        (speculative decoding: a token tree's accepted nodes to their positions). Sources are
+        read before any destination is written."""
+        layers, two, num_blocks, block_size, kv_heads, head_dim = self.tensor.shape
+        flat = self.tensor.view(layers, two, num_blocks * block_size, kv_heads, head_dim)
+        src = torch.as_tensor(np.asarray(src_slots, dtype=np.int64), device=self.tensor.device)
+        dst = torch.as_tensor(np.asarray(dst_slots, dtype=np.int64), device=self.tensor.device)
+        flat[:, :, dst] = flat[:, :, src]
+
     def copy_blocks(self, src_pool: KVPool, src_block_ids: np.ndarray | list[int],
                     dst_block_ids: np.ndarray | list[int]) -> None:
         """Copy every layer's K and V of src_pool's src_block_ids[i] into our dst_block_ids[i]."""

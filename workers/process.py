@@ -26,7 +26,9 @@ from justapi.gguf_file import GGUFFile
 from justapi.health import HEARTBEAT_INTERVAL_S
 from justapi.protocol import CopyBlocks, Heartbeat, PoolInfo, Ready, Shutdown, StepPlan, StepResult
 from justapi.shm_pool import available_memory_bytes
+from justapi.spec_config import SpecConfig
 from workers.attention import make_backend, require_cuda
+from workers.draft import load_draft
 from workers.kv_pool import KVPool, PoolShape
 from workers.kv_transfer import BlockCopier
 from workers.model import LlamaModel
@@ -92,13 +94,19 @@ class Worker:
         gguf = GGUFFile(spec.model_path)
         dtype = torch.bfloat16 if self.device != "cpu" else torch.float32
         self.model = load_model(gguf, self.device, dtype, spec.config.model.weights, progress=False)
-        sched = spec.config.scheduler
-        self.model.warm_up(sched.max_batched_tokens, sched.max_seqs)
+        sched, speculative = spec.config.scheduler, spec.config.speculative
+        sampled_rows = _max_sampled_rows(sched.max_seqs, sched.max_batched_tokens, speculative)
+        self.model.warm_up(sched.max_batched_tokens, sampled_rows)
         self.model_name = gguf.name
         self.pool = open_pool(spec, self.model, self.device)
         block_size = self.pool.shape.block_size
+        draft = None
+        if speculative.spec == "draft":  # its KV pool: the same block ids, local to this worker
+            draft = load_draft(speculative, self.pool.shape.num_blocks, block_size, self.device,
+                               weights=spec.config.model.weights)
+            draft.model.warm_up(sched.max_batched_tokens, sampled_rows)
         self.runner = ModelRunner(self.model, self.pool, make_backend(self.device, block_size),
-                                  Sampler(), worker_id=spec.index)
+                                  Sampler(), worker_id=spec.index, draft=draft)
         self.copier = BlockCopier(self.pool, spec.index)  # PD: KV hand-offs into our pool
         self.context = zmq.Context()
         self.sock = self.connect(worker_identity(spec.index))
@@ -125,6 +133,8 @@ class Worker:
     def ready_message(self) -> Ready:
         p = self.model.params
         max_context = min(p.max_context, self.spec.config.model.max_context or p.max_context)
+        if self.runner.draft is not None:  # the draft computes every position the target does
+            max_context = min(max_context, self.runner.draft.model.params.max_context)
         return Ready(worker_id=self.spec.index, pid=os.getpid(), model_name=self.model_name,
                      vocab_size=p.vocab_size, max_context=max_context, pool=self.pool.info())
 
@@ -201,7 +211,16 @@ class Worker:
         self.sock.close(0)
         self.copier.close()
         self.pool.close()
+        if self.runner.draft is not None:
+            self.runner.draft.pool.close()
         self.context.term()
+
+
+def _max_sampled_rows(max_seqs: int, max_batched_tokens: int, spec: SpecConfig) -> int:
+    """Logit rows of one step: one per sequence, plus every verified draft with speculation."""
+    if not spec.is_enabled:
+        return max_seqs
+    return min(max_batched_tokens, max_seqs * (1 + spec.max_nodes))
 
 
 def _rss_bytes() -> int:

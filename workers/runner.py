@@ -4,8 +4,10 @@ Keeps per-request state (sampling params, token history for penalties) learned f
 `plan.new_requests` and dropped on `plan.finished_request_ids`. Each chunk's tokens overwrite
 the history at their positions (truncate to the chunk's start, then extend), so a rollback
 after rejected speculative tokens, or a recompute after preemption, leaves it right.
+Steps with speculative drafts (or a draft model) go through workers/spec_step.py.
 Owns: that state, turning a plan into tensors, picking logit rows. Does not own: block
-allocation or scheduling (the scheduler), the forward math (model.py), sampling (sampler.py).
+allocation or scheduling (the scheduler), the forward math (model.py), sampling (sampler.py),
+verification (verify.py).
 """
 from __future__ import annotations
 
@@ -20,7 +22,11 @@ from justapi.sampling import SamplingParams
 from workers.attention import AttentionBackend, AttentionBatch
 from workers.kv_pool import KVPool
 from workers.model import LlamaModel
+from workers.draft import DraftModel
 from workers.sampler import Sampler, SamplerOutput, SamplingRow
+from workers.spec_step import execute_speculative
+from workers.spec_tree import TreeLayout
+from workers.verify import Verifier
 
 
 @dataclass
@@ -32,7 +38,8 @@ class RequestState:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
-                 sampler: Sampler | None = None, worker_id: int = 0) -> None:
+                 sampler: Sampler | None = None, worker_id: int = 0,
+                 draft: DraftModel | None = None) -> None:
         if pool.shape.num_layers != model.params.num_layers:
             raise ValueError(f"KV pool has {pool.shape.num_layers} layers, model {model.params.num_layers}")
         self.model = model
@@ -41,23 +48,25 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.worker_id = worker_id
         self.requests: dict[str, RequestState] = {}
+        self.draft = draft  # speculative decoding's draft model (workers/draft.py), if any
+        self.verifier = Verifier(self.sampler)
 
     @property
     def block_size(self) -> int:
         return self.pool.shape.block_size
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step: forward every chunk, sample the sequences whose sample flag is set."""
-        if np.any(plan.draft_counts > 0):
-            raise ValueError("speculative drafts (num_draft_tokens > 0) need verification, "
-                             "which this runner does not implement yet")
-        logits = self.forward_logits(plan)  # [num sampled, vocab]: drafts are 0, one row each
+        """Run one step: forward every chunk, sample the sequences whose sample flag is set
+        (verifying their drafts, workers/spec_step.py, when there are any or a draft model)."""
+        if self.draft is not None or np.any(plan.draft_counts > 0):
+            return execute_speculative(self, plan)
+        logits = self.forward_logits(plan)  # [num sampled, vocab]: one row each
         sampled = np.flatnonzero(plan.sample_flags)
         ids = [plan.request_ids[i] for i in sampled]
         ends = plan.start_positions[sampled] + plan.num_tokens[sampled]
         rows = [self._sampling_row(rid, int(end)) for rid, end in zip(ids, ends)]
         out = self.sampler.sample(logits, rows) if rows else SamplerOutput(np.zeros(0, np.int32))
-        self._forget(plan.finished_request_ids)
+        self.forget(plan.finished_request_ids)
         result = StepResult(step_id=plan.step_id, worker_id=self.worker_id, request_ids=ids,
                             num_sampled=np.ones(len(ids), np.int32), sampled_token_ids=out.token_ids)
         if out.logprobs is None or out.top_ids is None or out.top_logprobs is None:
@@ -65,16 +74,18 @@ class ModelRunner:
         return dataclasses.replace(result, logprobs=out.logprobs, top_logprob_ids=out.top_ids,
                                    top_logprobs=out.top_logprobs)
 
-    def forward_logits(self, plan: StepPlan) -> torch.Tensor:
+    def forward_logits(self, plan: StepPlan, tree: TreeLayout | None = None) -> torch.Tensor:
         """Forward the plan and return fp32 logits of the last 1 + num_draft_tokens[i] positions
-        of every sampled sequence i, in plan order: [sum over sampled (1 + drafts), vocab]."""
+        of every sampled sequence i, in plan order: [sum over sampled (1 + drafts), vocab].
+        `tree` masks the sequences whose drafts form a token tree."""
         if plan.num_seqs == 0:
             self._learn(plan)
             return torch.zeros(0, self.model.params.vocab_size)
         self._check(plan)
         self._learn(plan)
         batch = AttentionBatch(plan.start_positions.astype(np.int64), plan.num_tokens.astype(np.int64),
-                               plan.num_blocks.astype(np.int64), plan.block_ids, self.block_size)
+                               plan.num_blocks.astype(np.int64), plan.block_ids, self.block_size,
+                               tree)
         with torch.inference_mode():
             meta = self.backend.prepare(batch)
             token_ids = torch.from_numpy(plan.token_ids.astype(np.int64)).to(self.model.device)
@@ -89,6 +100,8 @@ class ModelRunner:
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(
                 new.sampling, new.num_prompt_tokens, [int(t) for t in new.token_ids])
+            if self.draft is not None:  # relearned (preemption): its proposal is stale
+                self.draft.forget([new.request_id])
         tok_off = offsets(plan.num_tokens)
         for i, request_id in enumerate(plan.request_ids):
             state = self.requests.get(request_id)
@@ -102,9 +115,11 @@ class ModelRunner:
             del state.token_ids[start:]
             state.token_ids.extend(plan.token_ids[tok_off[i]:tok_off[i + 1]].tolist())
 
-    def _forget(self, request_ids: list[str]) -> None:
+    def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.requests.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.forget(request_ids)
 
     def _sampling_row(self, request_id: str, position: int) -> SamplingRow:
         state = self.requests[request_id]

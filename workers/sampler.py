@@ -67,7 +67,7 @@ class Sampler:
         out = tokens.to(torch.int32).numpy()
         if raw_logprobs is None:
             return SamplerOutput(out)
-        return SamplerOutput(out, *_logprob_columns(raw_logprobs, tokens, rows))
+        return SamplerOutput(out, *logprob_columns(raw_logprobs, tokens, rows))
 
     def _exponential_noise(self, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
         noise = torch.empty(len(rows), vocab)
@@ -76,16 +76,31 @@ class Sampler:
             noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self._unseeded)
         for i, row in enumerate(rows):
             if row.params.seed is not None:
-                gen = torch.Generator().manual_seed(stream_seed(row.params.seed, row.position))
-                noise[i].exponential_(generator=gen)
+                noise[i] = seeded_noise(row.params.seed, row.position, vocab)
         return noise
+
+    def uniforms(self, num: int) -> torch.Tensor:
+        """[num] U(0, 1) draws from the unseeded stream (speculative acceptance tests)."""
+        return torch.rand(num, generator=self._unseeded)
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        """One draw from probs [vocab] (need not be normalized) on the unseeded stream."""
+        return int(torch.multinomial(probs, 1, generator=self._unseeded))
+
+
+def seeded_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """[vocab] Exp(1) noise of a seeded request for the token at `position`: the same vector
+    for the same (seed, position), whoever asks (the sampler, speculative verification, a
+    draft model proposing in step with it)."""
+    gen = torch.Generator().manual_seed(stream_seed(seed, position))
+    return torch.empty(vocab).exponential_(generator=gen)
 
 
 def _wants_logprobs(rows: list[SamplingRow]) -> bool:
     return any(r.params.logprobs is not None for r in rows)
 
 
-def _logprob_columns(raw: torch.Tensor, tokens: torch.Tensor,
+def logprob_columns(raw: torch.Tensor, tokens: torch.Tensor,
                      rows: list[SamplingRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     chosen = raw.gather(1, tokens[:, None])[:, 0]
     top_n = max(r.params.logprobs or 0 for r in rows)

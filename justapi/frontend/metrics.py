@@ -83,6 +83,22 @@ PD_METRICS = (
     StatMetric(PREFIX + "pd_copies_in_flight", "Hand-off copies ordered and not acknowledged.",
                "pd_num_copies_in_flight"),
 )
+# Speculative decoding (justapi/scheduler/speculation.py): vLLM's spec_decode counters, plus
+# the acceptance figures llama.cpp's server reports (draft acceptance rate) as gauges.
+SPEC_METRICS = (
+    StatMetric(PREFIX + "spec_decode_num_drafts", "Verifications of draft tokens (one per "
+               "request and step with drafts).", "spec_decode_num_drafts", is_counter=True),
+    StatMetric(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens verified.",
+               "spec_decode_num_draft_tokens", is_counter=True),
+    StatMetric(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+               "spec_decode_num_accepted_tokens", is_counter=True),
+    StatMetric(PREFIX + "spec_decode_mean_acceptance_length", "Tokens per verification: 1 + "
+               "accepted / drafts.", "spec_decode_mean_acceptance_length"),
+    StatMetric(PREFIX + "spec_decode_draft_acceptance_rate", "Accepted / verified draft tokens.",
+               "spec_decode_draft_acceptance_rate"),
+)
+SPEC_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
+SPEC_POS_KEY = "spec_decode_num_accepted_tokens_pos_"
 PD_SIDES = ("prefill", "decode")
 PD_SIDE_GAUGES = (  # stats key pd_<side>_<key>, labelled pool="prefill"|"decode"
     ("num_requests_waiting", "pd_pool_num_requests_waiting",
@@ -139,7 +155,8 @@ class SchedulerStatsCollector(Collector):
         self._model_name = model_name
         self._source = source
         self._totals = {m.name: MonotonicTotal() for m in SCHEDULER_METRICS + PD_METRICS
-                        if m.is_counter}
+                        + SPEC_METRICS if m.is_counter}
+        self._position_totals: dict[str, MonotonicTotal] = {}
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._source()
@@ -154,9 +171,10 @@ class SchedulerStatsCollector(Collector):
         yield from self._worker_figures(snapshot)
         yield from self._health_figures(snapshot)
         yield from self._pd_figures(snapshot.stats)
+        yield from self._spec_figures(snapshot.stats)
 
     def _scheduler_figures(self, stats: dict) -> Iterator[Metric]:
-        for spec in SCHEDULER_METRICS + PD_METRICS:
+        for spec in SCHEDULER_METRICS + PD_METRICS + SPEC_METRICS:
             value = _number(stats.get(spec.stat_key))
             if value is None:
                 continue
@@ -230,6 +248,20 @@ class SchedulerStatsCollector(Collector):
                                         labels=["model_name"])
         latency.add_metric([self._model_name], buckets, float(stats.get(f"{name}_sum", 0.0)))
         yield latency
+
+
+    def _spec_figures(self, stats: dict) -> Iterator[Metric]:
+        """Accepted draft tokens by position in the accepted path (vLLM's per_pos counter)."""
+        family = CounterMetricFamily(PREFIX + SPEC_PER_POS, "Draft tokens accepted, by their "
+                                     "position in the accepted path (0 = first draft).",
+                                     labels=["model_name", "position"])
+        for key, value in stats.items():
+            if key.startswith(SPEC_POS_KEY) and _number(value) is not None:
+                position = key[len(SPEC_POS_KEY):]
+                total = self._position_totals.setdefault(position, MonotonicTotal())
+                family.add_metric([self._model_name, position], total.update(float(value)))
+        if family.samples:
+            yield family
 
 
 class RequestTimer:

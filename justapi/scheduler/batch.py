@@ -10,7 +10,9 @@ i.e. the index of the block in that device's KV tensor:
     block_ids: | table 0 ....... | table 1 ........ | table 2 ..... |
 
 Chunk i covers positions [starts[i], starts[i] + num_tokens[i]); its last num_drafts[i]
-tokens are drafts; is_sampled[i] when it reaches the request's last known token.
+tokens are drafts (a chain, or the tree in req.draft_parents); is_sampled[i] when it reaches
+the request's last known token; num_propose[i] draft-model tokens are asked for the next step,
+and its block table then also covers positions up to starts[i] + num_tokens[i] + num_propose[i].
 Owns: budget arithmetic and plan assembly. Does not own: who is chosen (planner.py).
 """
 from __future__ import annotations
@@ -37,7 +39,8 @@ class StepBatch:
         self.num_drafts: list[int] = []
         self.is_sampled: list[bool] = []
         self.is_prefill: list[bool] = []
-        self.num_blocks: list[int] = []  # table[:num_blocks] covers positions < start + n
+        self.num_blocks: list[int] = []  # table[:num_blocks] covers positions < start + n (+ propose)
+        self.num_propose: list[int] = []  # draft-model look-ahead (speculation.py)
         self.num_prefill = 0
         self.num_decode = 0
         self.new_requests: dict[str, Request] = {}
@@ -75,6 +78,7 @@ class StepBatch:
         self.is_sampled.append(num_tokens >= known)
         self.is_prefill.append(is_prefill)
         self.num_blocks.append((start + num_tokens + self.block_size - 1) // self.block_size)
+        self.num_propose.append(0)
         self.budget_tokens -= num_tokens
         if is_prefill:
             self.num_prefill += 1
@@ -91,8 +95,16 @@ class StepBatch:
         self.is_sampled.append(True)
         self.is_prefill.append(False)
         self.num_blocks.append((start + num_tokens + self.block_size - 1) // self.block_size)
+        self.num_propose.append(0)
         self.budget_tokens -= num_tokens
         self.num_decode += 1
+
+    def set_propose(self, num_propose: int) -> None:
+        """The last chunk asks the draft model for num_propose tokens; its table grows to the
+        look-ahead positions (the caller holds blocks for them)."""
+        end = self.starts[-1] + self.num_tokens[-1] + num_propose
+        self.num_propose[-1] = num_propose
+        self.num_blocks[-1] = (end + self.block_size - 1) // self.block_size
 
     def remove(self, req: Request) -> None:
         """Un-schedule (the request is being preempted for an older one). O(batch): rare."""
@@ -103,7 +115,7 @@ class StepBatch:
         else:
             self.num_decode -= 1
         for column in (self.reqs, self.starts, self.num_tokens, self.num_drafts, self.is_sampled,
-                       self.is_prefill, self.num_blocks):
+                       self.is_prefill, self.num_blocks, self.num_propose):
             del column[i]
         self.new_requests.pop(req.request_id, None)
 
@@ -133,7 +145,19 @@ class StepBatch:
             num_draft_tokens=(np.asarray(self.num_drafts, dtype=np.int32) if any(self.num_drafts)
                               else _empty()),
             new_requests=[_new_request(r) for r in self.new_requests.values()],
-            finished_request_ids=finished_request_ids)
+            finished_request_ids=finished_request_ids,
+            draft_parents=self._draft_parents(),
+            num_propose=(np.asarray(self.num_propose, dtype=np.int32) if any(self.num_propose)
+                         else _empty()))
+
+    def _draft_parents(self) -> np.ndarray:
+        """Flat draft parents when some sequence's drafts are a tree; [] when all are chains."""
+        if not any(req.draft_parents for req, d in zip(self.reqs, self.num_drafts) if d):
+            return _empty()
+        out: list[int] = []
+        for req, d in zip(self.reqs, self.num_drafts):
+            out.extend(req.draft_parents[:d] if req.draft_parents else range(-1, d - 1))
+        return np.asarray(out, dtype=np.int32)
 
 
 def _empty() -> np.ndarray:

@@ -37,9 +37,11 @@ class StepPlanner:
         self.config = state.config
         self.kv = state.kv
         self.order = AdmissionOrder(state.config, state.kv)
+        self._prefill_propose = 0  # draft-model tokens a prompt finishing this step asks for
 
     def plan(self, worker: WorkerState) -> StepBatch:
         batch = StepBatch(self.config, self.state.block_size)
+        self._prepare_spec(worker)
         admits = self.state.admits(worker)  # draining or PD decode: only runs what it has
         if admits and not self.config.scheduled and not worker.running:
             self._admit_static(worker, batch)
@@ -66,9 +68,14 @@ class StepPlanner:
             # The hot path (_schedule inlined): a decode needs a new block every block_size steps.
             num_tokens = min(1 + len(req.draft_token_ids), batch.budget_tokens)
             end = num_computed + num_tokens
-            if (end + bs - 1) // bs > len(req.block_ids) and not self.ensure_blocks(req, end, batch):
-                continue
+            if (end + bs - 1) // bs > len(req.block_ids):
+                if num_tokens > 1 and not self.allocate(req, end):
+                    num_tokens, end = 1, num_computed + 1  # drafts never preempt anyone
+                if not self.ensure_blocks(req, end, batch):
+                    continue
             batch.add_decode(req, num_tokens)
+            if req.spec_propose:
+                self._lookahead(req, batch, req.spec_propose)
         if is_capped:  # round robin: the decodes served now go to the back of the line
             for req in batch.reqs:
                 if worker.running.pop(req.request_id, None) is not None:
@@ -87,7 +94,30 @@ class StepPlanner:
         if not self.ensure_blocks(req, req.num_computed_tokens + num_tokens, batch):
             return False
         batch.add(req, num_tokens, is_prefill)
+        self._lookahead(req, batch, self._prefill_propose)
         return True
+
+    # ------------------------------------------------------------------ speculation
+    def _prepare_spec(self, worker: WorkerState) -> None:
+        """Draft budgets (and n-gram drafts) for the worker's decodes (speculation.py); a
+        prompt finishing this step is offered as many draft-model tokens as the best decode."""
+        spec = self.state.spec
+        self._prefill_propose = 0
+        if spec is None:
+            return
+        decodes = [r for r in worker.running.values() if r.status is RUNNING
+                   and r.num_computed_tokens >= len(r.token_ids) - 1]
+        levels = spec.prepare(decodes)
+        if spec.uses_draft_model:
+            self._prefill_propose = spec.nodes_for(levels)
+
+    def _lookahead(self, req: Request, batch: StepBatch, num_propose: int) -> None:
+        """Blocks for the positions the worker's draft model writes while proposing num_propose
+        tokens after this chunk (only when free: look-ahead never preempts)."""
+        if num_propose <= 0 or not batch.is_sampled[-1]:
+            return
+        if self.allocate(req, batch.starts[-1] + batch.num_tokens[-1] + num_propose):
+            batch.set_propose(num_propose)
 
     def ensure_blocks(self, req: Request, num_tokens: int, batch: StepBatch) -> bool:
         """Blocks for req's first num_tokens tokens, preempting newer holders if needed; False
@@ -150,6 +180,7 @@ class StepPlanner:
                 return
             self._admitted(req, worker, batch, hit)
             batch.add(req, num_tokens, is_prefill=True)
+            self._lookahead(req, batch, self._prefill_propose)
 
     def _admit_static(self, worker: WorkerState, batch: StepBatch) -> None:
         queue = self.state.queues[worker.pool_id]

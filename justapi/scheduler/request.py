@@ -17,6 +17,7 @@ import array
 import enum
 
 from justapi.sampling import SamplingParams
+from justapi.spec.budget import Acceptance
 from justapi.scheduler.radix_node import RadixNode
 
 
@@ -36,7 +37,8 @@ class Request:
                  "pool_id", "worker_id", "num_computed_tokens", "draft_token_ids", "block_ids",
                  "cache_node", "num_cached_blocks", "num_cached_tokens", "has_reported",
                  "is_in_flight", "is_abort_pending", "finish_reason", "num_preemptions",
-                 "queue_entry", "enqueued_step")
+                 "queue_entry", "enqueued_step", "draft_parents", "spec_acceptance",
+                 "spec_idle_steps", "spec_propose")
 
     def __init__(self, request_id: str, sampling: SamplingParams, prompt_token_ids: array.array,
                  seq: int, priority: int = 0) -> None:
@@ -68,6 +70,13 @@ class Request:
         self.num_preemptions = 0
         self.queue_entry: list | None = None  # its live entry in a WaitingQueue heap
         self.enqueued_step = 0
+        # Speculative decoding (justapi/scheduler/speculation.py): the drafts' token tree
+        # (parent per draft, [] = a chain), acceptance history, steps without drafts, and how
+        # many tokens the worker's draft model proposes for the next step.
+        self.draft_parents: list[int] = []
+        self.spec_acceptance = Acceptance()
+        self.spec_idle_steps = 0
+        self.spec_propose = 0
 
     @property
     def num_tokens(self) -> int:

@@ -11,11 +11,12 @@ Owns: those rules. Does not own: the step's choice (planner.py) or the message s
 from __future__ import annotations
 
 from justapi.protocol import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, StepResult,
-                              TokenDeltas)
+                              TokenDeltas, offsets)
 from justapi.scheduler.deltas import DeltaBuilder
 from justapi.scheduler.request import Request
 from justapi.scheduler.state import SchedulerState
 from justapi.scheduler.worker_state import InFlightStep
+from justapi.spec.tree import follow, max_depth
 
 
 class ResultApplier:
@@ -67,7 +68,9 @@ class ResultApplier:
     def _apply_chunks(self, step: InFlightStep, result: StepResult, deltas: DeltaBuilder) -> None:
         sampled = result.sampled_token_ids.tolist()
         counts = iter(result.num_sampled.tolist())
+        proposals = _proposals(result) if len(result.num_proposed) else None
         position = 0
+        index = -1  # of the request among the sampled ones
         bs = self.state.block_size
         add_one = deltas.add_one
         for req, num_drafts, is_sampled in zip(step.reqs, step.num_drafts, step.is_sampled):
@@ -78,6 +81,7 @@ class ResultApplier:
                     self.kv.cache_computed(req)
                 continue
             count = next(counts)
+            index += 1
             if req.is_abort_pending:
                 self._finish(req, FINISH_ABORT, [], deltas)
             elif count == 1 and num_drafts == 0 and not req.draft_token_ids:
@@ -98,13 +102,18 @@ class ResultApplier:
             else:
                 self._accept(req, num_drafts, sampled[position:position + count], deltas, position)
             position += count
+            if proposals is not None and index in proposals and not req.is_finished:
+                assert self.state.spec is not None, "a worker proposed drafts with speculation off"
+                self.state.spec.record_proposal(req, *proposals[index])
 
     def _accept(self, req: Request, num_drafts: int, tokens: list[int],
                 deltas: DeltaBuilder, first_index: int) -> None:
         drafts = req.draft_token_ids[:num_drafts]
-        req.draft_token_ids = []
+        parents = req.draft_parents[:num_drafts]
+        req.draft_token_ids, req.draft_parents = [], []
         num_accepted = len(tokens) - 1
-        if num_accepted < 0 or num_accepted > num_drafts or tokens[:num_accepted] != drafts[:num_accepted]:
+        depth = _verified_depth(drafts, parents, tokens, num_accepted)
+        if depth < 0:
             self.state.counters.num_errors += 1
             self.state.finish(req, FINISH_ERROR)
             deltas.add_error(req, FINISH_ERROR, f"step {deltas.step_id}: {len(tokens)} tokens "
@@ -113,7 +122,10 @@ class ResultApplier:
         counters = self.state.counters
         counters.num_draft_tokens += num_drafts
         counters.num_accepted_draft_tokens += num_accepted
-        if num_accepted < num_drafts:  # rejected drafts: their KV slots are garbage
+        if self.state.spec is not None:
+            self.state.spec.verified(req, depth, num_drafts, num_accepted)
+        if num_accepted < num_drafts:  # rejected drafts: their KV slots are garbage (a tree's
+            # accepted path was moved to the positions of its tokens by the worker)
             req.num_computed_tokens -= num_drafts - num_accepted
             self.kv.truncate(req, req.num_computed_tokens)
         num_before = len(req.token_ids)
@@ -147,3 +159,25 @@ class ResultApplier:
             self.state.counters.num_aborted += 1
         self.state.finish(req, reason)
         deltas.add(req, tokens, reason)
+
+
+def _verified_depth(drafts: list[int], parents: list[int], tokens: list[int],
+                    num_accepted: int) -> int:
+    """The depth of the verified drafts' tree if tokens[:num_accepted] is a root path of it
+    (a chain: a prefix of the drafts), else -1."""
+    if num_accepted < 0 or num_accepted > len(drafts):
+        return -1
+    if not parents:
+        return len(drafts) if tokens[:num_accepted] == drafts[:num_accepted] else -1
+    if follow(drafts, parents, tokens[:num_accepted]) is None:
+        return -1
+    return max_depth(parents)
+
+
+def _proposals(result: StepResult) -> dict[int, tuple[list[int], list[int]]]:
+    """A draft model's proposals by index among the result's requests (non-empty ones)."""
+    off = offsets(result.num_proposed)
+    tokens = result.proposed_token_ids.tolist()
+    parents = result.proposed_parents.tolist()
+    return {i: (tokens[off[i]:off[i + 1]], parents[off[i]:off[i + 1]] if parents else [])
+            for i in range(len(result.num_proposed)) if off[i + 1] > off[i]}

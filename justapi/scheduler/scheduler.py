@@ -28,10 +28,13 @@ from justapi.scheduler.policy import sort_key
 from justapi.scheduler.request import Request, RequestStatus
 from justapi.scheduler.results import ResultApplier
 from justapi.scheduler.router import Router
+from justapi.scheduler.speculation import Speculation
 from justapi.scheduler.state import SchedulerState
 from justapi.scheduler.stats import collect_stats
 from justapi.scheduler.topology import ModelLimits, PoolSpec, Topology, WorkerSpec
 from justapi.scheduler.worker_state import InFlightStep, WorkerState
+from justapi.spec.tree import chain_parents, check_tree, is_chain, keep_depth
+from justapi.spec_config import SpecConfig
 
 NOT_A_STEP = -1  # step_id of deltas that no step produced (aborts, ill health)
 WorkerOrder = Union[StepPlan, CopyBlocks]  # what schedule() sends to a worker (copies: PD only)
@@ -41,8 +44,10 @@ class Scheduler:
     """Continuous batching (or static batching) over one or more workers and pools."""
 
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, topology: Topology,
-                 limits: ModelLimits) -> None:
+                 limits: ModelLimits, spec: SpecConfig | None = None) -> None:
         self.state = SchedulerState(config, cache, topology, limits)
+        if spec is not None and spec.is_enabled:
+            self.state.spec = Speculation(spec)
         self.planner = StepPlanner(self.state)
         self.results = ResultApplier(self.state)
         self.router = Router(self.state)
@@ -99,16 +104,23 @@ class Scheduler:
         deltas.add(req, [], FINISH_ABORT)
         return deltas.build()
 
-    def set_draft_tokens(self, request_id: str, token_ids: Sequence[int]) -> int:
+    def set_draft_tokens(self, request_id: str, token_ids: Sequence[int],
+                         parents: Sequence[int] | None = None) -> int:
         """Speculative decoding hook: drafts to verify in the request's next step (counted by
-        the rule). Capped to the context; returns how many were kept."""
+        the rule) - a chain, or a token tree with `parents` (justapi/spec/tree.py). Nodes
+        deeper than the room left before the request's finish are dropped; returns how many
+        were kept."""
         req = self.state.requests.get(request_id)
         if req is None or req.status is not RequestStatus.RUNNING or req.is_in_flight:
             raise ValueError(f"request {request_id!r} is not running between steps")
         if not req.is_decode:
             raise ValueError(f"request {request_id!r} is still prefilling; drafts follow decode")
+        tokens = [int(t) for t in token_ids]
+        tree = [int(p) for p in parents] if parents is not None else chain_parents(len(tokens))
+        check_tree(tokens, tree)
         room = req.final_len - req.num_tokens  # drafts past the finish could never be emitted
-        req.draft_token_ids = [int(t) for t in token_ids][:max(0, room)]
+        req.draft_token_ids, tree = keep_depth(tokens, tree, max(0, room))
+        req.draft_parents = [] if is_chain(tree) else tree
         return len(req.draft_token_ids)
 
     # ------------------------------------------------------------------ worker side

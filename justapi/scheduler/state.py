@@ -19,6 +19,7 @@ from justapi.scheduler.block_pool import BlockPool
 from justapi.scheduler.handoff import HandOffTable
 from justapi.scheduler.kv_cache_manager import KvCacheManager
 from justapi.scheduler.request import Request, RequestStatus
+from justapi.scheduler.speculation import Speculation
 from justapi.scheduler.topology import (ROLE_DECODE, ROLE_PREFILL, ModelLimits, PoolSpec, Topology,
                                         WorkerSpec)
 from justapi.scheduler.waiting_queue import WaitingQueue
@@ -60,6 +61,7 @@ class SchedulerState:
         self.workers: dict[int, WorkerState] = {}
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.handoffs = HandOffTable()  # PD only: requests between a prefill and a decode worker
+        self.spec: Speculation | None = None  # speculative decoding, when on (scheduler.py)
         self.counters = Counters()
         self.step_id = 0
         self.next_seq = 0

@@ -3,7 +3,8 @@
 Names: gauges `num_requests_running|waiting`, `kv_usage` (blocks held by requests / all
 blocks; cached blocks nobody holds count as free, as in vLLM), `prefix_cache_blocks`;
 counters `prefix_cache_hits|misses` (blocks), `prefix_cache_query_tokens|hit_tokens`
-(tokens, for vLLM-style prefix_cache_queries/hits), `num_preemptions`, `num_*_tokens`, ...;
+(tokens, for vLLM-style prefix_cache_queries/hits), `num_preemptions`, `num_*_tokens`, ...,
+`spec_decode_*` with speculative decoding (justapi/scheduler/speculation.py);
 per worker `worker_<id>_<name>` and per pool `pool_<id>_<name>`.
 Owns: the names. Does not own: the counters themselves (SchedulerState.counters).
 """
@@ -29,6 +30,8 @@ def collect_stats(state: SchedulerState) -> dict[str, float]:
     out["kv_blocks_free"] = sum(pool.num_free(p) for p in pool.pool_ids)
     out.update(_prefix_cache_stats(state))
     out.update({name: float(value) for name, value in dataclasses.asdict(state.counters).items()})
+    if state.spec is not None:
+        out.update(state.spec.counters.as_stats())
     for worker in state.workers.values():
         prefix = f"worker_{worker.worker_id}_"
         out[prefix + "num_requests_running"] = len(worker.running)

@@ -6,13 +6,17 @@ those positions; the block table has exactly the blocks the positions need, all 
 pool; the entry before the chunk reads back with the right position. It then writes the
 chunk's KV entries and, for sampled chunks, reads every position back through the table
 (positions must match) to compute the next token - verifying drafts greedily (accepted
-drafts, then one corrected/bonus token). PD copy orders copy slots between stores. Any
-violation raises FakeWorkerError.
+drafts, then one corrected/bonus token; a token tree is walked from its root, the accepted
+path written at the positions of its tokens, as the real worker moves its KV). A `proposer`
+stands in for a draft model: asked for num_propose tokens, it returns a token tree that goes
+back in the StepResult. PD copy orders copy slots between stores. Any violation raises
+FakeWorkerError.
 Owns: the fake worker's request memory. Does not own: the model function (fake_model).
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,13 +39,21 @@ class Chunk:
     tokens: np.ndarray  # int64 [num_tokens]
     num_drafts: int
     table: np.ndarray  # int32 [num_blocks]
+    parents: list[int] | None = None  # the drafts' tree; None = a chain
+    num_propose: int = 0
+
+
+Proposer = Callable[[str, list[int], int], tuple[list[int], list[int]]]
+"""(request id, its known tokens, how many to propose) -> (tokens, parents) of a token tree."""
 
 
 class FakeWorker:
-    def __init__(self, worker_id: int, store: FakeKvStore, vocab_size: int) -> None:
+    def __init__(self, worker_id: int, store: FakeKvStore, vocab_size: int,
+                 proposer: Proposer | None = None) -> None:
         self.worker_id = worker_id
         self.store = store
         self.vocab_size = vocab_size
+        self.proposer = proposer
         self.requests: dict[str, list[int]] = {}  # request id -> tokens known to this worker
         self.wants_logprobs: dict[str, bool] = {}
         self.num_steps = 0
@@ -58,21 +70,27 @@ class FakeWorker:
             self.requests[new.request_id] = [int(t) for t in new.token_ids]
             self.wants_logprobs[new.request_id] = new.sampling.logprobs is not None
         tok_off, blk_off = offsets(plan.num_tokens), offsets(plan.num_blocks)
-        drafts = plan.draft_counts
+        drafts, propose = plan.draft_counts, plan.propose_counts
         sampled_ids, counts, tokens = [], [], []
+        proposals: list[tuple[list[int], list[int]]] = []
         for i, rid in enumerate(plan.request_ids):
+            parents = plan.parents_of(i).tolist() if len(plan.draft_parents) and drafts[i] else None
             chunk = Chunk(rid, int(plan.start_positions[i]),
                           plan.token_ids[tok_off[i]:tok_off[i + 1]].astype(np.int64),
-                          int(drafts[i]), plan.block_ids[blk_off[i]:blk_off[i + 1]])
+                          int(drafts[i]), plan.block_ids[blk_off[i]:blk_off[i + 1]],
+                          parents, int(propose[i]))
             self._check_chunk(plan.step_id, chunk)
-            self._write(chunk.start, chunk.tokens, chunk.table)
+            if parents is None:
+                self._write(chunk.start, chunk.tokens, chunk.table)
             if plan.sample_flags[i]:
-                out = self._sample(chunk)
+                out = self._sample(chunk) if parents is None else self._sample_tree(chunk)
                 self.requests[rid].extend(out)
                 sampled_ids.append(rid)
                 counts.append(len(out))
                 tokens.extend(out)
-        return self._result(plan.step_id, sampled_ids, counts, tokens)
+                proposals.append(self._propose(chunk))
+        result = self._result(plan.step_id, sampled_ids, counts, tokens)
+        return _with_proposals(result, proposals) if any(p[0] for p in proposals) else result
 
     def _check_chunk(self, step_id: int, c: Chunk) -> None:
         rid, start, chunk, num_drafts, table = c.request_id, c.start, c.tokens, c.num_drafts, c.table
@@ -83,7 +101,7 @@ class FakeWorker:
         if start + num_known > len(known) or list(chunk[:num_known]) != known[start:start + num_known]:
             raise FakeWorkerError(f"step {step_id}: {rid!r} chunk at {start} is not its tokens")
         bs = self.store.block_size
-        needed = -(-(start + len(chunk)) // bs)
+        needed = -(-(start + len(chunk) + c.num_propose) // bs)
         if len(table) != needed:
             raise FakeWorkerError(f"step {step_id}: {rid!r} has {len(table)} blocks, needs {needed}")
         if len(table) and (int(table.min()) < 0 or int(table.max()) >= self.store.num_blocks):
@@ -127,6 +145,33 @@ class FakeWorker:
                 break
         return out
 
+    def _sample_tree(self, c: Chunk) -> list[int]:
+        """Greedy verification of a token tree: from the root (the last known token) follow
+        the child whose token the model predicts, writing each accepted token at its
+        position; the first prediction no child has is the bonus token."""
+        assert c.parents is not None
+        num_known = len(c.tokens) - c.num_drafts
+        self._write(c.start, c.tokens[:num_known], c.table)
+        drafts = c.tokens[num_known:].tolist()
+        node, last = -1, c.start + num_known - 1
+        out: list[int] = []
+        while True:
+            tokens, hashes = self._read_back(c.table, last)
+            token = next_token(tokens, hashes, self.vocab_size)
+            out.append(token)
+            child = next((j for j, p in enumerate(c.parents)
+                          if p == node and drafts[j] == token), None)
+            if child is None:
+                return out
+            last += 1
+            self._write(last, np.asarray([token], dtype=np.int64), c.table)
+            node = child
+
+    def _propose(self, c: Chunk) -> tuple[list[int], list[int]]:
+        if not c.num_propose or self.proposer is None:
+            return [], []
+        return self.proposer(c.request_id, list(self.requests[c.request_id]), c.num_propose)
+
     def copy_blocks(self, order: CopyBlocks, src_store: FakeKvStore) -> BlocksCopied:
         """A PD hand-off copy: every slot of the listed blocks, src_store -> this worker's store."""
         src_ids = order.src_block_ids.astype(np.int64)
@@ -157,3 +202,12 @@ class FakeWorker:
             result, logprobs=-(token_arr % 7).astype(np.float32) - 0.5,
             top_logprob_ids=np.stack([token_arr, token_arr + 1], axis=1),
             top_logprobs=np.zeros((len(tokens), 2), dtype=np.float32))
+
+
+def _with_proposals(result: StepResult, proposals: list[tuple[list[int], list[int]]]) -> StepResult:
+    is_tree = any(parents != list(range(-1, len(tokens) - 1)) for tokens, parents in proposals)
+    return dataclasses.replace(
+        result, num_proposed=np.asarray([len(t) for t, _ in proposals], dtype=np.int32),
+        proposed_token_ids=np.asarray([x for t, _ in proposals for x in t], dtype=np.int32),
+        proposed_parents=(np.asarray([x for _, p in proposals for x in p], dtype=np.int32)
+                          if is_tree else np.zeros(0, dtype=np.int32)))

@@ -18,13 +18,16 @@ from justapi.sampling import SamplingParams
 from justapi.scheduler.pd_scheduler import PdScheduler
 from justapi.scheduler.scheduler import Scheduler, WorkerOrder
 from justapi.scheduler.sim.fake_model import FakeKvStore
-from justapi.scheduler.sim.fake_worker import FakeWorker
+from justapi.scheduler.sim.fake_worker import FakeWorker, Proposer
 from justapi.scheduler.topology import ModelLimits, Topology
+from justapi.spec_config import SpecConfig
+
+_SPEC_FIELDS = {f.name for f in dataclasses.fields(SpecConfig)}
 
 
 class Harness:
     def __init__(self, scheduler: Scheduler, vocab_size: int = 64,
-                 check_invariants: bool = True) -> None:
+                 check_invariants: bool = True, proposer: Proposer | None = None) -> None:
         self.scheduler = scheduler
         self.vocab_size = vocab_size
         self.check_invariants = check_invariants
@@ -32,7 +35,8 @@ class Harness:
         stores = {p: FakeKvStore(state.pool.num_blocks(p), state.block_size)
                   for p in state.pool.pool_ids}
         self.stores = stores
-        self.workers = {w.worker_id: FakeWorker(w.worker_id, stores[w.pool_id], vocab_size)
+        self.workers = {w.worker_id: FakeWorker(w.worker_id, stores[w.pool_id], vocab_size,
+                                                proposer)
                         for w in state.workers.values()}
         self.outputs: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, str] = {}
@@ -118,10 +122,11 @@ def build_scheduler(pool_blocks: int = 64, num_workers: int = 1, shared_pool: bo
                     **options: object) -> Scheduler:
     """A Scheduler with small, test-friendly defaults (block_size 4, max_context 1024, EOS 1).
 
-    `options` go to CacheConfig, ModelLimits or SchedulerConfig by field name."""
+    `options` go to CacheConfig, ModelLimits, SchedulerConfig or SpecConfig by field name."""
     topology = (Topology.shared_pool(pool_blocks, num_workers) if shared_pool
                 else Topology.pool_per_worker(pool_blocks, num_workers))
-    return Scheduler(*_sections(topology, options))  # type: ignore[arg-type]
+    spec = {k: options.pop(k) for k in list(options) if k in _SPEC_FIELDS}
+    return Scheduler(*_sections(topology, options), SpecConfig(**spec))  # type: ignore[arg-type]
 
 
 def build_pd_scheduler(pool_blocks: int = 64, num_prefill: int = 1, num_decode: int = 1,
