@@ -206,6 +206,8 @@ def _pd_lines(config: ServeConfig) -> list[str]:
         return []
     how = ("by copy (a KV pool per side)" if pd.pd_separate_pools or config.model.device != "cpu"
            else "zero-copy (one shared KV pool)")
+    if config.server.launcher == "ray":
+        how = "zero-copy within a host's KV pool, by copy over the wire between hosts"
     return [f"justapi: PD {pd.pd}: workers 0-{pd.num_prefill - 1} prefill, "
             f"{pd.num_prefill}-{pd.num_workers - 1} decode; hand-off {how}"]
 

@@ -4,7 +4,8 @@ through the veths, over tcp with CURVE: the openai client's greedy outputs equal
 single-host `--workers 2` run; traffic crosses the veths; /health and tools/status.py show
 the hosts; a connection with a key the launcher did not authorize is refused; a prefix cached
 on one host is copied to the other (KV over the wire) and not recomputed; a worker SIGKILLed
-mid-load loses no request and Ray restarts it; nothing is left behind. Tiny synthetic model.
+mid-load loses no request and Ray restarts it; PD hands requests off between hosts by copy;
+nothing is left behind. Tiny synthetic model.
 Needs root for `ip netns` (skips without it)."""
 from __future__ import annotations
 
@@ -75,6 +76,12 @@ def wait_for(predicate, what: str, timeout_s: float = WAIT_S):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def ray_config(lab: NetnsLab, more: str) -> str:
+    """TOML for a pool on the lab: one worker per host (strict_spread), 1 CPU each."""
+    return (f'launcher = "ray"\naddress = "{lab.address}"\nnode-ip = "{lab.head_ip}"\n'
+            f'placement = "strict_spread"\ncpus-per-worker = 1\n{more}')
+
+
 def kv_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("justapi-kv-")}
 
@@ -90,7 +97,7 @@ def lab():
     why = netns_available()
     if why:
         pytest.skip(f"a lab of network namespaces cannot be built here: {why}")
-    built = NetnsLab(num_hosts=2, cpus=1.0).up()
+    built = NetnsLab(num_hosts=2, cpus=2.0).up()  # room for the PD pool beside the other
     yield built
     built.down()
 
@@ -112,8 +119,7 @@ def served(lab, state_dir, tmp_path_factory):
     """The ray pool and the single-host reference, started side by side; the reference's
     outputs are taken, and it is stopped, before any test runs."""
     config = tmp_path_factory.mktemp("ray") / "ray.toml"
-    config.write_text(f'launcher = "ray"\naddress = "{lab.address}"\nnode-ip = "{lab.head_ip}"\n'
-                      'workers = 2\ncpus-per-worker = 1\nrestart-workers = true\n')
+    config.write_text(ray_config(lab, 'workers = 2\nrestart-workers = true\n'))
     segments_before = kv_segments()
     with concurrent.futures.ThreadPoolExecutor(2) as executor:
         ray_future = executor.submit(ServedPool, *COMMON, "--config", str(config))
@@ -224,3 +230,25 @@ def test_a_worker_killed_mid_load_loses_no_request_and_ray_restarts_it(served):
     with admin(pool) as connection:
         assert connection.check_invariants().ok
     assert status(pool).stats["kv_blocks_in_use"] == 0
+
+
+def test_pd_hands_off_between_hosts_by_copy(served, lab, tmp_path):
+    _, reference = served
+    config = tmp_path / "pd.toml"
+    config.write_text(ray_config(lab, 'pd = "1:1"\n'))
+    segments = kv_segments()
+    pd = ServedPool(*COMMON, "--config", str(config))
+    try:
+        for prompt in PROMPTS:
+            assert greedy(pd, prompt)[0] == reference[prompt], prompt
+        after = status(pd)
+        hosts = {w["role"]: w["host"] for w in after.workers}
+        assert hosts["prefill"] != hosts["decode"]
+        assert after.stats["pd_num_copies"] == len(PROMPTS)  # every hand-off crossed hosts
+        assert after.stats["pd_num_copy_errors"] == 0 and after.stats["pd_copied_bytes"] > 0
+        with admin(pd) as connection:
+            assert connection.check_invariants().ok
+    finally:
+        assert pd.stop() == 0, pd.log()
+    assert pd.leftovers() == [], pd.log()
+    wait_for(lambda: kv_segments() <= segments, "the PD pool's KV segments to go", 30)

@@ -100,7 +100,8 @@ class BlockWriter:
             return
         dims = list(pool.shape.dims)
         dims[2] = len(ids)
-        data = torch.from_numpy(np.ascontiguousarray(chunk.data)).view(pool.tensor.dtype).view(dims)
+        raw = chunk.data if chunk.data.flags.writeable else chunk.data.copy()  # (zmq frames are)
+        data = torch.from_numpy(raw).view(pool.tensor.dtype).view(dims)  # [L, 2, n, bs, kvh, hd]
         pool.tensor.index_copy_(2, ids.to(pool.tensor.device), data.to(pool.tensor.device))
 
 
