@@ -33,16 +33,19 @@ def main() -> None:
               help='Print one JSON object {"text", "token_ids", "prompt_token_ids", "finish_reason"}.')
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda[:N]")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
+@click.option("--weights", default="fp32", show_default=True, type=click.Choice(["fp32", "q4", "auto"]),
+              help="Dequantize at load, keep Q4_0/Q4_1/Q8_0 weights 4-bit, or both (see docs/quantization.md).")
 def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p: float,
              top_k: int, seed: int | None, chat: bool, as_json: bool, device: str,
-             ignore_eos: bool) -> None:
+             ignore_eos: bool, weights: str) -> None:
     """Generate a continuation of PROMPT with the in-process engine."""
     try:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, seed=seed, ignore_eos=ignore_eos)
         from workers.engine import LLMEngine  # the one place the CLI reaches the data plane
 
-        engine = LLMEngine(model, device=device, max_seqs=1, seed=seed, progress=not as_json)
+        engine = LLMEngine(model, device=device, max_seqs=1, seed=seed, progress=not as_json,
+                           weights=weights)
         text = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
         output = engine.generate([text], sampling)[0]
         engine.close()

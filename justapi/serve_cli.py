@@ -56,6 +56,9 @@ def _flags(fn: Any) -> Any:
         click.option("--prefix-cache/--no-prefix-cache", "enable_prefix_cache", default=None,
                      help="Share cached KV blocks of identical prefixes (default on)."),
         click.option("--max-context", type=int, help="Cap on the model's context length."),
+        click.option("--weights", type=click.Choice(["fp32", "q4", "auto"]),
+                     help="fp32: dequantize at load; q4: keep Q4_0/Q4_1/Q8_0 weights 4-bit "
+                          "(int4 kernels); auto: both, 4-bit for small steps (default fp32)."),
         click.option("--host", help="HTTP bind address (127.0.0.1)."),
         click.option("--port", type=int, help="HTTP port (8000; 0 picks a free one)."),
         click.option("--zmq", help="ZMQ client endpoint, e.g. tcp://127.0.0.1:5555."),
@@ -177,7 +180,8 @@ def banner(config: ServeConfig, deployment: Deployment) -> str:
     lines = [
         f"justapi: model {m.name} ({m.architecture}, {m.num_layers} layers, context "
         f"{m.context_length}) from {m.path}",
-        f"justapi: {config.server.workers} worker(s) on {config.model.device}; KV pool {pool_text}",
+        f"justapi: {config.server.workers} worker(s) on {config.model.device}, weights "
+        f"{config.model.weights}; KV pool {pool_text}",
         *_pd_lines(config),
         f"justapi: HTTP  {deployment.http_url}/v1 (OpenAI-compatible), /health, /metrics",
         f"justapi: ZMQ   {deployment.zmq_url} (justapi.client){_curve_text(config)}",

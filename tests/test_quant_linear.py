@@ -8,7 +8,9 @@ c in 0..15 (|c - 8| <= 8), each dequantized weight is off by at most
 each activation by u|x|, the fp32 sum over K' = planes * K terms by gamma = K'e / (1 - K'e)
 times the sum of |products|, and the output by u|y|. So, per output element,
     |y_kernel - y| <= |x| @ e_w + (2u + gamma) * |x| @ (|w_planes| + e_w)      (x 1.01 for
-second-order terms). A negative control shows the bound is tight enough to catch a wrong layout.
+second-order terms). tinygemm (CUDA) also rounds each dequantized weight to bf16 for the tensor
+cores: one more u there (`bf16_weights`). A negative control shows the bound is tight enough to
+catch a wrong layout.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ U_BF16 = 2.0 ** -9
 EPS_FP32 = 2.0 ** -24
 
 
-def error_bound(matrix: QuantMatrix, x: torch.Tensor) -> torch.Tensor:
+def error_bound(matrix: QuantMatrix, x: torch.Tensor, bf16_weights: bool = False) -> torch.Tensor:
     """The bound above for x [rows, in] -> [rows, out], in float64."""
     d, m = matrix.d.double(), matrix.m.double()
     scale, zero = d.abs(), (m + 8 * d).abs()  # per group: [out, planes * in / 32]
@@ -44,8 +46,8 @@ def error_bound(matrix: QuantMatrix, x: torch.Tensor) -> torch.Tensor:
     k_terms = matrix.num_planes * matrix.shape[1]
     gamma = k_terms * EPS_FP32 / (1 - k_terms * EPS_FP32)
     ax = x.double().abs()
-    return 1.01 * (ax @ planes_sum(e_w_full).T
-                   + (2 * U_BF16 + gamma) * ax @ planes_sum(w_planes + e_w_full).T)
+    roundings = (3 if bf16_weights else 2) * U_BF16 + gamma
+    return 1.01 * (ax @ planes_sum(e_w_full).T + roundings * ax @ planes_sum(w_planes + e_w_full).T)
 
 
 def random_matrix(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> QuantMatrix:

@@ -1,0 +1,205 @@
+#!/usr/bin/env python
+"""The weight paths side by side from one run: fp32, q4 (4-bit weights, int4 kernels) and auto.
+
+Prints, with the load average (the machine is shared: figures are medians of several steps):
+  crossover   every layer's matmuls and the head at M rows on the dense kernel and the int4
+              kernel, and the crossover (most rows for which int4 won at every M up to there)
+              that `--weights auto` uses (workers/weight_paths.py records it);
+  decode      tokens/s at 1 / 8 / 32 / 64 sequences and prefill tokens/s, per path;
+  accuracy    perplexity of each path on tools/data/prose.txt (sliding windows, as
+              tools/perplexity.py), and greedy agreement of q4 and auto with fp32;
+  memory      bytes the weights take per path.
+
+    python tools/bench_quant.py [--model FILE.gguf] [--batches 1,8,32,64] [--skip-crossover]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from bench_engine import run_steps
+from justapi.sampling import SamplingParams
+from workers.engine import LLMEngine
+from workers.model import LlamaModel
+from workers.perplexity import perplexity
+from workers.quant_blocks import QuantMatrix
+from workers.quant_linear import DualLinear, Int4Linear
+
+PATHS = ("fp32", "q4", "auto")
+TEXT = Path(__file__).resolve().parent / "data" / "prose.txt"
+CROSSOVER_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
+           "The three primary colors are", "To make a cup of tea, first",
+           "In 1969, the first person to walk on the moon", "The best way to learn a language is",
+           "Water boils at"]
+
+
+def median_s(fn: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def crossover_table(model: LlamaModel, repeats: int) -> tuple[int, int]:
+    """Time the layers' matmuls and the head on both kernels at each M; print; return the
+    crossovers (q4 rows, q8 rows)."""
+    p = model.params
+    duals = [linear for layer in model.layers
+             for linear in (layer.qkv, layer.attn_out, layer.gate_up, layer.down)]
+    head = model.output
+    assert all(isinstance(d, DualLinear) for d in duals) and isinstance(head, DualLinear)
+    print(f"matmul time at M rows, median of {repeats} (all {p.num_layers} layers' 4 matmuls | "
+          f"the {p.vocab_size}x{p.hidden_size} head):")
+    print(f"{'rows':>5} | {'layers fp32':>11} {'layers int4':>11} {'int4/fp32':>9} | "
+          f"{'head fp32':>9} {'head int4':>9} {'int4/fp32':>9}")
+    wins: dict[str, list[tuple[int, bool]]] = {"layers": [], "head": []}
+    with torch.inference_mode():
+        for rows in CROSSOVER_ROWS:
+            inputs = [torch.randn(rows, d.in_features) for d in duals]
+            x_head = torch.randn(rows, p.hidden_size)
+            figures = [median_s(lambda: [getattr(d, kind)(x) for d, x in zip(duals, inputs)], repeats)
+                       for kind in ("dense", "quant")]
+            figures += [median_s(lambda: getattr(head, kind)(x_head), repeats) for kind in ("dense", "quant")]
+            dense_s, quant_s, head_dense_s, head_quant_s = figures
+            wins["layers"].append((rows, quant_s < dense_s))
+            wins["head"].append((rows, head_quant_s < head_dense_s))
+            print(f"{rows:>5} | {dense_s * 1e3:9.2f}ms {quant_s * 1e3:9.2f}ms {quant_s / dense_s:9.2f} | "
+                  f"{head_dense_s * 1e3:7.2f}ms {head_quant_s * 1e3:7.2f}ms {head_quant_s / head_dense_s:9.2f}")
+    return _crossover(wins["layers"]), _crossover(wins["head"])
+
+
+def _crossover(wins: list[tuple[int, bool]]) -> int:
+    """Most rows for which int4 won at every measured M up to there (0: never)."""
+    best = 0
+    for rows, won in wins:
+        if not won:
+            break
+        best = rows
+    return best
+
+
+def decode_rates(engine: LLMEngine, batches: list[int], steps: int, prompt_tokens: int) -> dict[int, float]:
+    rng = np.random.default_rng(0)
+    vocab = engine.model.params.vocab_size
+    rates = {}
+    for num_seqs in batches:
+        prompts = [rng.integers(0, vocab, prompt_tokens).tolist() for _ in range(num_seqs)]
+        _, times = run_steps(engine, prompts, steps)
+        rates[num_seqs] = num_seqs / statistics.median(times)
+    return rates
+
+
+def prefill_rate(engine: LLMEngine, num_tokens: int) -> float:
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, engine.model.params.vocab_size, num_tokens).tolist()
+    return num_tokens / statistics.median([run_steps(engine, [prompt], 1)[0] for _ in range(3)])
+
+
+def weight_bytes(model: LlamaModel) -> int:
+    """Bytes of every matrix the model keeps (both copies under auto) and the embedding."""
+    def linear_bytes(linear: object) -> int:
+        if isinstance(linear, DualLinear):
+            return linear_bytes(linear.dense) + linear_bytes(linear.quant)
+        if isinstance(linear, Int4Linear):
+            return linear.num_bytes
+        weight = linear.weight  # type: ignore[attr-defined]
+        return weight.numel() * weight.element_size()
+
+    linears = [model.output] + [lin for layer in model.layers
+                                for lin in (layer.qkv, layer.attn_out, layer.gate_up, layer.down)]
+    embd = model.token_embd
+    embd_bytes = embd.num_bytes if isinstance(embd, QuantMatrix) else embd.numel() * embd.element_size()
+    return sum(linear_bytes(lin) for lin in linears) + embd_bytes
+
+
+def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[float, int]:
+    """(mean fraction of tokens before the first difference, prompts identical throughout)."""
+    fractions, same = [], 0
+    for ref, out in zip(reference, other):
+        prefix = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+        fractions.append(prefix / max(len(ref), 1))
+        same += ref == out
+    return statistics.mean(fractions), same
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="", help="GGUF path (default SmolLM2-135M-Instruct)")
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per crossover point")
+    parser.add_argument("--n-ctx", type=int, default=512, help="perplexity window")
+    parser.add_argument("--greedy-tokens", type=int, default=48)
+    parser.add_argument("--skip-crossover", action="store_true")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"load average {os.getloadavg()[0]:.2f}; torch threads {torch.get_num_threads()}")
+    text = TEXT.read_text()
+    need = max(batches) * -(-(args.prompt_tokens + args.decode_steps + 1) // 16) + 64
+    rows: dict[str, dict[str, object]] = {}
+    greedy: dict[str, list[list[int]]] = {}
+    for path in PATHS:
+        start = time.perf_counter()
+        engine = LLMEngine(args.model, num_blocks=need, max_seqs=max(batches), progress=False,
+                           weights=path)
+        load_s = time.perf_counter() - start
+        if path == "auto" and not args.skip_crossover:
+            q4_rows, q8_rows = crossover_table(engine.model, args.repeats)
+            print(f"crossover: int4 wins up to {q4_rows} rows for Q4 matrices, {q8_rows} rows for the "
+                  f"Q8_0 head -> Crossover(q4_rows={q4_rows}, q8_rows={q8_rows})\n")
+        ids = engine.encode(text)
+        ppl = perplexity(engine, ids, args.n_ctx)
+        ppl_small = perplexity(engine, ids, args.n_ctx, chunk_rows=16) if path == "auto" else None
+        outputs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=args.greedy_tokens,
+                                                          ignore_eos=True))
+        greedy[path] = [o.token_ids for o in outputs]
+        rows[path] = dict(load_s=load_s, bytes=weight_bytes(engine.model), ppl=ppl, ppl_small=ppl_small,
+                          prefill=prefill_rate(engine, args.prefill_tokens),
+                          decode=decode_rates(engine, batches, args.decode_steps, args.prompt_tokens))
+        engine.close()
+        print(f"{path}: done (load average {os.getloadavg()[0]:.2f})")
+    report(rows, greedy, batches, len(ids), args)
+
+
+def report(rows: dict[str, dict[str, object]], greedy: dict[str, list[list[int]]],
+           batches: list[int], num_tokens: int, args: argparse.Namespace) -> None:
+    print(f"\n{'':34}" + "".join(f"{path:>12}" for path in PATHS))
+    print(f"{'load (s)':34}" + "".join(f"{rows[p]['load_s']:12.1f}" for p in PATHS))
+    print(f"{'weights (MiB)':34}" + "".join(f"{rows[p]['bytes'] / 2**20:12.0f}" for p in PATHS))
+    print(f"{f'prefill {args.prefill_tokens} tokens (tok/s)':34}"
+          + "".join(f"{rows[p]['prefill']:12.1f}" for p in PATHS))
+    for b in batches:
+        print(f"{f'decode {b} seqs (tok/s)':34}" + "".join(f"{rows[p]['decode'][b]:12.1f}" for p in PATHS))  # type: ignore[index]
+    base = rows["fp32"]["ppl"].perplexity  # type: ignore[attr-defined]
+    print(f"{'perplexity (windows in one step)':34}" + "".join(
+        f"{rows[p]['ppl'].perplexity:12.3f}" for p in PATHS))  # type: ignore[attr-defined]
+    print(f"{'  vs fp32':34}" + "".join(
+        f"{100 * (rows[p]['ppl'].perplexity / base - 1):+11.2f}%" for p in PATHS))  # type: ignore[attr-defined]
+    small = rows["auto"]["ppl_small"]
+    scored = rows["fp32"]["ppl"]
+    print(f"perplexity of auto in 16-token chunks (its int4 path): {small.perplexity:.3f} "  # type: ignore[attr-defined]
+          f"({100 * (small.perplexity / base - 1):+.2f}%); text {TEXT.name}: {num_tokens} tokens, "  # type: ignore[attr-defined]
+          f"n_ctx {args.n_ctx}, stride {args.n_ctx // 2}, {scored.num_scored} scored in "  # type: ignore[attr-defined]
+          f"{scored.num_windows} windows")  # type: ignore[attr-defined]
+    for path in ("q4", "auto"):
+        mean, same = greedy_agreement(greedy["fp32"], greedy[path])
+        print(f"greedy agreement {path} vs fp32 ({len(PROMPTS)} prompts x {args.greedy_tokens} tokens): "
+              f"{100 * mean:.1f}% of tokens before the first difference, {same} identical")
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
