@@ -17,7 +17,8 @@ PLACEMENTS = ("spread", "pack", "strict_spread", "strict_pack")
 
 
 def _number_in(value: object, low: float, high: float, key: str) -> None:
-    _require(isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high,
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    _require(is_number and low <= value <= high,  # type: ignore[operator]
              f"{key} must be a number in [{low:g}, {high:g}], got {value!r}")
 
 
@@ -41,7 +42,8 @@ class ClusterConfig:
     router imports a cached prefix from another host when this is below 1, never at 1 or above."""
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.address, str) and (not self.address or _is_host_port(self.address)),
+        _require(isinstance(self.address, str)
+                 and (not self.address or _is_host_port(self.address)),
                  f"address must be HOST:PORT (the Ray cluster), got {self.address!r}")
         _require(isinstance(self.node_ip, str) and (not self.node_ip or _is_ip(self.node_ip)),
                  f"node-ip must be an IP address, got {self.node_ip!r}")

@@ -4,12 +4,14 @@ A worker's process can only be checked in /proc and SIGKILLed from the host it r
 a worker on another host the scheduler relies on its heartbeats (a dead host's workers fall
 silent and are retired after `heartbeat-timeout-s`), and fencing one is an order to the
 launcher (FenceWorker), which has Ray kill its actor. Every row of the health table names
-its host; a host whose every worker is down is a warning of its own (its requests were
-re-queued on the others, or failed where nothing else can serve them).
+its host; a host whose every worker is down is a warning of its own, and so is its pool's
+having no healthy worker while another host serves (its requests were re-queued there): a
+lost host degrades the server, it does not take it out of a load balancer.
 Owns: the worker -> host table and the remote fence. Does not own: the rules (HealthWatch).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -51,15 +53,23 @@ class ClusterHealthWatch(HealthWatch):
         return True
 
     def snapshot(self, core: Any) -> HealthSnapshot:
+        """HealthWatch's, with each worker's host; a lost host (none of its workers healthy)
+        is a warning while another host serves (its pool's requests went elsewhere)."""
         snap = super().snapshot(core)
         for row in snap.workers:
             row["host"] = self.hosts.get(row["worker_id"], self.local_host)
-        down = [host for host, rows in _by_host(snap.workers).items()
-                if not any(row["healthy"] for row in rows)]
-        snap.warnings.extend(f"host {host or 'local'} lost: none of its "
-                             f"{len(_by_host(snap.workers)[host])} worker(s) is healthy"
-                             for host in down)
-        return snap
+        by_host = _by_host(snap.workers)
+        lost = [host for host, rows in by_host.items() if not any(row["healthy"] for row in rows)]
+        warnings = snap.warnings + [f"host {host or 'local'} lost: none of its "
+                                    f"{len(by_host[host])} worker(s) is healthy" for host in lost]
+        problems = snap.problems
+        if any(row["healthy"] for row in snap.workers):
+            lost_pools = {f"pool {row['pool_id']} has no healthy worker"
+                          for host in lost for row in by_host[host]}
+            warnings += [p for p in problems if p in lost_pools]
+            problems = [p for p in problems if p not in lost_pools]
+        return dataclasses.replace(snap, healthy=not problems, problems=problems,
+                                   warnings=warnings)
 
 
 def _by_host(rows: list[dict]) -> dict[str, list[dict]]:

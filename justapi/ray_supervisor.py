@@ -117,7 +117,8 @@ class RayWorkerSupervisor:
     def _down(self, slot: WorkerSlot, why: str, starting: bool) -> None:
         slot.state, slot.error = "down", why
         if starting:
-            raise WorkerStartError(f"worker {slot.index} on host {slot.host} failed to start: {why}")
+            raise WorkerStartError(f"worker {slot.index} on host {slot.host} failed to start: "
+                                   f"{why}")
         logger.error("worker %d on host %s is down for good (Ray will not restart it): %s",
                      slot.index, slot.host, why)
 

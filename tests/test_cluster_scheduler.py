@@ -35,8 +35,9 @@ def build(hosts: dict[int, str], workers: dict[int, int], cost: float = 0.2,
     topology = Topology(tuple(PoolSpec(p, 64) for p in sorted(hosts)),
                         tuple(WorkerSpec(w, p) for w, p in sorted(workers.items())))
     host_map = HostMap((info(p, h) for p, h in hosts.items()), cross_host_copy_cost=cost)
-    return ClusterScheduler(SchedulerConfig(**options), CacheConfig(block_size=BLOCK),  # type: ignore[arg-type]
-                            topology, ModelLimits(1024, (1,)), host_map)
+    config = SchedulerConfig(**options)  # type: ignore[arg-type]
+    return ClusterScheduler(config, CacheConfig(block_size=BLOCK), topology,
+                            ModelLimits(1024, (1,)), host_map)
 
 
 def two_hosts(cost: float = 0.2) -> Harness:

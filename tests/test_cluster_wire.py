@@ -265,6 +265,8 @@ def test_a_host_whose_workers_are_all_down_is_reported_lost():
     snap = watch.snapshot(h.scheduler)
     assert [row["host"] for row in snap.workers] == ["10.0.0.2", "10.0.0.3"]
     assert "host 10.0.0.3 lost: none of its 1 worker(s) is healthy" in snap.warnings
+    assert snap.healthy and snap.problems == []  # degraded: host 10.0.0.2 serves
+    assert "pool 1 has no healthy worker" in snap.warnings
     stats = SchedulerStats(time_s=0.0, healthy=snap.healthy, stats={}, workers=snap.workers,
                            problems=snap.problems, warnings=snap.warnings)
     details = _health_details(stats)
@@ -288,3 +290,15 @@ def test_cluster_keys_need_the_ray_launcher():
         build_config({"launcher": "ray", "placement": "anywhere"}, {})
     with pytest.raises(ConfigError, match="pd-separate-pools does not apply"):
         build_config({"launcher": "ray", "pd": "1:1", "pd-separate-pools": True}, {})
+
+
+def test_with_every_host_lost_the_server_is_unhealthy():
+    watch = ClusterHealthWatch(OpsConfig(), "10.0.0.1", lambda *a: None,
+                               gpu_opener=lambda indices: (None, "x"))
+    h = Harness(build_scheduler(pool_blocks=64, num_workers=1))
+    watch.on_ready(remote_ready(0, 11, "10.0.0.2"))
+    watch.monitor.mark_unhealthy(0, "no heartbeat for 1.6s")
+    h.kill(0)
+    snap = watch.snapshot(h.scheduler)
+    assert not snap.healthy and snap.problems == ["pool 0 has no healthy worker"]
+    assert "host 10.0.0.2 lost: none of its 1 worker(s) is healthy" in snap.warnings

@@ -4,8 +4,10 @@ through the veths, over tcp with CURVE: the openai client's greedy outputs equal
 single-host `--workers 2` run; traffic crosses the veths; /health and tools/status.py show
 the hosts; a connection with a key the launcher did not authorize is refused; a prefix cached
 on one host is copied to the other (KV over the wire) and not recomputed; a worker SIGKILLed
-mid-load loses no request and Ray restarts it; PD hands requests off between hosts by copy;
-nothing is left behind. Tiny synthetic model.
+mid-load loses no request and Ray restarts it; a host cut off the network mid-load loses no
+request, shows as lost (degraded), and its worker is fenced, restarted and taken back once it
+is reachable; PD hands requests off between hosts by copy; nothing is left behind. Tiny
+synthetic model.
 Needs root for `ip netns` (skips without it)."""
 from __future__ import annotations
 
@@ -230,6 +232,41 @@ def test_a_worker_killed_mid_load_loses_no_request_and_ray_restarts_it(served):
     with admin(pool) as connection:
         assert connection.check_invariants().ok
     assert status(pool).stats["kv_blocks_in_use"] == 0
+
+
+def test_a_host_cut_off_mid_load_loses_no_request_and_comes_back(served, lab):
+    pool, reference = served
+    victim = next(w for w in status(pool).workers if w["worker_id"] == 0)
+    host = next(h for h in lab.hosts if h.inside_ip == victim["host"])
+    with concurrent.futures.ThreadPoolExecutor(len(LOAD)) as executor:
+        futures = {p: executor.submit(greedy, pool, p, LOAD_TOKENS) for p in LOAD}
+        wait_for(lambda: status(pool).stats.get("worker_0_num_requests_running", 0) > 0,
+                 "worker 0 to run requests")
+        lab.set_link(host, is_up=False)
+        try:
+            outputs = {p: f.result(timeout=WAIT_S * 2)[0] for p, f in futures.items()}
+            body = wait_for(lambda: _degraded(pool, host.inside_ip), "/health to report the host")
+            table = subprocess.run([sys.executable, str(TOOLS_DIR / "status.py"), "--admin",
+                                    f"ipc://{pool.runtime_dir}/admin.sock"],
+                                   capture_output=True, text=True, timeout=60).stdout
+        finally:
+            lab.set_link(host, is_up=True)  # before Ray's own health checks give the node up
+    assert outputs == {p: reference[p] for p in LOAD}
+    assert {h["host"]: h["num_workers_healthy"] for h in body["hosts"]}[host.inside_ip] == 0
+    assert next(line for line in table.splitlines() if line.startswith(host.inside_ip)) \
+        .split()[-1] == "LOST"
+    wait_for(lambda: next((w for w in status(pool).workers if w["worker_id"] == 0
+                           and w["healthy"] and w["pid"] != victim["pid"]), None),
+             "the cut-off worker to be fenced, restarted by Ray and taken back", 120)
+    wait_for(lambda: httpx.get(f"{pool.base_url}/health", timeout=10).json()["status"] == "ok",
+             "/health to be ok again")
+    assert greedy(pool, PROMPTS[2])[0] == reference[PROMPTS[2]]
+
+
+def _degraded(pool: ServedPool, host: str) -> dict | None:
+    body = httpx.get(f"{pool.base_url}/health", timeout=10).json()
+    lost = f"host {host} lost: none of its 1 worker(s) is healthy"
+    return body if body["status"] == "degraded" and lost in body["warnings"] else None
 
 
 def test_pd_hands_off_between_hosts_by_copy(served, lab, tmp_path):

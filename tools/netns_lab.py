@@ -121,6 +121,10 @@ class NetnsLab:
             raise LabError(f"ray start failed ({namespace or 'head'}): "
                            f"{(result.stderr or result.stdout).strip()[-2000:]}")
 
+    def set_link(self, host: Host, is_up: bool) -> None:
+        """Cut a host off the network (or reconnect it): its veth pair goes down (up)."""
+        _ip("link", "set", host.outside, "up" if is_up else "down")
+
     def veth_bytes(self) -> int:
         """Bytes sent plus received on the machine's side of every host's veth."""
         total = 0

@@ -11,7 +11,8 @@ Owns: the import orders and the public API around them. Does not own: the pieces
 from __future__ import annotations
 
 from justapi.config import CacheConfig, SchedulerConfig
-from justapi.protocol import FINISH_ERROR, BlocksCopied, CopyBlocks, Ready, SubmitRequest, TokenDeltas
+from justapi.protocol import (FINISH_ERROR, BlocksCopied, CopyBlocks, Ready, SubmitRequest,
+                              TokenDeltas)
 from justapi.scheduler.cluster_router import CostAwareRouter
 from justapi.scheduler.deltas import DeltaBuilder
 from justapi.scheduler.hosts import HostMap
@@ -73,7 +74,7 @@ class ClusterScheduler(Scheduler):
 
     def tick(self, now_s: float) -> TokenDeltas | None:
         self.importer.now_s = float(now_s)
-        return None
+        return super().tick(now_s)
 
     def _lose_worker(self, worker: WorkerState, deltas: DeltaBuilder) -> None:
         lost = self.importer.copy_ids_of(worker.worker_id)

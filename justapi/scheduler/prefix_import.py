@@ -75,7 +75,8 @@ class PrefixImporter:
             self.state.handoffs.end_copy(handoff.copy_id)
             return None
         handoff.worker_id = worker.worker_id
-        self.pending[handoff.copy_id] = PendingImport(req, handoff, req.token_bytes(), req.cache_salt)
+        self.pending[handoff.copy_id] = PendingImport(req, handoff, req.token_bytes(),
+                                                      req.cache_salt)
         self.by_request[req.request_id] = handoff.copy_id
         order = self._order(handoff)
         counters = self.counters
