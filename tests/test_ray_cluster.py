@@ -32,7 +32,7 @@ from justapi.worker_auth import SERVER_KEY_FILE, read_key_file
 
 TOOLS_DIR = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS_DIR))
-from netns_lab import NetnsLab, _processes, netns_available  # noqa: E402
+from netns_lab import NetnsLab, netns_available, process_tree, processes  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -90,8 +90,9 @@ def kv_segments() -> set[str]:
 
 def actor_processes(lab: NetnsLab) -> list[int]:
     """Our actors' processes still alive in the lab (Ray names them ray::<Class>...)."""
-    return [pid for pid, (_, cmd) in _processes().items()
-            if cmd.startswith(("ray::WorkerActor", "ray::HostPoolActor"))]
+    table = processes()
+    return [pid for pid in process_tree(lab.temp_dir) if pid in table
+            and table[pid][1].startswith(("ray::WorkerActor", "ray::HostPoolActor"))]
 
 
 @pytest.fixture(scope="module")

@@ -149,13 +149,7 @@ class NetnsLab:
 def kill_tree(marker: str, grace_s: float = 3.0) -> list[int]:
     """SIGTERM, then SIGKILL, every process whose command line holds `marker`, and their
     descendants (Ray's workers are the raylets' children). Returns the pids."""
-    table = _processes()
-    pids = {pid for pid, (_, cmd) in table.items() if marker in cmd and pid != os.getpid()}
-    while True:
-        more = {pid for pid, (ppid, _) in table.items() if ppid in pids} - pids
-        if not more:
-            break
-        pids |= more
+    pids = process_tree(marker)
     for signum in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -169,7 +163,19 @@ def kill_tree(marker: str, grace_s: float = 3.0) -> list[int]:
     return sorted(pids)
 
 
-def _processes() -> dict[int, tuple[int, str]]:
+def process_tree(marker: str) -> set[int]:
+    """Processes whose command line holds `marker`, and all their descendants."""
+    table = processes()
+    pids = {pid for pid, (_, cmd) in table.items() if marker in cmd and pid != os.getpid()}
+    while True:
+        more = {pid for pid, (ppid, _) in table.items() if ppid in pids} - pids
+        if not more:
+            return pids
+        pids |= more
+
+
+def processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process."""
     out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
