@@ -72,9 +72,9 @@ class Verifier:
                  if it.params.is_greedy or it.params.seed is not None]
         for i, verified in zip(exact, self._verify_exact([items[i] for i in exact])):
             out[i] = verified
-        for i, item in enumerate(items):
-            if out[i] is None:
-                out[i] = self._verify_sampled(item)
+        sampled = [i for i in range(len(items)) if out[i] is None]
+        for i, probs in zip(sampled, _target_probs([items[i] for i in sampled])):
+            out[i] = self._verify_sampled(items[i], probs)
         return [v for v in out if v is not None]
 
     # ------------------------------------------------------------------ greedy / seeded
@@ -91,10 +91,8 @@ class Verifier:
         return out
 
     # ------------------------------------------------------------------ sampled
-    def _verify_sampled(self, item: VerifyInput) -> Verified:
-        rows = _rows(item, wants_logprobs=False)
-        probs = filtered_probs(apply_penalties(item.logits.float(), rows),
-                               [item.params] * len(rows))  # [1 + drafts, vocab]
+    def _verify_sampled(self, item: VerifyInput, probs: torch.Tensor) -> Verified:
+        """probs [1 + drafts, vocab]: the target distribution at each row."""
         children = _children(item.parents)
         node, emitted, nodes, used_rows = -1, [], [], []
         while True:
@@ -138,6 +136,16 @@ class Verifier:
             if float(p.sum()) <= RESIDUAL_EPS:  # numerically exhausted: nothing left to reject
                 break
         return None
+
+
+def _target_probs(items: list[VerifyInput]) -> list[torch.Tensor]:
+    """Every row's target distribution, computed for all items at once (one softmax)."""
+    if not items:
+        return []
+    rows = [row for item in items for row in _rows(item, wants_logprobs=False)]
+    logits = torch.cat([item.logits for item in items]).float()
+    probs = filtered_probs(apply_penalties(logits, rows), [row.params for row in rows])
+    return list(torch.split(probs, [1 + len(item.tokens) for item in items]))
 
 
 def _children(parents: list[int]) -> dict[int, list[int]]:

@@ -36,7 +36,7 @@ def build_scheduler(config: ServeConfig, readies: Sequence[Ready], extra: dict[s
         hosts = HostMap((r.pool for r in readies), config.cluster.cross_host_copy_cost)
         return ClusterScheduler(config.scheduler, config.cache, topology, limits, hosts)
     if not pd.is_enabled:
-        return Scheduler(config.scheduler, config.cache, topology, limits)
+        return Scheduler(config.scheduler, config.cache, topology, limits, config.speculative)
     core = PdScheduler(config.scheduler, config.cache, topology, limits, pd.pd_lease_s)
     for ready in readies:
         core.set_pool_info(ready.pool)

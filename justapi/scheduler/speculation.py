@@ -66,7 +66,7 @@ class Speculation:
         self.ngram = (NgramProposer(config.spec_ngram_min, config.spec_ngram_max)
                       if config.spec == "ngram" else None)
         self.tracker = AcceptanceTracker()
-        self.counters = SpecCounters()
+        self.counters = SpecCounters(accepted_per_pos=[0] * config.depth)
 
     @property
     def uses_draft_model(self) -> bool:
@@ -140,7 +140,7 @@ class Speculation:
         counters.num_drafts += 1
         counters.num_draft_tokens += num_drafts
         counters.num_accepted_tokens += num_accepted
-        for position in range(min(num_accepted, MAX_GAMMA)):
+        for position in range(min(num_accepted, len(counters.accepted_per_pos))):
             counters.accepted_per_pos[position] += 1
         self.tracker.observe(req.spec_acceptance, num_accepted, depth)
 
