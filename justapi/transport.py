@@ -46,12 +46,14 @@ def is_loopback_endpoint(endpoint: str) -> bool:
 
 def make_socket(context: zmq.Context, kind: int, endpoint: str, *, bind: bool,
                 identity: bytes | None = None, curve_secret_key: bytes | None = None,
-                curve_server_key: bytes | None = None) -> zmq.Socket:
+                curve_server_key: bytes | None = None,
+                socket_class: type[zmq.Socket] | None = None) -> zmq.Socket:
     """A socket with sane defaults: no linger on close, bounded inbound message size.
 
     CURVE (remote tcp:// clients): a server passes its secret key (z85); a client passes
-    the server's public key (and its own secret key, or a fresh pair is made)."""
-    sock = context.socket(kind)
+    the server's public key (and its own secret key, or a fresh pair is made).
+    socket_class: a zmq.Socket subclass (justapi/worker_auth.py checks senders' keys)."""
+    sock = context.socket(kind, socket_class=socket_class)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     if identity is not None:

@@ -7,7 +7,8 @@ the same host; the public key goes to the workers), and each worker makes its ow
 it runs and hands out only the public key, which the launcher writes to the authorized-keys
 file. The scheduler's ZAP handler (pyzmq's ThreadAuthenticator) checks every new connection
 against that file (re-read when it changes): an unknown key is refused, and logged, before
-any message of it is read. The same protocol as ipc travels inside: codec frames, no pickle.
+any message of it is read; an admitted key speaks only for the worker it was admitted as.
+The same protocol as ipc travels inside: codec frames, no pickle.
 Owns: the key files, the authenticator, both ends' socket set-up. Does not own: messages.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Any
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -95,6 +97,33 @@ class WorkerKeyCheck:
             self._keys, self._stamp = read_authorized_keys(self.path), stamp
 
 
+class WorkerRouter(zmq.Socket):
+    """The scheduler's worker ROUTER: a message counts only when its routing identity
+    (`worker-N`, or `worker-N-heartbeat`) is the name the sender's CURVE key was admitted as
+    (its ZAP User-Id); others are dropped and logged, so one admitted worker cannot speak
+    for another."""
+
+    def recv_multipart(self, flags: int = 0, copy: bool = True, track: bool = False) -> Any:
+        while True:
+            frames = super().recv_multipart(flags, copy=False, track=track)
+            if _is_own(frames):
+                return frames if not copy else [frame.bytes for frame in frames]
+
+
+def _is_own(frames: list[zmq.Frame]) -> bool:
+    if len(frames) < 2:
+        return True  # malformed: the codec drops it
+    identity = frames[0].bytes.decode(errors="replace").removesuffix("-heartbeat")
+    try:
+        user = frames[1].get("User-Id")
+    except zmq.ZMQError:
+        user = None
+    if user == identity:
+        return True
+    logger.warning("dropped a message from %r: its CURVE key was admitted as %r", identity, user)
+    return False
+
+
 class WorkerAuthenticator(ThreadAuthenticator):
     """ZAP in a thread of the scheduler process; a connection's User-Id is its worker's name."""
 
@@ -117,7 +146,7 @@ def bind_worker_socket(context: zmq.Context, endpoint: str, secret_key: bytes,
     auth.configure_curve_callback("*", credentials_provider=check)
     try:
         sock = transport.make_socket(context, zmq.ROUTER, endpoint, bind=True,
-                                     curve_secret_key=secret_key)
+                                     curve_secret_key=secret_key, socket_class=WorkerRouter)
     except BaseException:
         auth.stop()
         raise

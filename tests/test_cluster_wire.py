@@ -69,6 +69,25 @@ def test_an_authorized_worker_gets_in_under_its_name(endpoint):
     client.close(0)
 
 
+def test_an_admitted_key_speaks_only_for_its_own_worker(endpoint, caplog):
+    context, server, address, server_public, keys = endpoint
+    public, secret = zmq.curve_keypair()
+    write_authorized_keys(keys, {"worker-3": public})
+    impostor = connect_worker_socket(context, address, b"worker-4", secret, server_public)
+    beats = connect_worker_socket(context, address, b"worker-3-heartbeat", secret, server_public)
+    with caplog.at_level(logging.WARNING, logger="justapi.worker_auth"):
+        transport.send(impostor, Heartbeat(4, 1.0))
+        time.sleep(0.5)
+        transport.send(beats, Heartbeat(3, 2.0))
+        frames = received(server)
+    assert bytes(frames[0].buffer) == b"worker-3-heartbeat"  # worker-4's message was dropped
+    assert codec.decode(frames[1:]).time_s == 2.0 and received(server, 300) == []
+    assert "dropped a message from 'worker-4': its CURVE key was admitted as 'worker-3'" \
+        in caplog.text
+    impostor.close(0)
+    beats.close(0)
+
+
 def test_an_unknown_key_is_refused_and_logged(endpoint, caplog):
     context, server, address, server_public, keys = endpoint
     public, secret = zmq.curve_keypair()

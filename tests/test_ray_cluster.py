@@ -137,8 +137,9 @@ def served(lab, state_dir, tmp_path_factory):
     yield pool, reference
     assert pool.stop(signal.SIGTERM) == 0, pool.log()
     assert pool.leftovers() == [], pool.log()
-    wait_for(lambda: not actor_processes(lab), "the actors to exit", 30)
-    assert kv_segments() - segments_before == set(), "a host's KV segment was left behind"
+    wait_for(lambda: not actor_processes(lab), f"the actors to exit:\n{pool.log()[-3000:]}", 60)
+    wait_for(lambda: kv_segments() <= segments_before,  # (a killed owner's tracker unlinks)
+             f"the hosts' KV segments to go: {kv_segments() - segments_before}", 30)
 
 
 def test_outputs_equal_the_single_host_run_over_the_veths(served, lab):
