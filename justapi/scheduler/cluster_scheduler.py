@@ -21,6 +21,7 @@ from justapi.scheduler.request import Request
 from justapi.scheduler.scheduler import NOT_A_STEP, Scheduler, WorkerOrder
 from justapi.scheduler.topology import ModelLimits, Topology
 from justapi.scheduler.worker_state import WorkerState
+from justapi.spec_config import SpecConfig
 
 
 class ClusterScheduler(Scheduler):
@@ -29,8 +30,8 @@ class ClusterScheduler(Scheduler):
     router: CostAwareRouter
 
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, topology: Topology,
-                 limits: ModelLimits, hosts: HostMap) -> None:
-        super().__init__(config, cache, topology, limits)
+                 limits: ModelLimits, hosts: HostMap, spec: SpecConfig | None = None) -> None:
+        super().__init__(config, cache, topology, limits, spec)
         self.hosts = hosts
         self.router = CostAwareRouter(self.state, hosts)
         self.importer = PrefixImporter(self.state, hosts)

@@ -34,7 +34,8 @@ def build_scheduler(config: ServeConfig, readies: Sequence[Ready], extra: dict[s
     limits = limits_of(config, readies, extra)
     if not pd.is_enabled and config.server.launcher == "ray":
         hosts = HostMap((r.pool for r in readies), config.cluster.cross_host_copy_cost)
-        return ClusterScheduler(config.scheduler, config.cache, topology, limits, hosts)
+        return ClusterScheduler(config.scheduler, config.cache, topology, limits, hosts,
+                                config.speculative)
     if not pd.is_enabled:
         return Scheduler(config.scheduler, config.cache, topology, limits, config.speculative)
     core = PdScheduler(config.scheduler, config.cache, topology, limits, pd.pd_lease_s)
