@@ -83,8 +83,9 @@ class RayWorkerSupervisor:
         except exceptions.RayActorError:  # between processes: Ray is restarting it
             self._lost(slot, starting)
         except exceptions.RayTaskError as exc:  # start() raised: it cannot run there
-            self._down(slot, _first_line(exc.cause if exc.cause else exc), starting)
+            cause = exc.cause if exc.cause is not None else exc
             self._ray.kill(slot.actor, no_restart=True)
+            self._down(slot, f"{type(cause).__name__}: {_first_line(cause)}", starting)
         else:
             self._on_value(slot, value)
 
