@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -321,3 +323,14 @@ def test_with_every_host_lost_the_server_is_unhealthy():
     snap = watch.snapshot(h.scheduler)
     assert not snap.healthy and snap.problems == ["pool 0 has no healthy worker"]
     assert "host 10.0.0.2 lost: none of its 1 worker(s) is healthy" in snap.warnings
+
+
+def test_the_control_plane_imports_neither_torch_nor_ray():
+    """Ray is an optional extra (imported when the ray launcher runs), torch the data plane's."""
+    code = ("import sys, justapi.serve_cli, justapi.ray_launcher, justapi.ray_actors, "
+            "justapi.cluster_process, justapi.scheduler.factory; "
+            "found = [m for m in ('torch', 'ray', 'workers') if m in sys.modules]; "
+            "assert not found, found")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
