@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from justapi import codec, transport
 from justapi.cluster_health import ClusterHealthWatch
 from justapi.config import ConfigError
 from justapi.frontend.api_server import _health_details
+from justapi.frontend.metrics import FrontendMetrics
 from justapi.kv_relay import KvRelay, needs_relay
 from justapi.ops_config import OpsConfig
 from justapi.protocol import BlockData, CopyBlocks, Heartbeat, PoolInfo, Ready, SchedulerStats
@@ -334,3 +336,19 @@ def test_the_control_plane_imports_neither_torch_nor_ray():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_hosts_and_imports_are_on_metrics():
+    rows = [{"worker_id": 0, "pool_id": 0, "healthy": True, "host": "10.0.0.2"},
+            {"worker_id": 1, "pool_id": 1, "healthy": False, "host": "10.0.0.3"}]
+    snapshot = SchedulerStats(time_s=0.0, healthy=True, workers=rows,
+                              stats={"kv_imports": 3, "kv_import_bytes": 4096, "num_hosts": 2})
+    text = FrontendMetrics("m", lambda: snapshot).render().decode()
+    found = {(s.name, s.labels.get("host", "")): s.value
+             for family in text_string_to_metric_families(text) for s in family.samples}
+    assert found[("justapi:kv_imports_total", "")] == 3
+    assert found[("justapi:kv_import_bytes_total", "")] == 4096
+    assert found[("justapi:num_hosts", "")] == 2
+    assert found[("justapi:host_workers_healthy", "10.0.0.2")] == 1
+    assert found[("justapi:host_workers_healthy", "10.0.0.3")] == 0
+    assert found[("justapi:host_workers", "10.0.0.3")] == 1

@@ -97,6 +97,18 @@ SPEC_METRICS = (
     StatMetric(PREFIX + "spec_decode_draft_acceptance_rate", "Accepted / verified draft tokens.",
                "spec_decode_draft_acceptance_rate"),
 )
+# Workers on several hosts (--launcher ray; justapi/scheduler/cluster_scheduler.py).
+CLUSTER_METRICS = (
+    StatMetric(PREFIX + "kv_imports", "Cached prefixes copied in from another host's pool "
+               "instead of recomputed.", "kv_imports", is_counter=True),
+    StatMetric(PREFIX + "kv_import_bytes", "KV bytes of prefix imports.", "kv_import_bytes",
+               is_counter=True),
+    StatMetric(PREFIX + "kv_import_failures", "Prefix imports that failed (recomputed).",
+               "kv_import_failures", is_counter=True),
+    StatMetric(PREFIX + "kv_imports_in_flight", "Prefix imports ordered, not acknowledged.",
+               "kv_imports_in_flight"),
+    StatMetric(PREFIX + "num_hosts", "Hosts with a KV pool.", "num_hosts"),
+)
 SPEC_PER_POS = "spec_decode_num_accepted_tokens_per_pos"
 SPEC_POS_KEY = "spec_decode_num_accepted_tokens_pos_"
 PD_SIDES = ("prefill", "decode")
@@ -155,7 +167,7 @@ class SchedulerStatsCollector(Collector):
         self._model_name = model_name
         self._source = source
         self._totals = {m.name: MonotonicTotal() for m in SCHEDULER_METRICS + PD_METRICS
-                        + SPEC_METRICS if m.is_counter}
+                        + SPEC_METRICS + CLUSTER_METRICS if m.is_counter}
         self._position_totals: dict[str, MonotonicTotal] = {}
 
     def collect(self) -> Iterator[Metric]:
@@ -170,11 +182,12 @@ class SchedulerStatsCollector(Collector):
         yield from self._scheduler_figures(snapshot.stats)
         yield from self._worker_figures(snapshot)
         yield from self._health_figures(snapshot)
+        yield from self._host_figures(snapshot)
         yield from self._pd_figures(snapshot.stats)
         yield from self._spec_figures(snapshot.stats)
 
     def _scheduler_figures(self, stats: dict) -> Iterator[Metric]:
-        for spec in SCHEDULER_METRICS + PD_METRICS + SPEC_METRICS:
+        for spec in SCHEDULER_METRICS + PD_METRICS + SPEC_METRICS + CLUSTER_METRICS:
             value = _number(stats.get(spec.stat_key))
             if value is None:
                 continue
@@ -225,6 +238,24 @@ class SchedulerStatsCollector(Collector):
             if family.samples:
                 yield family
 
+
+    def _host_figures(self, snapshot: SchedulerStats) -> Iterator[Metric]:
+        """--launcher ray: workers and healthy workers per host (label `host`)."""
+        rows = [w for w in snapshot.workers if isinstance(w, dict) and w.get("host")]
+        if not rows:
+            return
+        total = GaugeMetricFamily(PREFIX + "host_workers", "Workers placed on a host.",
+                                  labels=["model_name", "host"])
+        healthy = GaugeMetricFamily(PREFIX + "host_workers_healthy",
+                                    "Healthy workers on a host (0: the host is lost).",
+                                    labels=["model_name", "host"])
+        for host in sorted({str(w["host"]) for w in rows}):
+            mine = [w for w in rows if w["host"] == host]
+            total.add_metric([self._model_name, host], float(len(mine)))
+            healthy.add_metric([self._model_name, host], float(sum(bool(w.get("healthy"))
+                                                                   for w in mine)))
+        yield total
+        yield healthy
 
     def _pd_figures(self, stats: dict) -> Iterator[Metric]:
         """Per PD side gauges, and the hand-off latency histogram (`<name>_bucket:<le>`
