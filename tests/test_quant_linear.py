@@ -120,6 +120,8 @@ def test_weight_paths_make_the_linear_of_each_mode():
     assert isinstance(WeightPaths("q4")(torch.zeros(16, 64)), Linear)  # a dense type stays dense
     auto = WeightPaths("auto", crossover=crossover)
     assert auto(q4).max_quant_rows == 8 and auto(q8).max_quant_rows == 2
+    never = WeightPaths("auto", crossover=Crossover(q4_rows=0, q8_rows=4))
+    assert isinstance(never(q4), Linear) and isinstance(never(q8), DualLinear)  # no int4 copy kept
     with pytest.raises(ValueError, match="weights must be one of .* got 'int4'"):
         WeightPaths("int4")
 

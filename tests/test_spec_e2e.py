@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -34,6 +35,19 @@ def completions(pool: ServedPool, **params: object) -> list[str]:
 
 
 def spec_metrics(pool: ServedPool) -> dict[str, float]:
+    """The spec_decode figures once they hold still: the scheduler pushes its statistics to the
+    frontend every half second, so a read right after a reply may miss the last steps."""
+    last: dict[str, float] | None = None
+    deadline = time.monotonic() + 30
+    while True:
+        now = _spec_metrics_once(pool)
+        if now == last or time.monotonic() > deadline:
+            return now
+        last = now
+        time.sleep(1.0)  # two STATS_INTERVAL_S: a push lands between equal reads
+
+
+def _spec_metrics_once(pool: ServedPool) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(httpx.get(f"{pool.base_url}/metrics").text):
         for sample in family.samples:

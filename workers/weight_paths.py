@@ -38,13 +38,16 @@ class Crossover:
     """Q8_0 matrices (two 4-bit planes: twice the kernel work; the default model's tied head)."""
 
     def max_quant_rows(self, num_planes: int) -> int:
+        """0: the dense kernel at every size (auto then keeps no 4-bit copy)."""
         return self.q4_rows if num_planes == 1 else self.q8_rows
 
 
 CPU_CROSSOVER = Crossover(q4_rows=48, q8_rows=24)
 """2-core AMD EPYC (Zen 3, AVX2), torch 2.13, SmolLM2-135M: see docs/quantization.md."""
-CUDA_CROSSOVER = Crossover(q4_rows=16, q8_rows=16)
-"""NVIDIA H200, torch's tinygemm vs cuBLAS bf16, SmolLM2-135M: see docs/quantization.md."""
+CUDA_CROSSOVER = Crossover(q4_rows=0, q8_rows=0)
+"""NVIDIA H200, tinygemm vs cuBLAS bf16, SmolLM2's shapes: int4 never won (its steps are
+launch-bound below ~128 rows, and slower above): auto on CUDA computes dense, q4 saves memory.
+See docs/quantization.md."""
 
 
 def default_crossover(device: torch.device) -> Crossover:
@@ -74,10 +77,13 @@ class WeightPaths:
     def __call__(self, weight: Matrix) -> LinearLike:
         if isinstance(weight, torch.Tensor) or self.mode == "fp32":
             return Linear(weight)
+        max_quant_rows = self.crossover.max_quant_rows(weight.num_planes)
+        if self.mode == "auto" and max_quant_rows == 0:  # the int4 kernel never wins here
+            return Linear(weight)
         quant = Int4Linear(weight, self.device)
         if self.mode == "q4":
             return quant
-        return DualLinear(Linear(weight), quant, self.crossover.max_quant_rows(weight.num_planes))
+        return DualLinear(Linear(weight), quant, max_quant_rows)
 
 
 def load_model(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.float32,

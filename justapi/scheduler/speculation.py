@@ -92,6 +92,8 @@ class Speculation:
     def _levels(self, decodes: Sequence[Request], num_other_rows: int) -> list[int]:
         full = len(self.level_costs)
         if not self.config.spec_adaptive:
+            self.counters.num_budget_levels += full * len(decodes)
+            self.counters.num_budget_decodes += len(decodes)
             return [full] * len(decodes)
         alphas = [self.tracker.alpha(req.spec_acceptance) for req in decodes]
         levels = draft_levels(alphas, self.level_costs, num_other_rows,
