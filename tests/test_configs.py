@@ -1,5 +1,5 @@
-"""Every TOML in configs/ loads into a valid ServeConfig (keys from later issues skip with the
-reason), and config files with an unknown key or a bad value are refused naming the key."""
+"""Every TOML in configs/ loads into a valid ServeConfig, and config files with an unknown key
+or a bad value are refused naming the key."""
 from __future__ import annotations
 
 import re
@@ -11,22 +11,10 @@ from justapi.config import ConfigError
 from justapi.serve_config import build_config, load_toml
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.toml"))
-# Keys that belong to features of later issues: their configs wait for the key to exist.
-LATER_KEYS = {"spec": "speculative decoding", "draft-model": "speculative decoding",
-              "gamma": "speculative decoding", "branch": "speculative decoding",
-              "pd": "prefill/decode disaggregation"}
 
 
 def load(path: Path):
-    values = load_toml(str(path))
-    try:
-        return build_config(values, {})
-    except ConfigError as exc:
-        missing = [k for k in values if f"unknown config key {k!r}" == str(exc)]
-        if missing and missing[0] in LATER_KEYS:
-            pytest.skip(f"{path.name} uses key {missing[0]!r}, which justapi/serve_config.py does "
-                        f"not define yet ({LATER_KEYS[missing[0]]} comes with a later issue)")
-        raise
+    return build_config(load_toml(str(path)), {})
 
 
 def test_there_is_a_config_for_each_way_to_run():
@@ -50,6 +38,14 @@ def test_what_each_config_sets():
     assert workers.server.workers == 2 and workers.ops.restart_workers
     gpu = load(by_name["gpu"])
     assert gpu.model.device == "cuda" and gpu.cache.pool_blocks > 0 and gpu.ops.restart_workers
+
+
+def test_spec_configs_turn_speculation_on():
+    by_name = {p.stem: p for p in CONFIGS}
+    ngram = load(by_name["spec-ngram"]).speculative
+    assert ngram.spec == "ngram" and ngram.gamma == 4
+    draft = load(by_name["spec-draft"]).speculative
+    assert draft.spec == "draft" and draft.draft_model == "models/draft.gguf" and draft.gamma == 4
 
 
 def test_pd_config_sets_one_prefill_and_one_decode_worker():
