@@ -11,6 +11,7 @@ Prints, with the load average (the machine is shared: figures are medians of sev
   memory      bytes the weights take per path.
 
     python tools/bench_quant.py [--model FILE.gguf] [--batches 1,8,32,64] [--skip-crossover]
+    python tools/bench_quant.py --crossover-only [--repeats 15]
 """
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ import numpy as np
 import torch
 
 from bench_engine import run_steps
+from justapi.gguf_file import GGUFFile
 from justapi.sampling import SamplingParams
-from workers.engine import LLMEngine
+from workers.engine import LLMEngine, resolve_model
 from workers.model import LlamaModel
 from workers.perplexity import perplexity
 from workers.quant_blocks import QuantMatrix
 from workers.quant_linear import DualLinear, Int4Linear
+from workers.weight_paths import CPU_CROSSOVER, Crossover, load_model
 
 PATHS = ("fp32", "q4", "auto")
 TEXT = Path(__file__).resolve().parent / "data" / "prose.txt"
@@ -41,18 +44,26 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
            "Water boils at"]
 
 
-def median_s(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def paired_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Median seconds of each function, timed in turns (one call of each per round, after an
+    untimed round: oneDNN builds a new shape's primitive on its first call), so that load from
+    other processes falls on all of them alike."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, bucket in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            bucket.append(time.perf_counter() - start)
+    return [statistics.median(bucket) for bucket in times]
 
 
-def crossover_table(model: LlamaModel, repeats: int) -> tuple[int, int]:
+def crossover_table(model_path: str, repeats: int) -> tuple[int, int]:
     """Time the layers' matmuls and the head on both kernels at each M; print; return the
     crossovers (q4 rows, q8 rows)."""
+    both = Crossover(q4_rows=1, q8_rows=1)  # any rows > 0: every quantized matrix keeps both copies
+    model = load_model(GGUFFile(resolve_model(model_path)), weights="auto", progress=False, crossover=both)
     p = model.params
     duals = [linear for layer in model.layers
              for linear in (layer.qkv, layer.attn_out, layer.gate_up, layer.down)]
@@ -67,10 +78,10 @@ def crossover_table(model: LlamaModel, repeats: int) -> tuple[int, int]:
         for rows in CROSSOVER_ROWS:
             inputs = [torch.randn(rows, d.in_features) for d in duals]
             x_head = torch.randn(rows, p.hidden_size)
-            figures = [median_s(lambda: [getattr(d, kind)(x) for d, x in zip(duals, inputs)], repeats)
-                       for kind in ("dense", "quant")]
-            figures += [median_s(lambda: getattr(head, kind)(x_head), repeats) for kind in ("dense", "quant")]
-            dense_s, quant_s, head_dense_s, head_quant_s = figures
+            dense_s, quant_s, head_dense_s, head_quant_s = paired_medians([
+                lambda: [d.dense(x) for d, x in zip(duals, inputs)],
+                lambda: [d.quant(x) for d, x in zip(duals, inputs)],
+                lambda: head.dense(x_head), lambda: head.quant(x_head)], repeats)
             wins["layers"].append((rows, quant_s < dense_s))
             wins["head"].append((rows, head_quant_s < head_dense_s))
             print(f"{rows:>5} | {dense_s * 1e3:9.2f}ms {quant_s * 1e3:9.2f}ms {quant_s / dense_s:9.2f} | "
@@ -143,10 +154,18 @@ def main() -> None:
     parser.add_argument("--n-ctx", type=int, default=512, help="perplexity window")
     parser.add_argument("--greedy-tokens", type=int, default=48)
     parser.add_argument("--skip-crossover", action="store_true")
+    parser.add_argument("--crossover-only", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"load average {os.getloadavg()[0]:.2f}; torch threads {torch.get_num_threads()}")
+    if not args.skip_crossover:
+        q4_rows, q8_rows = crossover_table(args.model, args.repeats)
+        print(f"crossover: int4 won up to {q4_rows} rows for Q4 matrices, {q8_rows} rows for Q8_0 "
+              f"-> Crossover(q4_rows={q4_rows}, q8_rows={q8_rows}); recorded: {CPU_CROSSOVER}; "
+              f"load average {os.getloadavg()[0]:.2f}\n")
+    if args.crossover_only:
+        return
     text = TEXT.read_text()
     need = max(batches) * -(-(args.prompt_tokens + args.decode_steps + 1) // 16) + 64
     rows: dict[str, dict[str, object]] = {}
@@ -156,10 +175,6 @@ def main() -> None:
         engine = LLMEngine(args.model, num_blocks=need, max_seqs=max(batches), progress=False,
                            weights=path)
         load_s = time.perf_counter() - start
-        if path == "auto" and not args.skip_crossover:
-            q4_rows, q8_rows = crossover_table(engine.model, args.repeats)
-            print(f"crossover: int4 wins up to {q4_rows} rows for Q4 matrices, {q8_rows} rows for the "
-                  f"Q8_0 head -> Crossover(q4_rows={q4_rows}, q8_rows={q8_rows})\n")
         ids = engine.encode(text)
         ppl = perplexity(engine, ids, args.n_ctx)
         ppl_small = perplexity(engine, ids, args.n_ctx, chunk_rows=16) if path == "auto" else None

@@ -42,8 +42,10 @@ class Crossover:
         return self.q4_rows if num_planes == 1 else self.q8_rows
 
 
-CPU_CROSSOVER = Crossover(q4_rows=48, q8_rows=24)
-"""2-core AMD EPYC (Zen 3, AVX2), torch 2.13, SmolLM2-135M: see docs/quantization.md."""
+CPU_CROSSOVER = Crossover(q4_rows=24, q8_rows=4)
+"""2-core x86-64 (AVX2, no hardware bf16), torch 2.13, SmolLM2-135M, paired timings of both
+kernels (tools/bench_quant.py --crossover-only, twice): the layers' int4 matmuls win up to 16-24
+rows, the Q8_0 head's (two planes) up to 4. See docs/quantization.md."""
 CUDA_CROSSOVER = Crossover(q4_rows=0, q8_rows=0)
 """NVIDIA H200, tinygemm vs cuBLAS bf16, SmolLM2's shapes: int4 never won (its steps are
 launch-bound below ~128 rows, and slower above): auto on CUDA computes dense, q4 saves memory.
