@@ -124,18 +124,23 @@ class Launcher:
                                            if c.role == "scheduler"), 0)
         spec = ChildSpec(role=role, index=index, config=self.config, endpoints=self.endpoints,
                          model_path=self.model.path, pool=pool, extra=extra)
+        process = subprocess.Popen([sys.executable, "-m", self.role_modules[role], spec.to_json()],
+                                   env=self.child_env(role), stdin=subprocess.DEVNULL,
+                                   start_new_session=True)
+        self.children.append(Child(role, index, process))
+
+    def child_env(self, role: str) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        if role == "worker" and self.config.pd.is_enabled:
-            # PD on CPU gives prefill workers every core and decode workers a thread more: an
-            # OpenMP thread that loses its core must sleep at barriers, not spin its peers out.
+        if role == "worker" and self.config.model.device == "cpu":
+            # A CPU worker's OpenMP threads share the cores with the frontend, the scheduler
+            # and other workers: a thread that waits at a barrier must sleep, not spin the
+            # others out (tiny model, 64 streams: 4421 -> 7650 tok/s through HTTP).
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env.pop(API_KEY_ENV, None)
         if role == "frontend" and self._api_key:  # only the frontend checks the HTTP API key
             env[API_KEY_ENV] = self._api_key
-        process = subprocess.Popen([sys.executable, "-m", self.role_modules[role], spec.to_json()],
-                                   env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-        self.children.append(Child(role, index, process))
+        return env
 
     def extra_for(self, role: str) -> dict[str, Any]:
         """What a role's ChildSpec.extra carries beyond the worker count (nothing here)."""

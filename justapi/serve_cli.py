@@ -30,6 +30,8 @@ def _flags(fn: Any) -> Any:
         click.option("--model", help="GGUF file (default: the embedded SmolLM2-135M-Instruct), "
                                      "or synthetic:layers=2,hidden=64,... for random weights."),
         click.option("--workers", type=int, help="Worker processes (default 1)."),
+        click.option("--threads", type=int, help="torch threads per CPU worker (default: the "
+                                                  "cores divided among the workers)."),
         click.option("--launcher", type=click.Choice(["local", "ray"]),
                      help="Where workers run: local processes (default), or Ray actors on the "
                           "nodes of a Ray cluster (docs/scale-out.md)."),

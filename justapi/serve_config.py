@@ -36,6 +36,10 @@ class ServerConfig:
     """Endpoint of the ZMQ client API; "" puts an ipc socket in the runtime dir."""
     workers: int = 1
     """Worker processes (one per GPU with --gpu; CPU workers share the cores)."""
+    threads: int = 0
+    """torch threads of each CPU worker; 0: the cores divided among the workers (with PD:
+    see workers/process.py). Fewer leave cores to the frontend and scheduler; a tiny model
+    runs best on one."""
     served_model_name: str = ""
     """Model id shown by /v1/models; "" derives it from the GGUF."""
     ready_timeout_s: float = 120.0
@@ -62,6 +66,8 @@ class ServerConfig:
                  f"port must be in [0, 65535], got {self.port!r}")
         _require(isinstance(self.workers, int) and 1 <= self.workers <= 64,
                  f"workers must be in [1, 64], got {self.workers!r}")
+        _require(isinstance(self.threads, int) and not isinstance(self.threads, bool)
+                 and 0 <= self.threads <= 1024, f"threads must be in [0, 1024], got {self.threads!r}")
         _require(self.ready_timeout_s > 0, "ready-timeout-s must be > 0")
         _require(self.launcher in LAUNCHERS,
                  f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}")

@@ -70,3 +70,26 @@ def test_cpu_threads_favour_prefill_workers(monkeypatch):
 
     assert [threads({"workers": 2}, i) for i in range(2)] == [4, 4]
     assert [threads({"pd": "2:1"}, i) for i in range(3)] == [4, 4, 1]  # decode: one thread
+    assert [threads({"workers": 2, "threads": 1}, i) for i in range(2)] == [1, 1]  # --threads wins
+    assert [threads({"pd": "2:1", "threads": 3}, i) for i in range(3)] == [3, 3, 3]
+
+
+def test_cpu_workers_sleep_at_openmp_barriers(monkeypatch):
+    """Every CPU worker starts with OMP_WAIT_POLICY=PASSIVE (a spinning thread would take the
+    core the frontend and scheduler need); a value the user set is kept; GPU workers and
+    other roles are left alone."""
+    from types import SimpleNamespace
+
+    from justapi.launcher import Launcher
+    from justapi.serve_config import build_config
+
+    def env(role: str, **values) -> dict:
+        fake = SimpleNamespace(config=build_config(values, {}), _api_key="")
+        return Launcher.child_env(fake, role)  # type: ignore[arg-type]
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert env("worker")["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "OMP_WAIT_POLICY" not in env("frontend")
+    assert "OMP_WAIT_POLICY" not in env("worker", device="cuda")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert env("worker")["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -31,6 +31,8 @@ def test_defaults_and_roundtrip():
     ({"port": 70000}, "port"),
     ({"policy": "random"}, "policy"),
     ({"device": "tpu"}, "device"),
+    ({"threads": -1}, "threads"),
+    ({"threads": "2"}, "threads"),
 ])
 def test_bad_values_name_the_key(values, key):
     with pytest.raises(ConfigError, match=key):

@@ -52,10 +52,13 @@ def device_of(spec: ChildSpec) -> str:
 def set_cpu_threads(spec: ChildSpec) -> int:
     """Each CPU worker gets its share of the cores (at least one). With PD, the prefill
     workers share all the cores (their steps are long, compute-bound chunks) and each decode
-    worker takes one thread (its steps are small; it mostly waits for the next one)."""
+    worker takes one thread (its steps are small; it mostly waits for the next one).
+    `threads` in the config overrides both."""
     cores = os.cpu_count() or 1
     pd = spec.config.pd
-    if pd.is_enabled:
+    if spec.config.server.threads:
+        threads = spec.config.server.threads
+    elif pd.is_enabled:
         is_decode = pd.role_of(spec.index) == "decode"
         threads = 1 if is_decode else max(1, cores // pd.num_prefill)
     else:
