@@ -12,6 +12,8 @@ ratio. The machine is noisy: compare ratios from one run, not absolute figures a
 
     python tools/bench_serve.py all
     python tools/bench_serve.py prefix-cache --num-requests 32
+    python tools/bench_serve.py all --serve-arg=--gpu     # every server with --gpu (and the
+                                                          # offline engine on cuda)
 """
 from __future__ import annotations
 
@@ -83,8 +85,12 @@ def run_bench(url: str, bench_args: list[str]) -> dict[str, Any]:
         return json.load(open(out.name))
 
 
+EXTRA_SERVE_ARGS: list[str] = []
+"""--serve-arg values: appended to every server's flags."""
+
+
 def serve_and_bench(serve_args: list[str], bench_args: list[str]) -> dict[str, Any]:
-    with Server(serve_args) as server:
+    with Server([*serve_args, *EXTRA_SERVE_ARGS]) as server:
         return run_bench(server.url, bench_args)["summary"]
 
 
@@ -135,11 +141,12 @@ def overhead(args: argparse.Namespace) -> None:
 
 def offline_engine(model: str, num: int, prompt_tokens: int, max_tokens: int, max_seqs: int) -> float:
     """Output tokens/s of workers.engine.LLMEngine on the same shape of work."""
+    device = "cuda" if "--gpu" in EXTRA_SERVE_ARGS else "cpu"
     code = f"""
 import time
 from justapi.sampling import SamplingParams
 from workers.engine import LLMEngine
-engine = LLMEngine({model!r}, max_seqs={max_seqs}, progress=False)
+engine = LLMEngine({model!r}, max_seqs={max_seqs}, progress=False, device={device!r})
 prompts = [[(17 * i + 7 * j) % 1000 + 100 for j in range({prompt_tokens})] for i in range({num})]
 engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))
 t = time.perf_counter()
@@ -171,7 +178,10 @@ def main() -> None:
     parser.add_argument("which", choices=[*COMPARISONS, "all"])
     parser.add_argument("--model", default="", help="GGUF (default: the embedded SmolLM2)")
     parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="an extra flag for every server (repeat it: --serve-arg=--gpu)")
     args = parser.parse_args()
+    EXTRA_SERVE_ARGS[:] = args.serve_arg
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     for name, fn in COMPARISONS.items():
         if args.which in (name, "all"):
