@@ -3,15 +3,18 @@ client (sync, real HTTP) and justapi.client side by side, then an orderly stop."
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from api_fake_scheduler import FakeScheduler
 from api_stack import TEXTS, endless_script, eventually, run, seeded_script, smollm_gguf, tokenizer
 from justapi import transport
 from justapi.client import Client
 from justapi.frontend.engine_client import EngineClient
+from justapi.frontend.errors import ApiError
 from justapi.frontend.server import FrontendServer, FrontendSettings, build_serving
 
 
@@ -73,6 +76,14 @@ def test_build_serving_takes_name_and_context_from_the_gguf():
                                   transport.ipc_endpoint(runtime_dir, "f"))
             serving = build_serving(smollm_gguf(), engine, FrontendSettings("", "", ""))
             assert serving.config.model_name == smollm_gguf().name
+            path = Path(smollm_gguf().path)  # the file's names are accepted in `model` too
+            for alias in (path.name, path.stem, str(path)):
+                serving.check_model(alias)
+            with pytest.raises(ApiError, match="is not served here"):
+                serving.check_model("gpt-4")
+            named = build_serving(smollm_gguf(), engine, FrontendSettings("", "", "", model_name="m"))
+            named.check_model(smollm_gguf().name)
+            assert named.config.model_name == "m"
             assert serving.config.max_context == smollm_gguf().arch_get("context_length")
             capped = build_serving(smollm_gguf(), engine, FrontendSettings(
                 "", "", "", max_context=10**9))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from justapi.chat_template import ChatTemplate
 from justapi.frontend.api_server import build_app, make_http_server
@@ -69,7 +70,9 @@ def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettin
         max_context = min(max_context, model_context)
     name = settings.model_name or gguf.name
     metrics = FrontendMetrics(name, lambda: engine.stats)
-    config = ServingConfig(model_name=name, max_context=max_context,
+    path = Path(gguf.path)
+    aliases = tuple(a for a in dict.fromkeys((gguf.name, path.name, path.stem, str(path))) if a != name)
+    config = ServingConfig(model_name=name, max_context=max_context, model_aliases=aliases,
                            max_in_flight=settings.max_in_flight,
                            log_requests=settings.log_requests)
     return Serving(engine, tokenizer, template.render, config, metrics)

@@ -48,6 +48,9 @@ class ServingConfig:
     model_name: str
     """The id clients name in `model` (and /v1/models lists)."""
     max_context: int
+    model_aliases: tuple[str, ...] = ()
+    """Other names `model` may give for the same model (the GGUF's general.name, its file name
+    and path, as vLLM and llama-server users tend to write them)."""
     """Prompt + generated tokens of one request."""
     cache_salt: str = ""
     """Prefix-cache namespace sent with every request."""
@@ -105,7 +108,8 @@ class Serving:
 
     # ---------------------------------------------------------------- checks
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
+        if model is not None and model != self.config.model_name \
+                and model not in self.config.model_aliases:
             raise ApiError(f"model {model!r} is not served here (this server serves "
                            f"{self.config.model_name!r})", param="model", code="model_not_found",
                            status=404, error_type=NOT_FOUND)
