@@ -7,6 +7,7 @@ import signal
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 import pytest
 from serve_harness import TINY_MODEL, ServedPool, free_port
 
@@ -47,9 +48,15 @@ def test_both_workers_serve_and_outputs_do_not_depend_on_the_worker(pool):
     with concurrent.futures.ThreadPoolExecutor(8) as executor:
         together = list(executor.map(lambda p: complete(pool, p)["choices"][0]["text"], prompts))
     assert together == alone
-    time.sleep(0.6)  # one stats period
+    time.sleep(1.2)  # two stats periods
     tokens = scheduled_tokens(pool)
     assert tokens[0] > 0 and tokens[1] > 0, tokens
+    exported = {(s.name, s.labels["worker_id"]): s.value
+                for f in text_string_to_metric_families(httpx.get(f"{pool.base_url}/metrics").text)
+                for s in f.samples if s.name.startswith("justapi:worker_s")}
+    for worker_id in ("0", "1"):  # the same counters on /metrics, per worker
+        assert exported[("justapi:worker_scheduled_tokens_total", worker_id)] >= tokens[int(worker_id)] > 0
+        assert exported[("justapi:worker_steps_total", worker_id)] > 0
 
 
 def test_prefix_cached_by_one_worker_serves_the_other(pool):

@@ -99,7 +99,8 @@ def test_gauges_and_cache_counters_come_from_the_scheduler_snapshot():
             for _ in range(2):
                 await stack.http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
             num_prompt = len(tokenizer().encode(prompt))
-            stack.fake.extra_stats = {"num_requests_waiting": 7, "num_preemptions": 3}
+            stack.fake.extra_stats = {"num_requests_waiting": 7, "num_preemptions": 3,
+                                      "worker_0_num_steps": 12, "worker_0_num_scheduled_tokens": 345}
             await stack.next_snapshot()
             samples = _samples(await _scrape(stack))
             assert _value(samples, "justapi:num_requests_waiting") == 7
@@ -113,6 +114,8 @@ def test_gauges_and_cache_counters_come_from_the_scheduler_snapshot():
             assert _value(samples, "justapi:worker_num_requests_running", worker_id="0") == 0
             assert _value(samples, "justapi:worker_kv_cache_usage_perc", worker_id="0") == 0
             assert _value(samples, "justapi:worker_healthy", worker_id="0") == 1
+            assert _value(samples, "justapi:worker_steps_total", worker_id="0") == 12
+            assert _value(samples, "justapi:worker_scheduled_tokens_total", worker_id="0") == 345
             assert _value(samples, "justapi:kv_cache_usage_perc") == 0
             assert _value(samples, "justapi:scheduler_healthy") == 1
     run(scenario)

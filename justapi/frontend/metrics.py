@@ -169,6 +169,7 @@ class SchedulerStatsCollector(Collector):
         self._totals = {m.name: MonotonicTotal() for m in SCHEDULER_METRICS + PD_METRICS
                         + SPEC_METRICS + CLUSTER_METRICS if m.is_counter}
         self._position_totals: dict[str, MonotonicTotal] = {}
+        self._worker_totals: dict[tuple[str, str], MonotonicTotal] = {}
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self._source()
@@ -212,18 +213,30 @@ class SchedulerStatsCollector(Collector):
         healthy = GaugeMetricFamily(PREFIX + "worker_healthy",
                                     "1 when the scheduler considers the worker healthy.",
                                     labels=WORKER_LABELS)
+        steps = CounterMetricFamily(PREFIX + "worker_steps", "Steps a worker has been sent.",
+                                    labels=WORKER_LABELS)
+        tokens = CounterMetricFamily(PREFIX + "worker_scheduled_tokens",
+                                     "Tokens (prefill chunks, decodes, drafts) a worker's steps "
+                                     "carried: how the load is spread.", labels=WORKER_LABELS)
         stats = snapshot.stats
         for worker in snapshot.workers:
             if not isinstance(worker, dict) or "worker_id" not in worker:
                 continue
-            labels = [self._model_name, str(worker["worker_id"])]
+            worker_id = worker["worker_id"]
+            labels = [self._model_name, str(worker_id)]
             for family, value in (
-                    (running, stats.get(f"worker_{worker['worker_id']}_num_requests_running")),
+                    (running, stats.get(f"worker_{worker_id}_num_requests_running")),
                     (kv_usage, stats.get(f"pool_{worker.get('pool_id')}_kv_usage")),
                     (healthy, worker.get("healthy"))):
                 if _number(value) is not None:
                     family.add_metric(labels, float(value))  # type: ignore[arg-type]
-        for family in (running, kv_usage, healthy):
+            for family, key in ((steps, "num_steps"), (tokens, "num_scheduled_tokens")):
+                value = _number(stats.get(f"worker_{worker_id}_{key}"))
+                if value is not None:
+                    total = self._worker_totals.setdefault((family.name, str(worker_id)),
+                                                           MonotonicTotal())
+                    family.add_metric(labels, total.update(value))
+        for family in (running, kv_usage, healthy, steps, tokens):
             if family.samples:
                 yield family
 
