@@ -101,7 +101,7 @@ def start_child(argv: list[str] | None = None) -> tuple[ChildSpec, StopFlag]:
 
 def report(spec: ChildSpec, *, error: str | None = None, info: dict | None = None) -> None:
     """Tell the launcher this child is ready (or failed to start)."""
-    context = zmq.Context.instance()
+    context: zmq.Context = zmq.Context.instance()
     sock = transport.make_socket(context, zmq.PUSH, spec.endpoints.control, bind=False)
     sock.setsockopt(zmq.LINGER, 2000)
     if error is None:

@@ -83,7 +83,7 @@ def _encode_value(value: Any, frames: list[bytes | memoryview]) -> Any:
         array = np.ascontiguousarray(value)
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("<"))
-        frames.append(memoryview(array).cast("B") if array.size else b"")
+        frames.append(memoryview(array).cast("B") if array.size else b"")  # type: ignore[arg-type]
         return {_FRAME_KEY: len(frames) - 1, "dtype": array.dtype.str, "shape": list(array.shape)}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         tag = getattr(type(value), "TAG", None)

@@ -156,7 +156,7 @@ class Launcher:
             if remaining <= 0:
                 pending = ", ".join(c.name for c in self.children if c.ready is None)
                 raise LaunchError(f"timed out after {timeout_s:.0f}s waiting for: {pending}")
-            if poller.poll(timeout=min(remaining, 0.2) * 1000):
+            if poller.poll(timeout=int(min(remaining, 0.2) * 1000)):
                 for _, message in transport.drain(self._control):
                     self._on_control(message)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from typing import Any
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
@@ -22,8 +23,15 @@ _LAYER = re.compile(r"^blk\.(\d+)\.")
 _SKIP_FIELD = ("general.architecture", "GGUF.")
 
 
+def _field(reader: GGUFReader, key: str) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        raise ValueError(f"the GGUF has no {key!r} field")
+    return field.contents()
+
+
 def _arch(reader: GGUFReader) -> str:
-    return str(reader.get_field("general.architecture").contents())
+    return str(_field(reader, "general.architecture"))
 
 
 def _copy_fields(reader: GGUFReader, writer: GGUFWriter, replace: dict[str, int],
@@ -45,7 +53,7 @@ def _copy_fields(reader: GGUFReader, writer: GGUFWriter, replace: dict[str, int]
 def write_truncated_draft(src: str, dst: str, num_layers: int) -> None:
     reader = GGUFReader(src)
     arch = _arch(reader)
-    total = int(reader.get_field(f"{arch}.block_count").contents())
+    total = int(_field(reader, f"{arch}.block_count"))
     if not 1 <= num_layers <= total:
         raise ValueError(f"num_layers must be in [1, {total}], got {num_layers}")
     writer = GGUFWriter(dst, arch)
@@ -68,7 +76,7 @@ def write_random_draft(src: str, dst: str, layers: int = 1, hidden: int = 64, he
     reader = GGUFReader(src)
     arch = _arch(reader)
     vocab = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1])
-    context = int(reader.get_field(f"{arch}.context_length").contents())
+    context = int(_field(reader, f"{arch}.context_length"))
     writer = GGUFWriter(dst, arch)
     _copy_fields(reader, writer, {}, keep=("tokenizer.", "general.name"))
     writer.add_context_length(context)

@@ -15,7 +15,7 @@ proposing (draft.py), the request state (runner.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -124,7 +124,7 @@ def _result(runner: ModelRunner, plan: StepPlan, sampled: list[int], items: list
     result = StepResult(step_id=plan.step_id, worker_id=runner.worker_id, request_ids=ids,
                         num_sampled=np.asarray([len(v.tokens) for v in verified], np.int32),
                         sampled_token_ids=np.asarray(tokens, np.int32))
-    fields: dict[str, np.ndarray] = {}
+    fields: dict[str, Any] = {}
     if any(item.params.logprobs is not None for item in items):
         fields.update(_logprobs(items, verified, tokens))
     if proposals:

@@ -94,7 +94,10 @@ class Verifier:
     def _verify_sampled(self, item: VerifyInput, probs: torch.Tensor) -> Verified:
         """probs [1 + drafts, vocab]: the target distribution at each row."""
         children = _children(item.parents)
-        node, emitted, nodes, used_rows = -1, [], [], []
+        node = -1
+        emitted: list[int] = []
+        nodes: list[int] = []
+        used_rows: list[int] = []
         while True:
             row = node + 1
             p = probs[row].clone()
@@ -158,7 +161,10 @@ def _children(parents: list[int]) -> dict[int, list[int]]:
 def _walk_exact(item: VerifyInput, targets: list[int]) -> Verified:
     """Follow the children holding the target's token at each row."""
     by_parent = {(p, t): i for i, (p, t) in enumerate(zip(item.parents, item.tokens))}
-    node, tokens, nodes, rows = -1, [], [], []
+    node = -1
+    tokens: list[int] = []
+    nodes: list[int] = []
+    rows: list[int] = []
     while True:
         token = targets[node + 1]
         tokens.append(token)

@@ -230,15 +230,16 @@ class SchedulerStatsCollector(Collector):
                     (healthy, worker.get("healthy"))):
                 if _number(value) is not None:
                     family.add_metric(labels, float(value))  # type: ignore[arg-type]
-            for family, key in ((steps, "num_steps"), (tokens, "num_scheduled_tokens")):
-                value = _number(stats.get(f"worker_{worker_id}_{key}"))
-                if value is not None:
-                    total = self._worker_totals.setdefault((family.name, str(worker_id)),
+            for counter, key in ((steps, "num_steps"), (tokens, "num_scheduled_tokens")):
+                count = _number(stats.get(f"worker_{worker_id}_{key}"))
+                if count is not None:
+                    total = self._worker_totals.setdefault((counter.name, str(worker_id)),
                                                            MonotonicTotal())
-                    family.add_metric(labels, total.update(value))
-        for family in (running, kv_usage, healthy, steps, tokens):
-            if family.samples:
-                yield family
+                    counter.add_metric(labels, total.update(count))
+        families: tuple[Metric, ...] = (running, kv_usage, healthy, steps, tokens)
+        for metric in families:
+            if metric.samples:
+                yield metric
 
     def _health_figures(self, snapshot: SchedulerStats) -> Iterator[Metric]:
         rows = [w for w in snapshot.workers if isinstance(w, dict) and "worker_id" in w]
@@ -247,7 +248,8 @@ class SchedulerStatsCollector(Collector):
             for row in rows:
                 value = row.get(key)
                 if isinstance(value, bool) or _number(value) is not None:
-                    family.add_metric([self._model_name, str(row["worker_id"])], float(value))
+                    family.add_metric([self._model_name, str(row["worker_id"])],
+                                      float(value))  # type: ignore[arg-type]
             if family.samples:
                 yield family
 

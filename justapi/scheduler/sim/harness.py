@@ -126,7 +126,7 @@ def build_scheduler(pool_blocks: int = 64, num_workers: int = 1, shared_pool: bo
     topology = (Topology.shared_pool(pool_blocks, num_workers) if shared_pool
                 else Topology.pool_per_worker(pool_blocks, num_workers))
     spec = {k: options.pop(k) for k in list(options) if k in _SPEC_FIELDS}
-    return Scheduler(*_sections(topology, options), SpecConfig(**spec))  # type: ignore[arg-type]
+    return Scheduler(*_sections(topology, options), SpecConfig(**spec))  # type: ignore[arg-type, call-arg]
 
 
 def build_pd_scheduler(pool_blocks: int = 64, num_prefill: int = 1, num_decode: int = 1,
