@@ -38,8 +38,7 @@ class ServerConfig:
     """Worker processes (one per GPU with --gpu; CPU workers share the cores)."""
     threads: int = 0
     """torch threads of each CPU worker; 0: the cores divided among the workers (with PD:
-    see workers/process.py). Fewer leave cores to the frontend and scheduler; a tiny model
-    runs best on one."""
+    see workers/process.py)."""
     served_model_name: str = ""
     """Model id shown by /v1/models; "" derives it from the GGUF."""
     ready_timeout_s: float = 120.0

@@ -48,10 +48,10 @@ class ServingConfig:
     model_name: str
     """The id clients name in `model` (and /v1/models lists)."""
     max_context: int
+    """Prompt + generated tokens of one request."""
     model_aliases: tuple[str, ...] = ()
     """Other names `model` may give for the same model (the GGUF's general.name, its file name
     and path, as vLLM and llama-server users tend to write them)."""
-    """Prompt + generated tokens of one request."""
     cache_salt: str = ""
     """Prefix-cache namespace sent with every request."""
     max_in_flight: int = 0
