@@ -167,7 +167,7 @@ print(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t))
 def control_plane(args: argparse.Namespace) -> None:
     bench = ["--workload", "batch", "--ignore-eos", "--num-requests", "256", "--concurrency",
              "64", "--max-tokens", "512", "--prompt-tokens", "16"]
-    summary = serve_and_bench(["--model", TINY, "--threads", "1", "--max-seqs", "64", "--max-decode", "64",
+    summary = serve_and_bench(["--model", TINY, "--max-seqs", "64", "--max-decode", "64",
                                "--pool-blocks", "4096"], bench)
     print("\n## control plane: tiny synthetic model, 64 concurrent streams, 512 tokens each")
     print(f"output tokens/s through HTTP: {summary['output_throughput']:.0f} (target: >= 10,000)"
