@@ -32,6 +32,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 TOOLS = Path(__file__).resolve().parent
+TOOL = Path(sys.argv[0]).stem or "bench"  # names the tool in errors (bench_serve imports Server)
 START_TIMEOUT_S = 300.0
 ITL_TARGET = 0.5  # PD decode-stream p99 ITL at most this fraction of colocated
 THROUGHPUT_TARGET = 0.8  # PD total tokens/s at least this fraction of colocated
@@ -62,14 +63,15 @@ class Server:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"bench_pd: the server exited:\n{self.output()}")
+                raise SystemExit(f"{TOOL}: the server exited:\n{self.output()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise SystemExit(f"bench_pd: the server was not healthy in {START_TIMEOUT_S:.0f}s")
+        self.stop()
+        raise SystemExit(f"{TOOL}: the server was not healthy in {START_TIMEOUT_S:.0f}s")
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
@@ -79,6 +81,13 @@ class Server:
     def output(self) -> str:
         self.log.seek(0)
         return self.log.read()
+
+    def __enter__(self) -> Server:
+        self.wait_healthy()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

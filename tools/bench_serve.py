@@ -20,61 +20,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 TOOLS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TOOLS))
+from bench_pd import Server  # noqa: E402  (`justapi serve` from start to healthy to stopped)
+
 TINY = "synthetic:layers=1,hidden=64,heads=4,kv_heads=2,ffn=128,context=2048"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """`justapi serve ARGS` on a free port until stopped."""
-
-    def __init__(self, args: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "justapi.cli", "serve", "--port",
-                                      str(self.port), "--log-level", "warning", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise SystemExit(f"bench_serve: server exited:\n{self.log.read()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise SystemExit("bench_serve: server did not become healthy in 300 s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(timeout=60)
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def run_bench(url: str, bench_args: list[str]) -> dict[str, Any]:
