@@ -22,6 +22,7 @@ from justapi.spec_config import SpecConfig
 from justapi.tokenizer import Tokenizer
 from workers.attention import make_backend, require_cuda
 from workers.batch_policy import BatchPolicy, Sequence as Seq
+from workers.cpu_memory import keep_freed_memory
 from workers.draft import load_draft
 from workers.engine_loop import LoopLimits, SchedulerLoop
 from workers.kv_pool import KVPool, PoolShape
@@ -57,6 +58,8 @@ class LLMEngine:
                  speculative: SpecConfig | None = None) -> None:
         if torch.device(device).type == "cuda":
             require_cuda(device)  # fail before the slow parts
+        else:
+            keep_freed_memory()  # steps reuse their temporaries' pages (workers/cpu_memory.py)
         self.path = resolve_model(model)
         self.gguf = GGUFFile(self.path)
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32

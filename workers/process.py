@@ -28,6 +28,7 @@ from justapi.protocol import CopyBlocks, Heartbeat, PoolInfo, Ready, Shutdown, S
 from justapi.shm_pool import available_memory_bytes
 from justapi.spec_config import SpecConfig
 from workers.attention import make_backend, require_cuda
+from workers.cpu_memory import keep_freed_memory
 from workers.draft import load_draft
 from workers.kv_pool import KVPool, PoolShape
 from workers.kv_transfer import BlockCopier
@@ -122,6 +123,7 @@ class Worker:
             require_cuda(device)
         else:
             set_cpu_threads(spec)
+            keep_freed_memory()
         return device
 
     def connect(self, identity: bytes) -> zmq.Socket:
