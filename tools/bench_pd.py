@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -73,10 +73,27 @@ class Server:
         self.stop()
         raise SystemExit(f"{TOOL}: the server was not healthy in {START_TIMEOUT_S:.0f}s")
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, names: Sequence[str] = PD_METRICS) -> dict[str, float]:
+        """The named samples of /metrics, each summed over its label sets (e.g. workers)."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {s.name: s.value for family in text_string_to_metric_families(text)
-                for s in family.samples if s.name in PD_METRICS}
+        out = dict.fromkeys(names, 0.0)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in out:
+                    out[sample.name] += sample.value
+        return out
+
+    def settled_metrics(self, names: Sequence[str]) -> dict[str, float]:
+        """`metrics` once two reads 1 s apart agree: the scheduler pushes its figures to the
+        frontend every 0.5 s, so a read right after the last reply can miss the last steps."""
+        before = self.metrics(names)
+        for _ in range(10):
+            time.sleep(1.0)
+            after = self.metrics(names)
+            if after == before:
+                return after
+            before = after
+        return before
 
     def output(self) -> str:
         self.log.seek(0)
