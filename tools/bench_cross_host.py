@@ -34,7 +34,8 @@ from justapi.gguf_file import GGUFFile
 from justapi.model_info import ModelInfo, resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pd import Server  # noqa: E402
+from bench_pd import PD_METRICS  # noqa: E402
+from serve_process import Server  # noqa: E402
 from netns_lab import NetnsLab, netns_available  # noqa: E402
 
 DEFAULT_LENGTHS = "128,512,1536"
@@ -64,7 +65,7 @@ def run(serve_args: list[str], lengths: list[int], requests: int, vocab: int,
 def _decode_traffic(server: Server, lab: NetnsLab, vocab: int) -> dict[str, float]:
     """Bytes on the veths per decode step of one stream, its hand-off's copy taken out (the
     relay carries it twice: in from the prefill host, out to the decode host)."""
-    before, veth = server.metrics(), lab.veth_bytes()
+    before, veth = server.metrics(PD_METRICS), lab.veth_bytes()
     _request(server.url, _prompt(32, vocab), DECODE_TOKENS)
     after = _settled(server, before, 1)
     name = "justapi:pd_copied_bytes_total"
@@ -73,7 +74,7 @@ def _decode_traffic(server: Server, lab: NetnsLab, vocab: int) -> dict[str, floa
 
 
 def _measure(server: Server, num_tokens: int, requests: int, vocab: int) -> dict[str, float]:
-    before = server.metrics()
+    before = server.metrics(PD_METRICS)
     ttfts = [_request(server.url, _prompt(num_tokens, vocab)) for _ in range(requests)]
     after = _settled(server, before, requests)
 
@@ -93,7 +94,7 @@ def _settled(server: Server, before: dict[str, float], requests: int) -> dict[st
     name = "justapi:pd_handoffs_total"
     deadline = time.monotonic() + STATS_WAIT_S
     while True:
-        after = server.metrics()
+        after = server.metrics(PD_METRICS)
         if after.get(name, 0.0) - before.get(name, 0.0) >= requests or time.monotonic() > deadline:
             return after
         time.sleep(0.2)

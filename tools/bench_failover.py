@@ -13,10 +13,7 @@ import argparse
 import concurrent.futures
 import os
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,46 +22,29 @@ import httpx
 
 from justapi.admin_client import AdminClient
 from ops_cli import table
+from serve_process import Server
 
 PROG = "bench_failover.py"
 TINY_MODEL = "synthetic:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,context=1024"
 PROMPT = "a worker of the pool fails while it decodes; the scheduler notices "
 
 
-class Server:
-    """`justapi serve` on a free loopback port, with a private state dir for discovery."""
+class FailoverServer(Server):
+    """A pool with --restart-workers and a private state dir, and an admin client on it."""
 
     def __init__(self, model: str, workers: int) -> None:
-        self.state_dir = tempfile.mkdtemp(prefix="justapi-bench-state-")
-        os.environ["JUSTAPI_STATE_DIR"] = self.state_dir
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "justapi.cli", "serve", "--model", model, "--workers",
-             str(workers), "--restart-workers", "--port", str(self.port), "--pool-blocks", "1024",
-             "--log-level", "warning"], stdout=self.log, stderr=subprocess.STDOUT)
-        wait_for(self._is_up, 300, "the server to start")
+        super().__init__(["--model", model, "--workers", str(workers), "--restart-workers",
+                          "--pool-blocks", "1024"], private_state=True)
+        self.wait_healthy()
         self.admin = AdminClient(timeout_s=10)
-
-    def _is_up(self) -> bool:
-        if self.proc.poll() is not None:
-            self.log.seek(0)
-            raise SystemExit(f"{PROG}: the server exited:\n{self.log.read()}")
-        try:
-            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
 
     def status(self) -> Any:
         return self.admin.status()
 
-    def stop(self) -> None:
-        self.admin.close()
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=60)
+    def stop(self) -> int:
+        if hasattr(self, "admin"):
+            self.admin.close()
+        return super().stop()
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -86,7 +66,7 @@ def complete(url: str, prompt: str, max_tokens: int) -> tuple[bool, float]:
     return ok, time.monotonic()
 
 
-def trial(server: Server, signum: int | None, num_requests: int,
+def trial(server: FailoverServer, signum: int | None, num_requests: int,
           max_tokens: int) -> dict[str, Any]:
     """One load; signum None runs it without a failure (the baseline)."""
     workers = server.status().workers
@@ -108,7 +88,7 @@ def trial(server: Server, signum: int | None, num_requests: int,
     return row
 
 
-def _fail_one(server: Server, signum: int, worker_id: int, pid: int) -> dict[str, Any]:
+def _fail_one(server: FailoverServer, signum: int, worker_id: int, pid: int) -> dict[str, Any]:
     wait_for(lambda: _row(server, worker_id)["num_requests_running"], 60, "requests to run")
     os.kill(pid, signum)
     hit = time.monotonic()
@@ -122,7 +102,7 @@ def _fail_one(server: Server, signum: int, worker_id: int, pid: int) -> dict[str
             "rejoin_s": time.monotonic() - hit}
 
 
-def _row(server: Server, worker_id: int) -> dict:
+def _row(server: FailoverServer, worker_id: int) -> dict:
     return next(w for w in server.status().workers if w["worker_id"] == worker_id)
 
 
@@ -140,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = cli.parse_args(argv)
     if args.workers < 2 or args.trials < 1 or args.requests < 1:
         cli.error("needs --workers >= 2, --trials >= 1 and --requests >= 1")
-    server = Server(args.model, args.workers)
+    server = FailoverServer(args.model, args.workers)
     try:
         rows = [trial(server, None, args.requests, args.max_tokens)]
         rows += [trial(server, (signal.SIGKILL, signal.SIGSTOP)[i % 2], args.requests,

@@ -19,101 +19,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-from typing import Any, Sequence
-
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
+from typing import Any
 
 TOOLS = Path(__file__).resolve().parent
-TOOL = Path(sys.argv[0]).stem or "bench"  # names the tool in errors (bench_serve imports Server)
-START_TIMEOUT_S = 300.0
+sys.path.insert(0, str(TOOLS))
+from serve_process import Server  # noqa: E402
+
 ITL_TARGET = 0.5  # PD decode-stream p99 ITL at most this fraction of colocated
 THROUGHPUT_TARGET = 0.8  # PD total tokens/s at least this fraction of colocated
 PD_METRICS = ("justapi:pd_handoffs_total", "justapi:pd_handoff_blocks_total",
               "justapi:pd_handoff_bytes_total", "justapi:pd_copied_bytes_total",
               "justapi:pd_handoff_latency_seconds_sum", "justapi:pd_handoff_latency_seconds_count")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """`python -m justapi.cli serve ARGS` on a free port, from start to healthy to stopped."""
-
-    def __init__(self, args: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "justapi.cli", "serve", "--port", str(self.port),
-             "--log-level", "warning", *args],
-            stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{TOOL}: the server exited:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise SystemExit(f"{TOOL}: the server was not healthy in {START_TIMEOUT_S:.0f}s")
-
-    def metrics(self, names: Sequence[str] = PD_METRICS) -> dict[str, float]:
-        """The named samples of /metrics, each summed over its label sets (e.g. workers)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        out = dict.fromkeys(names, 0.0)
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in out:
-                    out[sample.name] += sample.value
-        return out
-
-    def settled_metrics(self, names: Sequence[str]) -> dict[str, float]:
-        """`metrics` once two reads 1 s apart agree: the scheduler pushes its figures to the
-        frontend every 0.5 s, so a read right after the last reply can miss the last steps."""
-        before = self.metrics(names)
-        for _ in range(10):
-            time.sleep(1.0)
-            after = self.metrics(names)
-            if after == before:
-                return after
-            before = after
-        return before
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def __enter__(self) -> Server:
-        self.wait_healthy()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def run_config(name: str, serve_args: list[str], bench_args: list[str]) -> dict[str, Any]:
@@ -131,8 +51,7 @@ def run_config(name: str, serve_args: list[str], bench_args: list[str]) -> dict[
             if done.returncode != 0:
                 raise SystemExit(f"bench_pd: bench.py failed for {name}:\n{done.stderr}")
             result = json.load(open(report.name))
-        time.sleep(1.0)  # the scheduler's stats snapshot is pushed twice a second
-        result["pd_metrics"] = server.metrics()
+        result["pd_metrics"] = server.settled_metrics(PD_METRICS)
         return result
     finally:
         server.stop()

@@ -28,16 +28,18 @@ from typing import Any
 
 TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
-from bench_pd import Server  # noqa: E402  (`justapi serve` from start to healthy to stopped)
+from serve_process import Server  # noqa: E402  (`justapi serve` from start to healthy to stopped)
 
 TINY = "synthetic:layers=1,hidden=64,heads=4,kv_heads=2,ffn=128,context=2048"
 
 
 def run_bench(url: str, bench_args: list[str]) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run([sys.executable, str(TOOLS / "bench.py"), "--base-url", url, "--json",
-                        out.name, "--no-progress", *bench_args], check=True,
-                       stdout=subprocess.DEVNULL)
+        done = subprocess.run([sys.executable, str(TOOLS / "bench.py"), "--base-url", url,
+                               "--json", out.name, "--no-progress", *bench_args],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"bench_serve: bench.py {' '.join(bench_args)} failed:\n{done.stderr}")
         return json.load(open(out.name))
 
 

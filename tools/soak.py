@@ -16,11 +16,7 @@ import argparse
 import asyncio
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -29,6 +25,7 @@ import httpx
 
 from justapi.admin_client import AdminClient
 from justapi.client import AsyncClient
+from serve_process import Server
 
 PROG = "soak.py"
 TINY_MODEL = "synthetic:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,context=1024"
@@ -178,43 +175,6 @@ async def settle(report: SoakReport, endpoint: str | None, timeout_s: float = 60
             ("" if check.ok else check.message)
 
 
-class Server:
-    """`justapi serve` on free loopback ports with a private state dir (for AdminClient)."""
-
-    def __init__(self, model: str, extra: list[str]) -> None:
-        os.environ["JUSTAPI_STATE_DIR"] = tempfile.mkdtemp(prefix="justapi-soak-state-")
-        self.port, zmq_port = free_port(), free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.zmq = f"tcp://127.0.0.1:{zmq_port}"
-        self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "justapi.cli", "serve", "--model", model, "--port",
-             str(self.port), "--zmq", self.zmq, "--log-level", "warning", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while not self._is_up():
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                self.log.seek(0)
-                raise SystemExit(f"{PROG}: the server did not start:\n{self.log.read()}")
-            time.sleep(0.2)
-
-    def _is_up(self) -> bool:
-        try:
-            return httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=120)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=10_000)
@@ -222,10 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=TINY_MODEL)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    server = Server(args.model, ["--pool-blocks", "1024", "--max-seqs", "64",
-                                 "--max-decode", "64"])
+    server = Server(["--model", args.model, "--pool-blocks", "1024", "--max-seqs", "64",
+                     "--max-decode", "64"], zmq=True, private_state=True)
+    server.wait_healthy()
+    assert server.zmq is not None
     try:
-        report = asyncio.run(soak(server.base_url, server.zmq, server.proc.pid, args.requests,
+        report = asyncio.run(soak(server.url, server.zmq, server.proc.pid, args.requests,
                                   args.concurrency, args.seed))
     finally:
         code = server.stop()
