@@ -150,16 +150,21 @@ def row(label: str, run: Run, base: Run) -> str:
             f"{acceptance(run)}")
 
 
+def compare(bench: Bench, task: str, runs: list[tuple[str, SpecConfig, str]]) -> None:
+    """Batch 1 on `task`: a plain row, then one row per (label, spec, draft) against it."""
+    prompts = bench.prompts(task, 1)
+    base = bench.run(prompts, SpecConfig())
+    print(row(f"{task}: plain", base, base))
+    for label, spec, draft in runs:
+        print(row(f"{task}: {label}", bench.run(prompts, spec, draft), base))
+
+
 def section_ngram(bench: Bench) -> None:
     print("== batch 1, input-grounded tasks: plain vs --spec ngram (gamma 4, adaptive)")
     print(HEADER)
     for task in ("copy", "rewrite"):
-        prompts = bench.prompts(task, 1)
-        base = bench.run(prompts, SpecConfig())
-        print(row(f"{task}: plain", base, base))
-        for label, spec in (("ngram gamma 4", SpecConfig(spec="ngram")),
-                            ("ngram gamma 8", SpecConfig(spec="ngram", gamma=8))):
-            print(row(f"{task}: {label}", bench.run(prompts, spec), base))
+        compare(bench, task, [("ngram gamma 4", SpecConfig(spec="ngram"), ""),
+                              ("ngram gamma 8", SpecConfig(spec="ngram", gamma=8), "")])
 
 
 def section_tree(bench: Bench) -> None:
@@ -169,21 +174,14 @@ def section_tree(bench: Bench) -> None:
               ("budget 8: chain 8", dict(gamma=8)), ("budget 8: tree 2x4", dict(gamma=4, branch=2)),
               ("budget 8: tree 4,1,1,1", dict(spec_tree="4,1,1,1", spec_budget=8))]
     for task in ("copy", "list"):
-        prompts = bench.prompts(task, 1)
-        base = bench.run(prompts, SpecConfig())
-        print(row(f"{task}: plain", base, base))
-        for label, shape in shapes:
-            spec = SpecConfig(spec="ngram", spec_adaptive=False, **shape)
-            print(row(f"{task}: {label}", bench.run(prompts, spec), base))
+        compare(bench, task, [(label, SpecConfig(spec="ngram", spec_adaptive=False, **shape), "")
+                              for label, shape in shapes])
 
 
 def section_draft(bench: Bench) -> None:
     print("== draft models, batch 1 (adaptive off unless said)")
     print(HEADER)
     for task in ("rewrite", "copy"):
-        prompts = bench.prompts(task, 1)
-        base = bench.run(prompts, SpecConfig())
-        print(row(f"{task}: plain", base, base))
         runs = [("self-draft chain 3", "self", dict(gamma=3)),
                 ("first 24 layers: chain 4", "layers:24", dict(gamma=4)),
                 ("first 24 layers: tree 2,2 (budget 4)", "layers:24", dict(spec_tree="2,2")),
@@ -192,9 +190,9 @@ def section_draft(bench: Bench) -> None:
         if task == "copy":
             runs = runs[:1] + [("random draft, gamma 4", "random", dict()),
                                ("random draft, adaptive", "random", dict(spec_adaptive=True))]
-        for label, draft, fields in runs:
-            spec = SpecConfig(draft_model=draft, **{"spec_adaptive": False, **fields})
-            print(row(f"{task}: {label}", bench.run(prompts, spec, draft), base))
+        compare(bench, task, [(label, SpecConfig(draft_model=draft,
+                                                 **{"spec_adaptive": False, **fields}), draft)
+                              for label, draft, fields in runs])
 
 
 def section_sweep(bench: Bench, batches: list[int], task: str) -> None:
