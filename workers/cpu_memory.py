@@ -12,7 +12,6 @@ or these parameters, and the step stays correct, only slower.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -28,19 +27,13 @@ def keep_freed_memory() -> bool:
     """Set the thresholds once per process; True when the C library took them."""
     global _applied
     if _applied is None:
-        _applied = _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and _mallopt(
-            M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+        try:  # the process's own symbols: libc is loaded already (no library search needed)
+            mallopt = ctypes.CDLL(None).mallopt
+        except (OSError, AttributeError):
+            _applied = False
+        else:
+            mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+            mallopt.restype = ctypes.c_int
+            _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+                            and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
     return _applied
-
-
-def _mallopt(param: int, value: int) -> bool:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(mallopt(param, value))
