@@ -50,10 +50,14 @@ EXTRA_SERVE_ARGS: list[str] = []
 STEP_METRICS = ("justapi:worker_steps_total", "justapi:generation_tokens_total")
 
 
-def serve_and_bench(serve_args: list[str], bench_args: list[str]) -> dict[str, Any]:
-    """tools/bench.py's summary, plus the server's step count and generated tokens."""
+def serve_and_bench(serve_args: list[str], bench_args: list[str],
+                    count_steps: bool = False) -> dict[str, Any]:
+    """tools/bench.py's summary; with `count_steps` also the server's steps and generated
+    tokens per step (read from /metrics once its figures settle)."""
     with Server([*serve_args, *EXTRA_SERVE_ARGS]) as server:
         summary = run_bench(server.url, bench_args)["summary"]
+        if not count_steps:
+            return summary
         metrics = server.settled_metrics(STEP_METRICS)
     steps, tokens = metrics["justapi:worker_steps_total"], metrics["justapi:generation_tokens_total"]
     return {**summary, "steps": steps, "tokens_per_step": tokens / max(1.0, steps)}
@@ -77,8 +81,9 @@ def scheduled_vs_static(args: argparse.Namespace) -> None:
     bench = ["--workload", "mixed", "--ignore-eos", "--num-requests", str(args.num_requests),
              "--concurrency", "32", "--max-tokens", "256"]
     common = ["--model", args.model, "--max-seqs", "16"]
-    rows = [("continuous (--scheduled)", serve_and_bench(common, bench)),
-            ("static (--no-scheduled)", serve_and_bench([*common, "--no-scheduled"], bench))]
+    rows = [("continuous (--scheduled)", serve_and_bench(common, bench, count_steps=True)),
+            ("static (--no-scheduled)",
+             serve_and_bench([*common, "--no-scheduled"], bench, count_steps=True))]
     show("continuous vs static batching, outputs 16..256", rows, "continuous / static", ">= 2x")
     # Tokens per step is what a device whose step cost is flat in the batch size (a GPU at
     # 16 rows) turns into throughput; a CPU's step cost grows with the rows, so a draining
