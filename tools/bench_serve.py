@@ -7,7 +7,8 @@ ratio. The machine is noisy: compare ratios from one run, not absolute figures a
 
   scheduled-vs-static  mixed output lengths 16..256: continuous vs static batching
   prefix-cache         shared ~512-token prefix: with vs without the prefix cache
-  overhead             64 requests at concurrency 16: HTTP serving vs the in-process engine
+  overhead             64 requests at concurrency 16: HTTP serving (one worker, and on CPU also
+                       one single-thread worker per core) vs the in-process engine
   control-plane        tiny synthetic model, 64 concurrent streams: tokens/s through HTTP
 
     python tools/bench_serve.py all
@@ -104,22 +105,31 @@ def prefix_cache(args: argparse.Namespace) -> None:
 
 
 def overhead(args: argparse.Namespace) -> None:
+    """In turns: one worker with every core's thread, one single-thread worker per core (CPU
+    only; they share one KV pool), and the offline engine (one process, every core's thread)."""
     num, prompt_tokens, max_tokens = args.num_requests, 128, 128
     bench = ["--workload", "batch", "--ignore-eos", "--num-requests", str(num),
              "--concurrency", "16", "--max-tokens", str(max_tokens), "--prompt-tokens",
              str(prompt_tokens)]
-    served, offline = [], []
+    cores = os.cpu_count() or 1
+    layouts = [("--workers 1", [])]
+    if "--gpu" not in EXTRA_SERVE_ARGS and cores > 1:
+        layouts.append((f"--workers {cores}", ["--workers", str(cores)]))
+    served: dict[str, list[float]] = {name: [] for name, _ in layouts}
+    offline: list[float] = []
     for _ in range(args.repeats):  # in turns: the host's load swings, so best against best
-        served.append(serve_and_bench(["--model", args.model, "--max-seqs", "16"],
-                                      bench)["output_throughput"])
+        for name, flags in layouts:
+            summary = serve_and_bench(["--model", args.model, "--max-seqs", "16", *flags], bench)
+            served[name].append(summary["output_throughput"])
         offline.append(offline_engine(args.model, num, prompt_tokens, max_tokens, max_seqs=16))
     print(f"\n## serving path vs in-process engine, {num} x (~{prompt_tokens} prompt + "
           f"{max_tokens} output), 16 at a time, {args.repeats} turn(s) each")
-    print(f"in-process engine (offline)   {max(offline):10.1f} output tok/s (runs: "
+    print(f"{'in-process engine (offline)':<34} {max(offline):8.1f} output tok/s (runs: "
           f"{', '.join(f'{x:.1f}' for x in offline)})")
-    print(f"justapi serve over HTTP       {max(served):10.1f} output tok/s (runs: "
-          f"{', '.join(f'{x:.1f}' for x in served)})")
-    print(f"ratio (best serve / best offline): {max(served) / max(offline):.2f} (target: >= 0.90)")
+    for name, runs in served.items():
+        print(f"{'justapi serve ' + name:<34} {max(runs):8.1f} output tok/s (runs: "
+              f"{', '.join(f'{x:.1f}' for x in runs)}); best / best offline "
+              f"{max(runs) / max(offline):.2f} (target: >= 0.90)")
 
 
 def offline_engine(model: str, num: int, prompt_tokens: int, max_tokens: int, max_seqs: int) -> float:
