@@ -206,6 +206,7 @@ def main() -> None:
     frontend.start()
     try:
         http_url = ready.get(timeout=120)
+        assert frontend.pid is not None  # started above
         cpu_before = cpu_seconds(frontend.pid)
         figures = asyncio.run(drive(args, http_url, endpoints["client"]))
         cpu = cpu_seconds(frontend.pid) - cpu_before

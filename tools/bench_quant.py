@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -66,9 +66,10 @@ def crossover_table(model_path: str, repeats: int) -> tuple[int, int]:
     model = load_model(GGUFFile(resolve_model(model_path)), weights="auto", progress=False, crossover=both)
     p = model.params
     duals = [linear for layer in model.layers
-             for linear in (layer.qkv, layer.attn_out, layer.gate_up, layer.down)]
+             for linear in (layer.qkv, layer.attn_out, layer.gate_up, layer.down)
+             if isinstance(linear, DualLinear)]
     head = model.output
-    assert all(isinstance(d, DualLinear) for d in duals) and isinstance(head, DualLinear)
+    assert len(duals) == 4 * len(model.layers) and isinstance(head, DualLinear)
     print(f"matmul time at M rows, median of {repeats} (all {p.num_layers} layers' 4 matmuls | "
           f"the {p.vocab_size}x{p.hidden_size} head):")
     print(f"{'rows':>5} | {'layers fp32':>11} {'layers int4':>11} {'int4/fp32':>9} | "
@@ -168,7 +169,7 @@ def main() -> None:
         return
     text = TEXT.read_text()
     need = max(batches) * -(-(args.prompt_tokens + args.decode_steps + 1) // 16) + 64
-    rows: dict[str, dict[str, object]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     greedy: dict[str, list[list[int]]] = {}
     for path in PATHS:
         start = time.perf_counter()
@@ -189,7 +190,7 @@ def main() -> None:
     report(rows, greedy, batches, len(ids), args)
 
 
-def report(rows: dict[str, dict[str, object]], greedy: dict[str, list[list[int]]],
+def report(rows: dict[str, dict[str, Any]], greedy: dict[str, list[list[int]]],
            batches: list[int], num_tokens: int, args: argparse.Namespace) -> None:
     print(f"\n{'':34}" + "".join(f"{path:>12}" for path in PATHS))
     print(f"{'load (s)':34}" + "".join(f"{rows[p]['load_s']:12.1f}" for p in PATHS))

@@ -27,6 +27,13 @@ from justapi.scheduler.topology import ModelLimits, PoolSpec, Topology
 VOCAB = 32000
 
 
+def step_plans(sched: Scheduler) -> list[tuple[int, StepPlan]]:
+    """schedule()'s orders: only steps here (a CopyBlocks order comes from PD, not used here)."""
+    plans = sched.schedule()
+    assert all(isinstance(plan, StepPlan) for _, plan in plans)
+    return [(worker_id, plan) for worker_id, plan in plans if isinstance(plan, StepPlan)]
+
+
 def fake_result(worker_id: int, plan: StepPlan, rng: random.Random) -> StepResult:
     """What a worker would answer: one token per sampled sequence (never EOS)."""
     ids = [rid for rid, flag in zip(plan.request_ids, plan.sample_flags) if flag]
@@ -51,7 +58,7 @@ def loaded_scheduler(args: argparse.Namespace, num_workers: int) -> Scheduler:
         sched.add_request(SubmitRequest(f"r{i}", prompt,
                                         SamplingParams(max_tokens=rng.randint(50, 400))))
     while sched.stats()["num_requests_running"] < args.running:  # warm up: admit and prefill
-        for worker_id, plan in sched.schedule():
+        for worker_id, plan in step_plans(sched):
             sched.update(fake_result(worker_id, plan, rng))
     return sched
 
@@ -62,7 +69,7 @@ def bench_step(args: argparse.Namespace, num_workers: int) -> None:
     sched_s, update_s, seqs = [], [], []
     for _ in range(args.steps):
         t0 = time.perf_counter()
-        plans = sched.schedule()
+        plans = step_plans(sched)
         t1 = time.perf_counter()
         results = [fake_result(w, p, rng) for w, p in plans]
         t2 = time.perf_counter()

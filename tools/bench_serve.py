@@ -112,7 +112,7 @@ def overhead(args: argparse.Namespace) -> None:
              "--concurrency", "16", "--max-tokens", str(max_tokens), "--prompt-tokens",
              str(prompt_tokens)]
     cores = os.cpu_count() or 1
-    layouts = [("--workers 1", [])]
+    layouts: list[tuple[str, list[str]]] = [("--workers 1", [])]
     if "--gpu" not in EXTRA_SERVE_ARGS and cores > 1:
         layouts.append((f"--workers {cores}", ["--workers", str(cores)]))
     served: dict[str, list[float]] = {name: [] for name, _ in layouts}

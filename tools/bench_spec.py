@@ -25,6 +25,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -170,7 +171,7 @@ def section_ngram(bench: Bench) -> None:
 def section_tree(bench: Bench) -> None:
     print("== chains vs trees at the same verification budget (n-gram, batch 1, adaptive off)")
     print(HEADER)
-    shapes = [("budget 4: chain 4", dict(gamma=4)), ("budget 4: tree 2,2", dict(spec_tree="2,2")),
+    shapes: list[tuple[str, dict[str, Any]]] = [("budget 4: chain 4", dict(gamma=4)), ("budget 4: tree 2,2", dict(spec_tree="2,2")),
               ("budget 8: chain 8", dict(gamma=8)), ("budget 8: tree 2x4", dict(gamma=4, branch=2)),
               ("budget 8: tree 4,1,1,1", dict(spec_tree="4,1,1,1", spec_budget=8))]
     for task in ("copy", "list"):
@@ -182,7 +183,7 @@ def section_draft(bench: Bench) -> None:
     print("== draft models, batch 1 (adaptive off unless said)")
     print(HEADER)
     for task in ("rewrite", "copy"):
-        runs = [("self-draft chain 3", "self", dict(gamma=3)),
+        runs: list[tuple[str, str, dict[str, Any]]] = [("self-draft chain 3", "self", dict(gamma=3)),
                 ("first 24 layers: chain 4", "layers:24", dict(gamma=4)),
                 ("first 24 layers: tree 2,2 (budget 4)", "layers:24", dict(spec_tree="2,2")),
                 ("first 24 layers: chain 8", "layers:24", dict(gamma=8)),

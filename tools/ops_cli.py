@@ -50,7 +50,8 @@ def fail(prog: str, message: str, code: int = EXIT_FAILED) -> NoReturn:
 
 
 def print_json(message: Any) -> None:
-    data = dataclasses.asdict(message) if dataclasses.is_dataclass(message) else message
+    is_instance = dataclasses.is_dataclass(message) and not isinstance(message, type)
+    data = dataclasses.asdict(message) if is_instance else message
     print(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 

@@ -98,8 +98,8 @@ def finished_total(base_url: str) -> float:
 async def one_request(kind: str, rng: random.Random, http: httpx.AsyncClient,
                       zmq: AsyncClient) -> str:
     """Run one request of `kind`; its finish reason (or HTTP status) for the report."""
-    body = {"prompt": f"soak {rng.randrange(10**6)} " * rng.randint(1, 8),
-            "max_tokens": rng.randint(4, 40), "ignore_eos": True,
+    prompt, max_tokens = f"soak {rng.randrange(10**6)} " * rng.randint(1, 8), rng.randint(4, 40)
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": rng.choice([0.0, 0.8])}
     if kind == "http_whole":
         response = await http.post("/v1/completions", json=body)
@@ -107,7 +107,7 @@ async def one_request(kind: str, rng: random.Random, http: httpx.AsyncClient,
             return f"status {response.status_code}"
         return response.json()["choices"][0]["finish_reason"]
     if kind == "zmq_abort":
-        stream = zmq.generate(body["prompt"], max_tokens=body["max_tokens"], ignore_eos=True)
+        stream = zmq.generate(prompt, max_tokens=max_tokens, ignore_eos=True)
         reason = ""
         async for chunk in stream:
             if not reason:
