@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from justapi.config import WEIGHT_MODES
 from justapi.sampling import SamplingParams
 
 
@@ -33,8 +34,9 @@ def main() -> None:
               help='Print one JSON object {"text", "token_ids", "prompt_token_ids", "finish_reason"}.')
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda[:N]")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
-@click.option("--weights", default="fp32", show_default=True, type=click.Choice(["fp32", "q4", "auto"]),
-              help="Dequantize at load, keep Q4_0/Q4_1/Q8_0 weights 4-bit, or both (see docs/quantization.md).")
+@click.option("--weights", default="fp32", show_default=True, type=click.Choice(list(WEIGHT_MODES)),
+              help="Dequantize at load (fp32, or bf16 matmuls on CPUs that have them), keep "
+                   "Q4_0/Q4_1/Q8_0 weights 4-bit, or both (see docs/quantization.md).")
 def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p: float,
              top_k: int, seed: int | None, chat: bool, as_json: bool, device: str,
              ignore_eos: bool, weights: str) -> None:

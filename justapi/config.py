@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 POLICIES = ("fcfs", "priority", "lpm")
 DEVICES = ("cpu", "cuda")
-WEIGHT_MODES = ("fp32", "q4", "auto")
+WEIGHT_MODES = ("fp32", "bf16", "q4", "auto")
 
 
 class ConfigError(ValueError):

@@ -14,7 +14,7 @@ import click
 
 from justapi import discovery
 from justapi.child import StopFlag
-from justapi.config import ConfigError
+from justapi.config import WEIGHT_MODES, ConfigError
 from justapi.curve_keys import public_key_of, read_secret_key
 from justapi.gguf_file import GGUFError, GGUFFile
 from justapi.launcher import Deployment, LaunchError, Launcher
@@ -58,8 +58,9 @@ def _flags(fn: Any) -> Any:
         click.option("--prefix-cache/--no-prefix-cache", "enable_prefix_cache", default=None,
                      help="Share cached KV blocks of identical prefixes (default on)."),
         click.option("--max-context", type=int, help="Cap on the model's context length."),
-        click.option("--weights", type=click.Choice(["fp32", "q4", "auto"]),
-                     help="fp32: dequantize at load; q4: keep Q4_0/Q4_1/Q8_0 weights 4-bit "
+        click.option("--weights", type=click.Choice(list(WEIGHT_MODES)),
+                     help="fp32: dequantize at load; bf16: the same, multiplied in bf16 on CPUs "
+                          "with AVX512-BF16/AMX; q4: keep Q4_0/Q4_1/Q8_0 weights 4-bit "
                           "(int4 kernels); auto: both, 4-bit for small steps (default fp32)."),
         click.option("--host", help="HTTP bind address (127.0.0.1)."),
         click.option("--port", type=int, help="HTTP port (8000; 0 picks a free one)."),

@@ -16,7 +16,7 @@ from reference_llama import ReferenceLlama
 from workers.attention import SHORT_CHUNK_TOKENS, TorchPagedBackend
 from workers.gguf_loader import load_llama
 from workers.kv_pool import KVPool, PoolShape
-from workers.model import Linear, LlamaModel, has_onednn_linear, onednn_rows
+from workers.model import Linear, LlamaModel, has_onednn_bf16, has_onednn_linear, onednn_rows
 from workers.runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -136,6 +136,46 @@ def test_linear_kernels_equal_a_plain_matmul(rows):
     dense = Linear(w.to(torch.bfloat16))  # not fp32: the plain path GPUs take
     assert not dense.is_onednn
     torch.testing.assert_close(dense(x.to(torch.bfloat16)).float(), x @ w.T, atol=0.2, rtol=0.05)
+
+
+@pytest.mark.parametrize("compute_dtype", [None, torch.bfloat16])
+def test_a_row_comes_out_alike_at_every_batch_size(compute_dtype):
+    """Bit for bit: one row (a lone decode), a few, or hundreds (SmolLM2's shapes). Else a
+    request's tokens would depend on its batch mates, and speculative verification (many rows)
+    on what plain decoding (one row) computed."""
+    if compute_dtype is not None and not has_onednn_bf16():
+        pytest.skip("oneDNN has no bf16 kernels here")
+    torch.manual_seed(0)
+    for out_features, in_features in ((1536, 576), (576, 1536), (2048, 576)):
+        linear = Linear(torch.randn(out_features, in_features), compute_dtype)
+        x = torch.randn(300, in_features)
+        first_rows = {m: linear(x[:m])[0] for m in (1, 2, 3, 16, 17, 64, 65, 300)}
+        for m, row in first_rows.items():
+            assert torch.equal(row, first_rows[2]), (out_features, in_features, m)
+
+
+def test_a_decoding_sequence_gets_the_same_logits_alone_or_batched(tiny_gguf):
+    """The whole step, fp32: the logits of one decoding sequence are bit-identical alone and
+    beside four others (each fix is needed: the one-row matmul and the one-sequence SDPA).
+    Batch mates of the same length: a longer mate pads the keys, which moves CPU SDPA's
+    last bits (~1e-6 in the logits; docs/quantization.md)."""
+    path = tiny_gguf(type="Q4_1", layers=2, hidden=128, heads=4, kv_heads=2, ffn=1536, vocab=320)
+    model = LlamaModel(load_llama(GGUFFile(path), progress=False))
+    seqs = Seqs({f"s{i}": 9 for i in range(5)}, model.params.vocab_size, seed=5)
+    runner = make_runner(model)
+
+    def decode_logits(rids: list[str], step: int) -> torch.Tensor:
+        lengths = {r: len(seqs.tokens[r]) for r in rids}
+        prefill = [(r, 0, seqs.tokens[r][:-1], seqs.blocks[r], False) for r in rids]
+        runner.execute(StepPlan.build(step, prefill, [seqs.new(r) for r in rids]))
+        last = [(r, lengths[r] - 1, seqs.tokens[r][-1:], seqs.blocks[r], True) for r in rids]
+        logits = runner.forward_logits(StepPlan.build(step + 1, last))
+        runner.execute(StepPlan.build(step + 2, [], finished_request_ids=rids))
+        return logits[0]
+
+    alone = decode_logits(["s0"], 1)
+    batched = decode_logits(list(seqs.tokens), 10)
+    assert torch.equal(alone, batched), float((alone - batched).abs().max())
 
 
 def test_onednn_row_buckets_are_few_and_cover_every_size():

@@ -1,4 +1,4 @@
-"""`--weights fp32|q4|auto` through the runtime: auto's per-step choice in both directions
+"""`--weights fp32|bf16|q4|auto` through the runtime: auto's per-step choice in both directions
 inside one run (kernel calls counted), the q4 path's outputs against fp32 on a tiny model, the
 flag through `justapi generate`, the serve config and a served worker, and perplexity windows."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ from workers.kv_pool import KVPool, PoolShape
 from workers.perplexity import perplexity, window_starts
 from workers.quant_linear import DualLinear, Int4Linear
 from workers.runner import ModelRunner
-from workers.weight_paths import CPU_CROSSOVER, load_model
+from workers.weight_paths import CPU_CROSSOVER, has_hardware_bf16, load_model
 from reference_llama import ReferenceLlama
 
 SPEC = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=384, context=256,
@@ -97,7 +97,7 @@ def test_serve_flag_reaches_the_model_config():
     with pytest.raises(ValueError, match="weights must be one of"):
         build_config({}, {"weights": "int8"})
     from justapi.serve_cli import serve
-    assert "--weights [fp32|q4|auto]" in CliRunner().invoke(serve, ["--help"]).output
+    assert "--weights [fp32|bf16|q4|auto]" in CliRunner().invoke(serve, ["--help"]).output
 
 
 def test_perplexity_windows_and_score(tiny_gguf):
@@ -120,26 +120,30 @@ def test_perplexity_windows_and_score(tiny_gguf):
 
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
-def test_served_worker_runs_the_weights_it_was_given(tiny_gguf):
-    """`justapi serve --weights q4`: the served logprobs are the q4 engine's, not fp32's."""
+@pytest.mark.parametrize("mode", ["q4", "bf16"])
+def test_served_worker_runs_the_weights_it_was_given(tiny_gguf, mode):
+    """`justapi serve --weights q4|bf16`: the served logprobs are that engine's, not fp32's
+    (bf16 on a CPU without bf16 instructions runs fp32: then both are fp32's)."""
     from serve_harness import ServedPool
 
     path = tiny_gguf(**SPEC)
     prompt = [10, 11, 12, 13, 14, 15]
     expected = {}
-    for mode in ("fp32", "q4"):
-        engine = LLMEngine(path, weights=mode, progress=False, num_blocks=32)
+    for mode_run in ("fp32", mode):
+        engine = LLMEngine(path, weights=mode_run, progress=False, num_blocks=32)
         plan = StepPlan.build(1, [("a", 0, prompt, list(range(4)), True)],
                               [NewRequest("a", GREEDY, len(prompt), np.asarray(prompt, np.int32))])
-        expected[mode] = torch.log_softmax(engine.runner.forward_logits(plan)[0], -1).max().item()
+        expected[mode_run] = torch.log_softmax(engine.runner.forward_logits(plan)[0], -1).max().item()
         engine.close()
-    assert abs(expected["q4"] - expected["fp32"]) > 1e-5
-    served = ServedPool("--model", path, "--weights", "q4", "--pool-blocks", "64")
+    is_distinct = mode == "q4" or has_hardware_bf16()
+    assert (abs(expected[mode] - expected["fp32"]) > 1e-5) == is_distinct
+    served = ServedPool("--model", path, "--weights", mode, "--pool-blocks", "64")
     try:
         oai = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0)
         out = oai.completions.create(model=oai.models.list().data[0].id, prompt=prompt, max_tokens=1,
                                      temperature=0, logprobs=1)
         got = out.choices[0].logprobs.token_logprobs[0]
-        assert abs(got - expected["q4"]) < 1e-6 < abs(got - expected["fp32"])
+        assert abs(got - expected[mode]) < 1e-6
+        assert (abs(got - expected["fp32"]) > 1e-6) == is_distinct
     finally:
         assert served.stop(signal.SIGTERM) == 0, served.log()

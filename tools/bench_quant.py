@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""The weight paths side by side from one run: fp32, q4 (4-bit weights, int4 kernels) and auto.
+"""The weight paths side by side from one run: fp32, bf16 (bf16 matmuls), q4 (4-bit weights, int4
+kernels) and auto.
 
 Prints, with the load average (the machine is shared: figures are medians of several steps):
   crossover   every layer's matmuls and the head at M rows on the dense kernel and the int4
@@ -7,11 +8,12 @@ Prints, with the load average (the machine is shared: figures are medians of sev
               that `--weights auto` uses (workers/weight_paths.py records it);
   decode      tokens/s at 1 / 8 / 32 / 64 sequences and prefill tokens/s, per path;
   accuracy    perplexity of each path on tools/data/prose.txt (sliding windows, as
-              tools/perplexity.py), and greedy agreement of q4 and auto with fp32;
+              tools/perplexity.py), and greedy agreement of each path with fp32;
   memory      bytes the weights take per path.
 
     python tools/bench_quant.py [--model FILE.gguf] [--batches 1,8,32,64] [--skip-crossover]
     python tools/bench_quant.py --crossover-only [--repeats 15]
+    python tools/bench_quant.py --paired fp32,bf16 --batches 1,16,64   # steps in turns
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from workers.quant_blocks import QuantMatrix
 from workers.quant_linear import DualLinear, Int4Linear
 from workers.weight_paths import CPU_CROSSOVER, Crossover, load_model
 
-PATHS = ("fp32", "q4", "auto")
+PATHS = ("fp32", "bf16", "q4", "auto")
 TEXT = Path(__file__).resolve().parent / "data" / "prose.txt"
 CROSSOVER_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
@@ -111,6 +113,28 @@ def decode_rates(engine: LLMEngine, batches: list[int], steps: int, prompt_token
     return rates
 
 
+def paired_decode(args: argparse.Namespace, paths: list[str], batches: list[int]) -> None:
+    """Decode steps of each path in turns (rounds of 8 steps each), so the host's swings fall on
+    every path alike: the median step per path and each path's speed against the first."""
+    need = max(batches) * -(-(args.prompt_tokens + 9) // 16) + 64
+    engines = {path: LLMEngine(args.model, num_blocks=need, max_seqs=max(batches), progress=False,
+                               weights=path) for path in paths}
+    rng = np.random.default_rng(0)
+    vocab = engines[paths[0]].model.params.vocab_size
+    print(f"paired decode steps, {args.rounds} rounds of 8 per path, prompts of {args.prompt_tokens} tokens")
+    for num_seqs in batches:
+        prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(num_seqs)]
+        times: dict[str, list[float]] = {path: [] for path in paths}
+        for _ in range(args.rounds):
+            for path, engine in engines.items():
+                times[path] += run_steps(engine, prompts, 8)[1]
+        median = {path: statistics.median(t) for path, t in times.items()}
+        print(f"decode {num_seqs:3d} seqs: " + ", ".join(
+            f"{path} {median[path] * 1e3:.1f} ms ({median[paths[0]] / median[path]:.2f}x)" for path in paths))
+    for engine in engines.values():
+        engine.close()
+
+
 def prefill_rate(engine: LLMEngine, num_tokens: int) -> float:
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, engine.model.params.vocab_size, num_tokens).tolist()
@@ -156,7 +180,13 @@ def main() -> None:
     parser.add_argument("--greedy-tokens", type=int, default=48)
     parser.add_argument("--skip-crossover", action="store_true")
     parser.add_argument("--crossover-only", action="store_true")
+    parser.add_argument("--paired", default="",
+                        help="only time decode steps of these paths in turns, e.g. fp32,bf16")
+    parser.add_argument("--rounds", type=int, default=5, help="--paired: rounds per batch size")
     args = parser.parse_args()
+    if args.paired:
+        paired_decode(args, args.paired.split(","), [int(b) for b in args.batches.split(",")])
+        return
     torch.manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"load average {os.getloadavg()[0]:.2f}; torch threads {torch.get_num_threads()}")
@@ -210,7 +240,7 @@ def report(rows: dict[str, dict[str, Any]], greedy: dict[str, list[list[int]]],
           f"({100 * (small.perplexity / base - 1):+.2f}%); text {TEXT.name}: {num_tokens} tokens, "  # type: ignore[attr-defined]
           f"n_ctx {args.n_ctx}, stride {args.n_ctx // 2}, {scored.num_scored} scored in "  # type: ignore[attr-defined]
           f"{scored.num_windows} windows")  # type: ignore[attr-defined]
-    for path in ("q4", "auto"):
+    for path in PATHS[1:]:
         mean, same = greedy_agreement(greedy["fp32"], greedy[path])
         print(f"greedy agreement {path} vs fp32 ({len(PROMPTS)} prompts x {args.greedy_tokens} tokens): "
               f"{100 * mean:.1f}% of tokens before the first difference, {same} identical")

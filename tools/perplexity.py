@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Perplexity of a GGUF model on a text file, for each weight path (--weights fp32|q4|auto).
+"""Perplexity of a GGUF model on a text file, for each weight path (--weights fp32|bf16|q4|auto).
 
 Sliding windows as llama.cpp's perplexity tool: n_ctx tokens every `stride` tokens (default
 n_ctx / 2), each window a fresh sequence, only its second half scored (workers/perplexity.py).
@@ -7,7 +7,7 @@ n_ctx / 2), each window a fresh sequence, only its second half scored (workers/p
 `auto` takes its int4 path as decode steps do; by default a window is one step (auto: fp32).
 
     python tools/perplexity.py [--model FILE.gguf] [--text tools/data/prose.txt]
-                               [--n-ctx 512] [--stride 256] [--chunk-rows N] [--paths fp32,q4,auto]
+                               [--n-ctx 512] [--stride 256] [--chunk-rows N] [--paths fp32,bf16,q4,auto]
 """
 from __future__ import annotations
 

@@ -215,9 +215,13 @@ class TorchPagedBackend(AttentionBackend):
         for seqs in self._seq_chunks(kv, group.tables):
             keys = gather_blocks(kv, group.tables[seqs])  # [2, c, Tk, kv_heads, head_dim]
             keys = keys.transpose(2, 3)  # [2, c, kv_heads, Tk, head_dim]
+            q_c, k_c, v_c, mask_c = q_pad[seqs].transpose(1, 2), keys[0], keys[1], group.mask[seqs]
+            num = q_c.shape[0]
+            if num == 1 and q_c.device.type == "cpu":  # CPU SDPA takes another path for one
+                # sequence (last bits off the same sequence's in any bigger batch): attend it twice
+                q_c, k_c, v_c, mask_c = (t.expand(2, *t.shape[1:]) for t in (q_c, k_c, v_c, mask_c))
             out[seqs] = F.scaled_dot_product_attention(
-                q_pad[seqs].transpose(1, 2), keys[0], keys[1], attn_mask=group.mask[seqs],
-                enable_gqa=True).transpose(1, 2)  # [c, Qmax, heads, head_dim]
+                q_c, k_c, v_c, attn_mask=mask_c, enable_gqa=True)[:num].transpose(1, 2)  # [c, Qmax, heads, hd]
         out = out.view(num_seqs * q_max, heads, head_dim)
         return out if group.is_identity else out[group.valid_rows]
 

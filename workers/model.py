@@ -27,9 +27,13 @@ def onednn_rows(num_rows: int) -> int:
     buffers that grow with the rows (about 4.5 MB per shape at 256-512 rows for SmolLM2's
     gate/up), so every distinct step size cost memory for good (GBs under varied batches).
     Buckets keep the shapes few (exact to 16, then steps of 8, 32 and 128 rows: at most
-    ~12% padding past 64 rows)."""
+    ~12% padding past 64 rows). One row is computed as two: oneDNN's one-row kernel sums in
+    another order (SmolLM2's down projection came out 1e-4 off the same row in any bigger
+    batch), and a row must come out alike at every batch size, so that a request's tokens do
+    not depend on its batch mates and speculative verification (many rows) reproduces plain
+    decoding (one row). The second row cost nothing measurable (51-66 us vs 46-64 us)."""
     if num_rows <= 16:
-        return num_rows
+        return max(2, num_rows)
     step = 8 if num_rows <= 64 else 32 if num_rows <= 256 else 128
     return -(-num_rows // step) * step
 
@@ -39,20 +43,34 @@ def has_onednn_linear() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def has_onednn_bf16() -> bool:
+    """oneDNN can multiply bf16 here (fast only with AVX512-BF16 or AMX: weight_paths.py)."""
+    return has_onednn_linear() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class Linear:
     """y = x @ W.T for one weight W [out, in], on the fastest kernel measured for the device.
 
     CPU fp32: W is reordered once into oneDNN's blocked layout and multiplied with oneDNN's
     inner product. On the 2-core target this took 25 ms per decode step of SmolLM2's layer
     matmuls at 16 rows versus 44 ms for MKL (W @ x.T) and 57 ms for x @ W[in, out] (see
-    docs/runtime.md). Elsewhere (CUDA, or a torch without oneDNN): x @ W.T."""
+    docs/runtime.md). CPU with `compute_dtype=torch.bfloat16` (--weights bf16): W is kept in
+    bf16 in the same layout and x is rounded to bf16 for the product (oneDNN accumulates in
+    fp32 and rounds y to bf16); y comes back in x's dtype, so the residual stream, norms,
+    attention and the KV pool stay fp32.
+    Elsewhere (CUDA, or a torch without oneDNN): x @ W.T in W's dtype."""
 
-    def __init__(self, weight: Matrix) -> None:
+    def __init__(self, weight: Matrix, compute_dtype: torch.dtype | None = None) -> None:
         if isinstance(weight, QuantMatrix):  # the dense path of a weight kept quantized
             weight = weight.dense().to(weight.device, weight.dtype)
         self.out_features, self.in_features = weight.shape
-        self.is_onednn = (weight.device.type == "cpu" and weight.dtype == torch.float32
-                          and has_onednn_linear())
+        on_cpu = weight.device.type == "cpu"
+        is_bf16 = compute_dtype == torch.bfloat16 and on_cpu
+        if is_bf16:
+            if not has_onednn_bf16():
+                raise ValueError("bf16 matmuls need oneDNN with bf16 support on this CPU")
+            weight = weight.to(torch.bfloat16)
+        self.is_onednn = on_cpu and (weight.dtype == torch.float32 or is_bf16) and has_onednn_linear()
         if self.is_onednn:
             self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ONEDNN_BATCH_HINT)
         else:
@@ -61,12 +79,14 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not self.is_onednn:
             return x @ self.weight.T
-        num_rows = x.shape[0]
+        num_rows, out_dtype = x.shape[0], x.dtype
+        x = x.to(self.weight.dtype)
         padded = onednn_rows(num_rows)
         if padded != num_rows:
             x = torch.cat([x, x.new_zeros(padded - num_rows, x.shape[1])])  # [padded, in]
         out = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        return out[:num_rows] if padded != num_rows else out
+        out = out[:num_rows] if padded != num_rows else out
+        return out.to(out_dtype)
 
     def warm_up(self, max_rows: int, min_rows: int = 1) -> None:
         """Build oneDNN's primitive of every row bucket of min_rows..max_rows rows now."""

@@ -1,7 +1,12 @@
-"""`--weights fp32|q4|auto`: which copies of the weights a model keeps and which kernel a step's
-matmuls take.
+"""`--weights fp32|bf16|q4|auto`: which copies of the weights a model keeps and which kernel a
+step's matmuls take.
 
 - fp32: every tensor dequantized at load, dense kernels (oneDNN fp32 on CPU, bf16 cuBLAS on GPU).
+- bf16: dense like fp32, but on CPU the matrices are kept in bf16 and multiplied by oneDNN's
+  bf16 kernels (inputs rounded to bf16, fp32 accumulation; everything between the matmuls stays
+  fp32). Only where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere it is
+  emulated and slower than fp32, so the mode runs fp32 with a warning. On GPU it is fp32's path,
+  which already computes in bf16.
 - q4: Q4_0/Q4_1/Q8_0 matrices stay 4-bit (quant_blocks.py) and run on torch's int4 weight-only
   kernels (quant_linear.py); matrices of other types, and norms, stay dense.
 - auto: both copies of each such matrix (DualLinear). A matmul of at most the crossover rows
@@ -21,7 +26,7 @@ import torch
 from justapi.config import WEIGHT_MODES
 from justapi.gguf_file import GGUFFile
 from workers.gguf_loader import load_llama
-from workers.model import Linear, LinearLike, LlamaModel
+from workers.model import Linear, LinearLike, LlamaModel, has_onednn_bf16
 from workers.quant_blocks import Matrix
 from workers.quant_linear import DualLinear, Int4Linear, has_int4_kernel, require_int4_kernel
 
@@ -52,6 +57,13 @@ launch-bound below ~128 rows, and slower above): auto on CUDA computes dense, q4
 See docs/quantization.md."""
 
 
+def has_hardware_bf16() -> bool:
+    """This CPU multiplies bf16 in hardware (AVX512-BF16 or AMX tiles)."""
+    cpu = torch.cpu
+    return any(getattr(cpu, name, lambda: False)()
+               for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
 def default_crossover(device: torch.device) -> Crossover:
     return CUDA_CROSSOVER if device.type == "cuda" else CPU_CROSSOVER
 
@@ -69,14 +81,22 @@ class WeightPaths:
         elif mode == "auto" and not has_int4_kernel(self.device):
             logger.warning("no int4 weight-only kernel on %s: --weights auto runs fp32", self.device)
             mode = "fp32"
+        elif mode == "bf16" and self.device.type == "cpu" and not (has_hardware_bf16() and has_onednn_bf16()):
+            logger.warning("this CPU has no bf16 matmul instructions (AVX512-BF16 or AMX): "
+                           "--weights bf16 runs fp32, which is faster here")
+            mode = "fp32"
+        elif mode == "bf16" and self.device.type != "cpu":
+            mode = "fp32"  # the GPU forward computes in bf16 already
         self.mode = mode
         self.crossover = crossover or default_crossover(self.device)
 
     @property
     def keeps_quantized(self) -> bool:
-        return self.mode != "fp32"
+        return self.mode in ("q4", "auto")
 
     def __call__(self, weight: Matrix) -> LinearLike:
+        if self.mode == "bf16":
+            return Linear(weight, torch.bfloat16)
         if isinstance(weight, torch.Tensor) or self.mode == "fp32":
             return Linear(weight)
         max_quant_rows = self.crossover.max_quant_rows(weight.num_planes)
