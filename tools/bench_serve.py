@@ -117,11 +117,14 @@ def overhead(args: argparse.Namespace) -> None:
         layouts.append((f"--workers {cores}", ["--workers", str(cores)]))
     served: dict[str, list[float]] = {name: [] for name, _ in layouts}
     offline: list[float] = []
-    for _ in range(args.repeats):  # in turns: the host's load swings, so best against best
-        for name, flags in layouts:
+    order: list[tuple[str, list[str]]] = [*layouts, ("offline", [])]
+    for turn in range(args.repeats):  # in turns: the host's load swings, so best against best;
+        for name, flags in order if turn % 2 == 0 else order[::-1]:  # ABC, then CBA: none always last
+            if name == "offline":
+                offline.append(offline_engine(args.model, num, prompt_tokens, max_tokens, max_seqs=16))
+                continue
             summary = serve_and_bench(["--model", args.model, "--max-seqs", "16", *flags], bench)
             served[name].append(summary["output_throughput"])
-        offline.append(offline_engine(args.model, num, prompt_tokens, max_tokens, max_seqs=16))
     print(f"\n## serving path vs in-process engine, {num} x (~{prompt_tokens} prompt + "
           f"{max_tokens} output), 16 at a time, {args.repeats} turn(s) each")
     print(f"{'in-process engine (offline)':<34} {max(offline):8.1f} output tok/s (runs: "
