@@ -184,9 +184,11 @@ def test_sigkill_the_decode_worker_mid_run(pools):
     os.kill(worker_pid(pool, 1), signal.SIGKILL)
     for future in futures:  # re-queued, recomputed and finished by the prefill worker alone
         future.result(timeout=WAIT_S * 2)
-    health = httpx.get(f"{pool.base_url}/health").json()
+    problem = "decode pool has no healthy worker (prefill workers serve colocated)"
+    health = wait_for(lambda: (h := httpx.get(f"{pool.base_url}/health").json())["problems"] and h,
+                      "/health to name the decode pool's problem")  # (pushed every 0.5 s)
     assert health["status"] == "unhealthy"
-    assert "decode pool has no healthy worker (prefill workers serve colocated)" in health["problems"]
+    assert problem in health["problems"]
     assert stats(pool)["num_preemptions"] >= 3
     assert len(greedy(pool, PROMPTS[1])) > 0  # still serving, colocated
     assert_no_leaked_block(pool)
@@ -201,7 +203,10 @@ def test_sigkill_the_prefill_worker_mid_prefill(pools):
     os.kill(worker_pid(pool, 0), signal.SIGKILL)
     for future in futures:  # re-queued, prefilled and decoded by the decode worker alone
         future.result(timeout=WAIT_S * 2)
-    health = httpx.get(f"{pool.base_url}/health").json()
-    assert "prefill pool has no healthy worker (decode workers serve colocated)" in health["problems"]
+    # /health shows the scheduler's figures as of its last push (every 0.5 s): the requests
+    # can finish before the push that names the problem
+    problem = "prefill pool has no healthy worker (decode workers serve colocated)"
+    wait_for(lambda: problem in httpx.get(f"{pool.base_url}/health").json()["problems"],
+             "/health to name the prefill pool's problem")
     assert stats(pool)["num_preemptions"] > preempted  # its prefill was re-queued, not lost
     assert_no_leaked_block(pool)
