@@ -29,9 +29,9 @@ def onednn_rows(num_rows: int) -> int:
     Buckets keep the shapes few (exact to 16, then steps of 8, 32 and 128 rows: at most
     ~12% padding past 64 rows). One row is computed as two: oneDNN's one-row kernel sums in
     another order (SmolLM2's down projection came out 1e-4 off the same row in any bigger
-    batch), and a row must come out alike at every batch size, so that a request's tokens do
-    not depend on its batch mates and speculative verification (many rows) reproduces plain
-    decoding (one row). The second row cost nothing measurable (51-66 us vs 46-64 us)."""
+    batch), and a row must come out alike at every batch size, so that a request's matmuls do
+    not depend on its batch mates and speculative verification's (many rows) reproduce plain
+    decoding's (one row). The second row cost nothing measurable (51-66 us vs 46-64 us)."""
     if num_rows <= 16:
         return max(2, num_rows)
     step = 8 if num_rows <= 64 else 32 if num_rows <= 256 else 128
