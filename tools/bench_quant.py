@@ -228,18 +228,18 @@ def report(rows: dict[str, dict[str, Any]], greedy: dict[str, list[list[int]]],
     print(f"{f'prefill {args.prefill_tokens} tokens (tok/s)':34}"
           + "".join(f"{rows[p]['prefill']:12.1f}" for p in PATHS))
     for b in batches:
-        print(f"{f'decode {b} seqs (tok/s)':34}" + "".join(f"{rows[p]['decode'][b]:12.1f}" for p in PATHS))  # type: ignore[index]
-    base = rows["fp32"]["ppl"].perplexity  # type: ignore[attr-defined]
+        print(f"{f'decode {b} seqs (tok/s)':34}" + "".join(f"{rows[p]['decode'][b]:12.1f}" for p in PATHS))
+    base = rows["fp32"]["ppl"].perplexity
     print(f"{'perplexity (windows in one step)':34}" + "".join(
-        f"{rows[p]['ppl'].perplexity:12.3f}" for p in PATHS))  # type: ignore[attr-defined]
+        f"{rows[p]['ppl'].perplexity:12.3f}" for p in PATHS))
     print(f"{'  vs fp32':34}" + "".join(
-        f"{100 * (rows[p]['ppl'].perplexity / base - 1):+11.2f}%" for p in PATHS))  # type: ignore[attr-defined]
+        f"{100 * (rows[p]['ppl'].perplexity / base - 1):+11.2f}%" for p in PATHS))
     small = rows["auto"]["ppl_small"]
     scored = rows["fp32"]["ppl"]
-    print(f"perplexity of auto in 16-token chunks (its int4 path): {small.perplexity:.3f} "  # type: ignore[attr-defined]
-          f"({100 * (small.perplexity / base - 1):+.2f}%); text {TEXT.name}: {num_tokens} tokens, "  # type: ignore[attr-defined]
-          f"n_ctx {args.n_ctx}, stride {args.n_ctx // 2}, {scored.num_scored} scored in "  # type: ignore[attr-defined]
-          f"{scored.num_windows} windows")  # type: ignore[attr-defined]
+    print(f"perplexity of auto in 16-token chunks (its int4 path): {small.perplexity:.3f} "
+          f"({100 * (small.perplexity / base - 1):+.2f}%); text {TEXT.name}: {num_tokens} tokens, "
+          f"n_ctx {args.n_ctx}, stride {args.n_ctx // 2}, {scored.num_scored} scored in "
+          f"{scored.num_windows} windows")
     for path in PATHS[1:]:
         mean, same = greedy_agreement(greedy["fp32"], greedy[path])
         print(f"greedy agreement {path} vs fp32 ({len(PROMPTS)} prompts x {args.greedy_tokens} tokens): "
