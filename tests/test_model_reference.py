@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from justapi.gguf_file import GGUFFile
 from justapi.protocol import NewRequest, StepPlan
 from justapi.sampling import SamplingParams
 from reference_llama import ReferenceLlama
-from workers.attention import SHORT_CHUNK_TOKENS, TorchPagedBackend
+from workers.attention import SHORT_CHUNK_TOKENS, TorchCpuBackend, TorchPagedBackend
 from workers.gguf_loader import load_llama
 from workers.kv_pool import KVPool, PoolShape
 from workers.model import Linear, LlamaModel, has_onednn_bf16, has_onednn_linear, onednn_rows
@@ -34,9 +35,17 @@ def models(request, tiny_gguf):
     return LlamaModel(load_llama(GGUFFile(path), progress=False)), ReferenceLlama(path)
 
 
-def make_runner(model: LlamaModel, chunk_bytes: int | None = None) -> ModelRunner:
+def make_runner(model: LlamaModel, chunk_bytes: int | None = None, kernel: bool = False) -> ModelRunner:
+    """Attention by the gathered torch path (all short chunks in one SDPA, or chunk_bytes=1:
+    one each), or with kernel=True by the native CPU kernel (workers/csrc/paged_attention.c)."""
     p = model.params
     pool = KVPool.create(PoolShape(p.num_layers, NUM_BLOCKS, BLOCK_SIZE, p.num_kv_heads, p.head_dim))
+    if kernel:
+        if shutil.which("cc") is None:
+            pytest.skip("the CPU attention kernel needs a C compiler")
+        backend = TorchCpuBackend(BLOCK_SIZE)
+        assert backend.kernel is not None, "the CPU kernel did not build (see the warning)"
+        return ModelRunner(model, pool, backend)
     return ModelRunner(model, pool, TorchPagedBackend(BLOCK_SIZE, chunk_bytes=chunk_bytes))
 
 
@@ -89,15 +98,16 @@ def test_chunked_prefill_across_steps(models):
         start += size
 
 
-@pytest.mark.parametrize("chunk_bytes", [None, 1])  # one SDPA for all short chunks, or one each
-def test_mixed_batches_decoding_across_block_boundaries(models, chunk_bytes):
+@pytest.mark.parametrize("chunk_bytes,kernel", [(None, False), (1, False), (None, True)],
+                         ids=["one-sdpa", "sdpa-each", "cpu-kernel"])
+def test_mixed_batches_decoding_across_block_boundaries(models, chunk_bytes, kernel):
     """One step mixes a long prefill, short chunks and decodes of sequences of other lengths;
     then all decode together (teacher-forced) across block boundaries, while a late sequence
     prefills in the middle of the decodes."""
     model, ref = models
     lengths = {"a": 3 + 10, "b": 18 + 10, "c": 9 + 10, "d": 21 + 5}
     seqs = Seqs(lengths, model.params.vocab_size, seed=2)
-    runner = make_runner(model, chunk_bytes)
+    runner = make_runner(model, chunk_bytes, kernel)
     expected = {rid: ref.forward(tokens) for rid, tokens in seqs.tokens.items()}
     prompt = {"a": 3, "b": 18, "c": 9}
     got = all_row_logits(runner, 0, [seqs.chunk(r, 0, n) for r, n in prompt.items()],
@@ -176,6 +186,52 @@ def test_a_decoding_sequence_gets_the_same_logits_alone_or_batched(tiny_gguf):
     alone = decode_logits(["s0"], 1)
     batched = decode_logits(list(seqs.tokens), 10)
     assert torch.equal(alone, batched), float((alone - batched).abs().max())
+
+
+@pytest.fixture(scope="module")
+def kernel_model(tiny_gguf):
+    path = tiny_gguf(type="Q4_1", layers=2, hidden=128, heads=4, kv_heads=2, ffn=1536, vocab=320)
+    return LlamaModel(load_llama(GGUFFile(path), progress=False))
+
+
+def test_with_the_cpu_kernel_a_decode_is_bit_identical_beside_longer_mates(kernel_model):
+    """What the gathered path cannot give (longer mates pad its keys): the logits of one
+    decoding sequence are the same bits alone and beside sequences of other lengths."""
+    lengths = {"s0": 9, "s1": 30, "s2": 17, "s3": 5}
+    seqs = Seqs(lengths, kernel_model.params.vocab_size, seed=6)
+    runner = make_runner(kernel_model, kernel=True)
+
+    def decode_logits(rids: list[str], step: int) -> torch.Tensor:
+        prefill = [(r, 0, seqs.tokens[r][:-1], seqs.blocks[r], False) for r in rids]
+        runner.execute(StepPlan.build(step, prefill, [seqs.new(r) for r in rids]))
+        last = [(r, lengths[r] - 1, seqs.tokens[r][-1:], seqs.blocks[r], True) for r in rids]
+        logits = runner.forward_logits(StepPlan.build(step + 1, last))
+        runner.execute(StepPlan.build(step + 2, [], finished_request_ids=rids))
+        return logits[0]
+
+    alone = decode_logits(["s0"], 1)
+    assert torch.equal(alone, decode_logits(list(lengths), 10))
+
+
+def test_with_the_cpu_kernel_verification_rows_are_bit_identical_to_plain_decoding(kernel_model):
+    """Speculative verification computes k + 1 rows of a sequence in one step; with the kernel
+    each row's logits are the bits plain decoding gets for that position, one token a step."""
+    seqs = Seqs({"a": 20}, kernel_model.params.vocab_size, seed=7)
+    tokens, prompt = seqs.tokens["a"], 14
+
+    def run(chunk_sizes: list[int]) -> torch.Tensor:
+        runner = make_runner(kernel_model, kernel=True)
+        rows, start = [], prompt
+        runner.execute(StepPlan.build(0, [seqs.chunk("a", 0, prompt)[:4] + (False,)], [seqs.new("a")]))
+        for step, size in enumerate(chunk_sizes, 1):
+            (logits,) = all_row_logits(runner, step, [seqs.chunk("a", start, size)])
+            rows.append(logits)
+            start += size
+        return torch.cat(rows)
+
+    one_at_a_time = run([1] * 6)
+    verified = run([1, 5])  # one decode, then a 5-row verification chunk
+    assert torch.equal(one_at_a_time, verified), float((one_at_a_time - verified).abs().max())
 
 
 def test_onednn_row_buckets_are_few_and_cover_every_size():

@@ -8,6 +8,10 @@ with other work, so each figure is the best window of 8 consecutive steps (best 
 prefill), with the median step beside it.
 
     python tools/bench_engine.py [--model FILE.gguf] [--decode-steps 32] [--prompt-tokens 128]
+
+With --attention-paired (CPU) the decode phases instead run with the native paged-attention
+kernel and with the gathered torch path, in turns (alternating which goes first), and print
+the ratio of the two.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 
 from justapi.protocol import NewRequest, StepPlan
 from justapi.sampling import SamplingParams
+from workers.attention import TorchCpuBackend
 from workers.engine import LLMEngine
 
 
@@ -80,12 +85,31 @@ WINDOW = 8
 def line(label: str, rows: int, step_s: list[float], bound_s: list[float], flops: int) -> str:
     """tok/s over the best window of consecutive steps (and the median step), beside the
     matmul-only rate (best repeat) and its GFLOP/s; the ratio compares the two bests."""
-    windows = [sum(step_s[i:i + WINDOW]) / WINDOW for i in range(len(step_s) - WINDOW + 1)]
-    windows = windows or [min(step_s)]  # fewer steps than a window (prefill runs): the best
-    best, median = rows / min(windows), rows / statistics.median(step_s)
+    best, median = rows / best_window_s(step_s), rows / statistics.median(step_s)
     bound = rows / min(bound_s)
     return (f"{label:<34} {best:7.1f} tok/s (median step {median:7.1f}) | matmuls alone "
             f"{bound:7.1f} tok/s ({flops / min(bound_s) / 1e9:5.1f} GFLOP/s) | ratio {best / bound:.2f}")
+
+
+def best_window_s(step_s: list[float]) -> float:
+    windows = [sum(step_s[i:i + WINDOW]) / WINDOW for i in range(len(step_s) - WINDOW + 1)]
+    return min(windows or step_s)
+
+
+def paired_attention(engine: LLMEngine, prompts: list[list[int]], decode_steps: int,
+                     rounds: int) -> dict[str, list[float]]:
+    """Decode step times with each CPU attention path, the paths taking turns."""
+    block_size = engine.pool.shape.block_size
+    backends = {"kernel": TorchCpuBackend(block_size),
+                "gathered": TorchCpuBackend(block_size, use_kernel=False)}
+    if backends["kernel"].kernel is None:
+        raise SystemExit("the CPU attention kernel did not build here (see the warning above)")
+    times: dict[str, list[float]] = {name: [] for name in backends}
+    for turn in range(rounds):
+        for name in (list(backends) if turn % 2 == 0 else list(reversed(backends))):
+            engine.runner.backend = backends[name]
+            times[name] += run_steps(engine, prompts, decode_steps)[1]
+    return times
 
 
 def main() -> None:
@@ -95,6 +119,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of decode runs")
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--attention-paired", action="store_true",
+                        help="decode with the CPU attention kernel and the gathered path in turns")
+    parser.add_argument("--rounds", type=int, default=4, help="turns per path with --attention-paired")
     args = parser.parse_args()
     torch.manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
@@ -106,6 +133,16 @@ def main() -> None:
     print(f"model {engine.model.name}: load {load_s:.2f} s (GGUF parse, dequantize, kernel layout, "
           f"tokenizer); torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}")
     rng = np.random.default_rng(0)
+    if args.attention_paired:
+        for num_seqs in batches:
+            prompts = [rng.integers(0, p.vocab_size, args.prompt_tokens).tolist() for _ in range(num_seqs)]
+            best = {name: num_seqs / best_window_s(steps)
+                    for name, steps in paired_attention(engine, prompts, args.decode_steps, args.rounds).items()}
+            print(f"decode {num_seqs} seqs (context {args.prompt_tokens}-{args.prompt_tokens + args.decode_steps}): "
+                  f"kernel {best['kernel']:7.1f} tok/s, gathered {best['gathered']:7.1f} tok/s, "
+                  f"ratio {best['kernel'] / best['gathered']:.2f}")
+        engine.close()
+        return
     prefill = [run_steps(engine, [rng.integers(0, p.vocab_size, args.prefill_tokens).tolist()], 1)[0]
                for _ in range(3)]
     print(line(f"prefill ({args.prefill_tokens}-token prompt)", args.prefill_tokens, prefill,

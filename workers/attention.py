@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from workers import cpu_kernels
 from workers.spec_tree import TreeLayout
 
 SHORT_CHUNK_TOKENS = 16
@@ -94,6 +95,8 @@ class ShortGroup:
     tables: torch.Tensor  # int64 [A, Bmax]
     mask: torch.Tensor  # bool [A, 1, Qmax, Bmax * block_size]: key visible to query
     is_identity: bool  # one token per sequence, rows in order: no gather/scatter needed
+    num_keys: torch.Tensor  # int64 [A]: start + num_tokens, the keys the sequence's rows reach
+    num_rows: torch.Tensor  # int64 [A]: its real query rows (num_tokens)
 
 
 @dataclass
@@ -175,7 +178,9 @@ class TorchPagedBackend(AttentionBackend):
         return ShortGroup(rows=self._tensor(rows), valid_rows=self._tensor(np.flatnonzero(is_valid)),
                           out_rows=self._tensor(rows[is_valid]), tables=self._tensor(tables),
                           mask=torch.from_numpy(mask[:, None]).to(self.device),
-                          is_identity=bool(is_identity))
+                          is_identity=bool(is_identity),
+                          num_keys=self._tensor(batch.start_positions[seqs] + counts),
+                          num_rows=self._tensor(counts))
 
     def _long_chunk(self, batch: AttentionBatch, seq: int) -> LongChunk:
         start, n = int(batch.start_positions[seq]), int(batch.num_tokens[seq])
@@ -255,10 +260,26 @@ def gather_blocks(kv: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 class TorchCpuBackend(TorchPagedBackend):
-    """The CPU backend: fp32, torch's CPU SDPA kernels over gathered blocks."""
+    """The CPU backend, fp32. Short chunks (decode, verification) go to the native paged-
+    attention kernel (workers/csrc/paged_attention.c), which reads K/V in place and computes
+    a row alike in any batch; long chunks, and short ones where the kernel cannot be built,
+    to torch's CPU SDPA over gathered blocks. SmolLM2 decoded 1.1-1.8x faster with the kernel
+    (more at longer contexts: docs/runtime.md)."""
 
-    def __init__(self, block_size: int, chunk_bytes: int | None = CPU_CHUNK_BYTES) -> None:
+    def __init__(self, block_size: int, chunk_bytes: int | None = CPU_CHUNK_BYTES,
+                 use_kernel: bool = True) -> None:
         super().__init__(block_size, "cpu", chunk_bytes)
+        self.kernel = cpu_kernels.paged_attention() if use_kernel else None
+
+    def _attend_short(self, kv: torch.Tensor, q: torch.Tensor, group: ShortGroup) -> torch.Tensor:
+        if self.kernel is None or kv.dtype != torch.float32 or q.dtype != torch.float32:
+            return super()._attend_short(kv, q, group)
+        num_seqs, q_max = group.rows.shape
+        q_pad = q.view(num_seqs, 1, *q.shape[1:]) if group.is_identity else q[group.rows]
+        out = self.kernel(q_pad, kv, group.tables, group.mask[:, 0], group.num_keys,
+                          group.num_rows)  # [A, Qmax, heads, head_dim]
+        out = out.view(num_seqs * q_max, *q.shape[1:])
+        return out if group.is_identity else out[group.valid_rows]
 
 
 class CudaBackend(TorchPagedBackend):
