@@ -1,5 +1,7 @@
 """CPU processes keep freed heap pages (workers/cpu_memory.py): a decode step of a tiny model at
-64 sequences took ~990 minor page faults with glibc's default thresholds and ~3 with them raised.
+64 sequences on the gathered attention path took ~990 minor page faults with glibc's default
+thresholds and ~3 with them raised. (The CPU attention kernel reads K/V in place, so its decode
+steps make few temporaries either way; long chunks and the no-compiler fallback still gather.)
 Page faults are counted, not timed: the count does not move with the host's load."""
 from __future__ import annotations
 
@@ -51,8 +53,9 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / 10)
 
 
 def faults_per_step(mode: str, cache_dir: str) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "JUSTAPI_CPU_KERNELS": "0"}  # gathered K/V
     out = subprocess.run([sys.executable, "-c", STEPS, mode, cache_dir], capture_output=True,
-                         text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         text=True, check=True, env=env)
     return float(out.stdout.strip().splitlines()[-1])
 
 

@@ -164,63 +164,52 @@ def test_a_row_comes_out_alike_at_every_batch_size(compute_dtype):
             assert torch.equal(row, first_rows[2]), (out_features, in_features, m)
 
 
-def test_a_decoding_sequence_gets_the_same_logits_alone_or_batched(tiny_gguf):
-    """The whole step, fp32: the logits of one decoding sequence are bit-identical alone and
-    beside four others (each fix is needed: the one-row matmul and the one-sequence SDPA).
-    Batch mates of the same length: a longer mate pads the keys, which moves CPU SDPA's
-    last bits (~1e-6 in the logits; docs/quantization.md)."""
-    path = tiny_gguf(type="Q4_1", layers=2, hidden=128, heads=4, kv_heads=2, ffn=1536, vocab=320)
-    model = LlamaModel(load_llama(GGUFFile(path), progress=False))
-    seqs = Seqs({f"s{i}": 9 for i in range(5)}, model.params.vocab_size, seed=5)
-    runner = make_runner(model)
-
-    def decode_logits(rids: list[str], step: int) -> torch.Tensor:
-        lengths = {r: len(seqs.tokens[r]) for r in rids}
-        prefill = [(r, 0, seqs.tokens[r][:-1], seqs.blocks[r], False) for r in rids]
-        runner.execute(StepPlan.build(step, prefill, [seqs.new(r) for r in rids]))
-        last = [(r, lengths[r] - 1, seqs.tokens[r][-1:], seqs.blocks[r], True) for r in rids]
-        logits = runner.forward_logits(StepPlan.build(step + 1, last))
-        runner.execute(StepPlan.build(step + 2, [], finished_request_ids=rids))
-        return logits[0]
-
-    alone = decode_logits(["s0"], 1)
-    batched = decode_logits(list(seqs.tokens), 10)
-    assert torch.equal(alone, batched), float((alone - batched).abs().max())
-
-
 @pytest.fixture(scope="module")
-def kernel_model(tiny_gguf):
+def q4_model(tiny_gguf):
     path = tiny_gguf(type="Q4_1", layers=2, hidden=128, heads=4, kv_heads=2, ffn=1536, vocab=320)
     return LlamaModel(load_llama(GGUFFile(path), progress=False))
 
 
-def test_with_the_cpu_kernel_a_decode_is_bit_identical_beside_longer_mates(kernel_model):
+def last_token_logits(runner: ModelRunner, seqs: Seqs, rids: list[str], step: int) -> torch.Tensor:
+    """Prefill all but the last token of each sequence, decode the last one in one step
+    together, then free them; the first sequence's logits."""
+    prefill = [(r, 0, seqs.tokens[r][:-1], seqs.blocks[r], False) for r in rids]
+    runner.execute(StepPlan.build(step, prefill, [seqs.new(r) for r in rids]))
+    last = [(r, len(seqs.tokens[r]) - 1, seqs.tokens[r][-1:], seqs.blocks[r], True) for r in rids]
+    logits = runner.forward_logits(StepPlan.build(step + 1, last))
+    runner.execute(StepPlan.build(step + 2, [], finished_request_ids=rids))
+    return logits[0]
+
+
+def test_a_decoding_sequence_gets_the_same_logits_alone_or_batched(q4_model):
+    """The whole step, fp32, gathered attention: the logits of one decoding sequence are
+    bit-identical alone and beside four others (each fix is needed: the one-row matmul and the
+    one-sequence SDPA). Batch mates of the same length: a longer mate pads the keys, which
+    moves SDPA's last bits (~1e-6 in the logits; docs/quantization.md)."""
+    seqs = Seqs({f"s{i}": 9 for i in range(5)}, q4_model.params.vocab_size, seed=5)
+    runner = make_runner(q4_model)
+    alone = last_token_logits(runner, seqs, ["s0"], 1)
+    batched = last_token_logits(runner, seqs, list(seqs.tokens), 10)
+    assert torch.equal(alone, batched), float((alone - batched).abs().max())
+
+
+def test_with_the_cpu_kernel_a_decode_is_bit_identical_beside_longer_mates(q4_model):
     """What the gathered path cannot give (longer mates pad its keys): the logits of one
     decoding sequence are the same bits alone and beside sequences of other lengths."""
-    lengths = {"s0": 9, "s1": 30, "s2": 17, "s3": 5}
-    seqs = Seqs(lengths, kernel_model.params.vocab_size, seed=6)
-    runner = make_runner(kernel_model, kernel=True)
-
-    def decode_logits(rids: list[str], step: int) -> torch.Tensor:
-        prefill = [(r, 0, seqs.tokens[r][:-1], seqs.blocks[r], False) for r in rids]
-        runner.execute(StepPlan.build(step, prefill, [seqs.new(r) for r in rids]))
-        last = [(r, lengths[r] - 1, seqs.tokens[r][-1:], seqs.blocks[r], True) for r in rids]
-        logits = runner.forward_logits(StepPlan.build(step + 1, last))
-        runner.execute(StepPlan.build(step + 2, [], finished_request_ids=rids))
-        return logits[0]
-
-    alone = decode_logits(["s0"], 1)
-    assert torch.equal(alone, decode_logits(list(lengths), 10))
+    seqs = Seqs({"s0": 9, "s1": 30, "s2": 17, "s3": 5}, q4_model.params.vocab_size, seed=6)
+    runner = make_runner(q4_model, kernel=True)
+    alone = last_token_logits(runner, seqs, ["s0"], 1)
+    assert torch.equal(alone, last_token_logits(runner, seqs, list(seqs.tokens), 10))
 
 
-def test_with_the_cpu_kernel_verification_rows_are_bit_identical_to_plain_decoding(kernel_model):
+def test_with_the_cpu_kernel_verification_rows_are_bit_identical_to_plain_decoding(q4_model):
     """Speculative verification computes k + 1 rows of a sequence in one step; with the kernel
     each row's logits are the bits plain decoding gets for that position, one token a step."""
-    seqs = Seqs({"a": 20}, kernel_model.params.vocab_size, seed=7)
+    seqs = Seqs({"a": 20}, q4_model.params.vocab_size, seed=7)
     tokens, prompt = seqs.tokens["a"], 14
 
     def run(chunk_sizes: list[int]) -> torch.Tensor:
-        runner = make_runner(kernel_model, kernel=True)
+        runner = make_runner(q4_model, kernel=True)
         rows, start = [], prompt
         runner.execute(StepPlan.build(0, [seqs.chunk("a", 0, prompt)[:4] + (False,)], [seqs.new("a")]))
         for step, size in enumerate(chunk_sizes, 1):
