@@ -148,3 +148,15 @@ def test_a_cache_directory_others_can_write_is_not_used(tmp_path, monkeypatch):
     shared.chmod(0o777)
     monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(shared))
     assert cpu_kernels.cache_dir() != shared
+
+
+def test_a_block_id_outside_the_pool_is_an_error_not_a_stray_read():
+    batch, kv, q = random_step([3, 40], [1, 1])
+    backend = TorchCpuBackend(batch.block_size)
+    meta = backend.prepare(batch)
+    meta.short.tables[1, 0] = kv.shape[1]  # one past the last block
+    with pytest.raises(ValueError, match="outside the pool's"):
+        backend.attend(kv, q, meta)
+    meta.short.tables[1, 0] = -1
+    with pytest.raises(ValueError, match="outside the pool's"):
+        backend.attend(kv, q, meta)

@@ -27,6 +27,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 """-march=native: the build is for this CPU (the cache key holds its flags). -fopenmp links
 libgomp.so.1, the same soname torch loads, so the kernel shares torch's one thread pool."""
 ENABLE_ENV = "JUSTAPI_CPU_KERNELS"
+BAD_BLOCK = -2  # paged_attention.c's status codes (OUT_OF_MEMORY = -1)
 CACHE_ENV = "JUSTAPI_KERNEL_CACHE"
 
 
@@ -114,6 +115,9 @@ class PagedAttentionKernel:
         status = self._fn(q.data_ptr(), kv.data_ptr(), tables.data_ptr(), mask.data_ptr(),
                           num_keys.data_ptr(), num_rows.data_ptr(), out.data_ptr(), dims.data_ptr(),
                           head_dim ** -0.5, torch.get_num_threads())
+        if status == BAD_BLOCK:
+            raise ValueError(f"a block table names a block outside the pool's {num_blocks} "
+                             f"(largest id {int(tables.max())})")
         if status != 0:
             raise MemoryError("paged attention kernel: out of memory for its scratch buffers")
         return out

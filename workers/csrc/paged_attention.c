@@ -68,6 +68,8 @@ static void softmax(float *s, int64_t n) {
     for (int64_t k = 0; k < n; k++) s[k] *= inv;
 }
 
+enum { OUT_OF_MEMORY = -1, BAD_BLOCK = -2 };
+
 struct Shape {
     int64_t num_seqs, q_max, heads, kv_heads, head_dim, block_size, max_blocks;
     int64_t num_blocks;  /* of the pool layer */
@@ -81,7 +83,7 @@ struct Shape {
  *   pass 2: each (row, head) softmax over its visible keys, packed in key order
  *   pass 3: for each key t (in order), for each row that sees t: out += p * V[t]
  */
-static void attend_seq(const struct Shape *sh, int64_t a, int64_t h0, int64_t h1,
+static int attend_seq(const struct Shape *sh, int64_t a, int64_t h0, int64_t h1,
                        const float *q, const float *kv, const int64_t *tables,
                        const uint8_t *mask, int64_t num_keys, int64_t num_rows, float *out,
                        float *probs, int64_t *slots, int64_t *cursor) {
@@ -90,9 +92,11 @@ static void attend_seq(const struct Shape *sh, int64_t a, int64_t h0, int64_t h1
     const float *values = kv + sh->num_blocks * sh->block_size * slot_size;
     const int64_t mask_keys = sh->max_blocks * sh->block_size;
     const uint8_t *seq_mask = mask + a * sh->q_max * mask_keys;  /* [q_max, mask_keys] */
-    for (int64_t t = 0; t < num_keys; t++)
-        slots[t] = (tables[a * sh->max_blocks + t / sh->block_size] * sh->block_size
-                    + t % sh->block_size) * slot_size;
+    for (int64_t t = 0; t < num_keys; t++) {
+        const int64_t block_id = tables[a * sh->max_blocks + t / sh->block_size];
+        if (block_id < 0 || block_id >= sh->num_blocks) return BAD_BLOCK;
+        slots[t] = (block_id * sh->block_size + t % sh->block_size) * slot_size;
+    }
     memset(cursor, 0, sizeof(int64_t) * num_rows);
     for (int64_t t = 0; t < num_keys; t++) {
         const float *key = kv + slots[t];
@@ -127,12 +131,14 @@ static void attend_seq(const struct Shape *sh, int64_t a, int64_t h0, int64_t h1
             }
         }
     }
+    return 0;
 }
 
 /* q, out: [num_seqs, q_max, heads, head_dim]; kv: [2, num_blocks, block_size, kv_heads,
  * head_dim]; tables: [num_seqs, max_blocks]; mask: [num_seqs, q_max, max_blocks * block_size]
  * (nonzero: row sees key); num_keys, num_rows: [num_seqs]. Rows past num_rows[a] are left
- * as they are. Returns 0, or -1 where scratch memory ran out. */
+ * as they are. Returns 0, OUT_OF_MEMORY (scratch), or BAD_BLOCK (a table entry outside the
+ * pool: nothing is read from it). */
 int paged_attention_short(const float *q, const float *kv, const int64_t *tables,
                           const uint8_t *mask, const int64_t *num_keys,
                           const int64_t *num_rows, float *out, const int64_t *dims,
@@ -142,20 +148,20 @@ int paged_attention_short(const float *q, const float *kv, const int64_t *tables
     /* fewer sequences than threads: split each by KV head so every thread has work */
     const int64_t splits = sh.num_seqs < num_threads ? sh.kv_heads : 1;
     const int64_t heads_per_split = sh.heads / splits;
-    int failed = 0;
-    #pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(|:failed)
+    int status = 0;
+    #pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(min:status)
     for (int64_t task = 0; task < sh.num_seqs * splits; task++) {
         const int64_t a = task / splits, h0 = (task % splits) * heads_per_split;
         const int64_t keys = num_keys[a], rows = num_rows[a];
         float *probs = malloc(sizeof(float) * rows * sh.heads * keys);
         int64_t *slots = malloc(sizeof(int64_t) * (keys + rows));
-        if (probs && slots)
-            attend_seq(&sh, a, h0, h0 + heads_per_split, q, kv, tables, mask, keys, rows, out,
-                       probs, slots, slots + keys);
-        else
-            failed = 1;
+        const int done = probs && slots
+            ? attend_seq(&sh, a, h0, h0 + heads_per_split, q, kv, tables, mask, keys, rows,
+                         out, probs, slots, slots + keys)
+            : OUT_OF_MEMORY;
+        status = done < status ? done : status;
         free(probs);
         free(slots);
     }
-    return failed ? -1 : 0;
+    return status;
 }
