@@ -13,6 +13,10 @@ from justapi.codec import register
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+"""Most tokens one request may bias."""
+MAX_BIAS = 100.0
+"""|bias| limit (OpenAI's): -100 in effect bans a token, +100 all but forces it."""
 MAX_INT32 = 2**31 - 1  # token ids and counts travel as int32
 
 
@@ -45,11 +49,16 @@ class SamplingParams:
     """Keep generating past the model's EOS token."""
     logprobs: int | None = None
     """None: no logprobs; n >= 0: the sampled token's logprob plus the top n alternatives."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs, sorted by id: the bias is added to the token's logit before
+    penalties and sampling, greedy included (logprobs stay the model's own). A dict
+    {id: bias} is accepted too."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.stop_token_ids, tuple):  # lists arrive from JSON
             _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids must be a list")
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         _check(isinstance(self.max_tokens, int) and 1 <= self.max_tokens <= MAX_INT32,
                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_number(self.temperature) and 0.0 <= self.temperature <= 100.0,
@@ -88,6 +97,7 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["stop_token_ids"] = list(self.stop_token_ids)
+        out["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return out
 
     @classmethod
@@ -97,6 +107,33 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {sorted(unknown)}")
         return cls(**data)
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """{id: bias} or [[id, bias], ...] -> validated pairs sorted by token id."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise ValueError(f"logit_bias must map token ids to biases, got {value!r}")
+    _check(len(items) <= MAX_LOGIT_BIAS,
+           f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to biases, got {len(items)}")
+    pairs = []
+    for item in items:
+        _check(isinstance(item, (list, tuple)) and len(item) == 2,
+               f"logit_bias entries must be (token id, bias) pairs, got {item!r}")
+        token_id, bias = item
+        _check(isinstance(token_id, int) and not isinstance(token_id, bool)
+               and 0 <= token_id <= MAX_INT32,
+               f"logit_bias token ids must be integers in [0, 2**31), got {token_id!r}")
+        _check(_is_number(bias) and -MAX_BIAS <= bias <= MAX_BIAS,
+               f"logit_bias values must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias!r}")
+        pairs.append((token_id, float(bias)))
+    pairs.sort()
+    _check(len({token_id for token_id, _ in pairs}) == len(pairs),
+           "logit_bias names a token id twice")
+    return tuple(pairs)
 
 
 def _is_number(value: object) -> bool:

@@ -50,7 +50,7 @@ def test_token_id_prompt_and_sampling_fields_reach_the_scheduler():
             await _complete(stack, prompt=[5, 6, 7], max_tokens=3, temperature=0.5, top_p=0.9,
                             top_k=7, min_p=0.1, presence_penalty=0.5, frequency_penalty=-0.5,
                             repetition_penalty=1.2, seed=11, stop_token_ids=[9], ignore_eos=True,
-                            user="someone")
+                            user="someone", logit_bias={"12": -100, "3": 2.5})
             sent = stack.fake.submitted[0]
             assert sent.prompt_token_ids.tolist() == [5, 6, 7]
             s = sent.sampling
@@ -58,6 +58,7 @@ def test_token_id_prompt_and_sampling_fields_reach_the_scheduler():
             assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == \
                 (0.5, -0.5, 1.2)
             assert (s.seed, s.stop_token_ids, s.ignore_eos, s.logprobs) == (11, (9,), True, None)
+            assert s.logit_bias == ((3, 2.5), (12, -100.0))
     run(scenario)
 
 

@@ -46,7 +46,13 @@ COMPLETION_CASES = [
     ("stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}},
      "stream_options"),
     ("suffix", {"prompt": "x", "suffix": "y"}, "suffix"),
-    ("logit_bias", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("logit_bias key not a token id", {"prompt": "x", "logit_bias": {"abc": 1.0}}, "logit_bias"),
+    ("logit_bias negative key", {"prompt": "x", "logit_bias": {"-1": 1.0}}, "logit_bias"),
+    ("logit_bias id out of vocabulary", {"prompt": "x", "logit_bias": {"49152": 1.0}},
+     "logit_bias"),
+    ("logit_bias huge id", {"prompt": "x", "logit_bias": {"9" * 30: 1.0}}, "logit_bias"),
+    ("logit_bias out of range", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("logit_bias not a number", {"prompt": "x", "logit_bias": {"5": "high"}}, "logit_bias"),
     ("best_of", {"prompt": "x", "best_of": 3}, "best_of"),
     ("too many choices", {"prompt": ["x"] * 40, "n": 2}, "prompt"),
 ]
@@ -71,6 +77,7 @@ CHAT_CASES = [
     ("tools", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
     ("json response format", {"messages": CHAT, "response_format": {"type": "json_object"}},
      "response_format"),
+    ("logit_bias key not a token id", {"messages": CHAT, "logit_bias": {"5.5": 1}}, "logit_bias"),
     ("unknown model", {"model": "nope", "messages": CHAT}, "model"),
 ]
 

@@ -125,6 +125,23 @@ def test_logprobs(oai, model_id):
         assert chosen <= 0 and abs(chosen - max(top.values())) < 1e-4  # greedy picks the top
 
 
+def test_logit_bias_forces_and_bans_tokens(pool, oai, model_id):
+    def token_id(text: str) -> int:
+        body = {"prompt": text, "add_special_tokens": False}
+        (tid,) = httpx.post(f"{pool.base_url}/tokenize", json=body).json()["tokens"]
+        return tid
+
+    a, b = token_id("a"), token_id("b")
+    forced = greedy(oai, model_id, max_tokens=6, logit_bias={str(a): 100, str(b): 50})
+    assert forced.choices[0].text == "a" * 6
+    banned = greedy(oai, model_id, max_tokens=6, logit_bias={str(a): -100, str(b): 50})
+    assert banned.choices[0].text == "b" * 6  # without the ban, "a" would win every step
+    chat = oai.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=4, temperature=0, logit_bias={str(b): 100},
+                                       extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == "bbbb"
+
+
 def test_concurrent_streams_match_single_runs(pool, oai, model_id):
     prompts = [f"{PROMPT} number {i} " + "word " * (i % 7) for i in range(32)]
     alone = [greedy(oai, model_id, prompt=p, max_tokens=16).choices[0].text for p in prompts]

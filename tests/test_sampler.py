@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from justapi.sampling import SamplingParams
-from workers.sampler import Sampler, SamplingRow, apply_penalties, filtered_probs, stream_seed
+from workers.sampler import (Sampler, SamplingRow, adjusted_logits, apply_penalties, filtered_probs,
+                             stream_seed)
 
 
 def row(params: SamplingParams, position: int = 0, tokens=(), num_prompt: int = 0) -> SamplingRow:
@@ -184,3 +185,34 @@ def test_logprobs_are_raw_and_padded():
 def test_no_logprobs_when_none_asked():
     out = Sampler().sample(torch.randn(2, 10), [row(SamplingParams()), row(SamplingParams(temperature=0))])
     assert out.logprobs is None and out.top_ids is None
+
+
+def test_logit_bias_is_added_before_penalties_and_steers_greedy_and_sampled_rows():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [2.0, 1.0, 0.5, -1.0]])
+    biased = SamplingParams(temperature=0.0, logit_bias={0: -100.0, 3: 2.5}, repetition_penalty=2.0)
+    rows = [row(biased, tokens=[3], num_prompt=1), row(SamplingParams(temperature=0.0))]
+    out = adjusted_logits(logits, rows)
+    # row 0: token 0 -> 2 - 100 = -98, then repetition (seen: 3) -> 3 (-1 + 2.5 = 1.5) / 2
+    torch.testing.assert_close(out, torch.tensor([[-98.0, 1.0, 0.5, 0.75], [2.0, 1.0, 0.5, -1.0]]))
+    sampled = Sampler(0).sample(logits, rows)
+    assert sampled.token_ids.tolist() == [1, 0]
+    forced = SamplingParams(temperature=1.0, seed=4, logit_bias={3: 100.0})
+    assert set(sample_many(logits[0], forced, 200).tolist()) == {3}
+
+
+def test_logit_bias_keeps_logprobs_raw_and_skips_ids_past_the_vocabulary():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    params = SamplingParams(temperature=0.0, logprobs=1, logit_bias={0: 50.0, 7: 100.0})
+    out = Sampler().sample(logits, [row(params)])
+    assert out.token_ids.tolist() == [0]
+    assert out.logprobs[0] == pytest.approx(float(torch.log_softmax(logits, -1)[0, 0]))
+
+
+def test_logit_bias_params_are_validated_and_travel_as_pairs():
+    params = SamplingParams(logit_bias={9: 1, 2: -3.5})
+    assert params.logit_bias == ((2, -3.5), (9, 1.0))
+    assert SamplingParams.from_dict(params.to_dict()) == params
+    for bad in ({"9": 1}, {9: 100.5}, {-1: 0}, [[1, 2, 3]], [[1, 0], [1, 1]], {True: 1},
+                {1: float("nan")}, dict.fromkeys(range(2000), 1.0), "x"):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

@@ -154,6 +154,17 @@ def test_batch_mates_preemption_and_logprobs_do_not_change_greedy_outputs(target
     engine.close()
 
 
+def test_logit_bias_keeps_greedy_outputs_plain_and_the_draft_proposes_with_it(target):
+    biased = dataclasses.replace(GREEDY, logit_bias={t: 4.0 for t in range(3, 300, 5)})
+    plain = [o.token_ids for o in target.generate(PROMPTS, biased)]
+    assert plain != [o.token_ids for o in target.generate(PROMPTS, GREEDY)]  # the bias matters
+    engine = speculative(SpecConfig(draft_model=TARGET, gamma=4))
+    assert [o.token_ids for o in engine.generate(PROMPTS, biased)] == plain
+    # the target as its own draft: right every time only if the draft adds the bias too
+    assert engine.loop.stats()["spec_decode_draft_acceptance_rate"] > 0.99
+    engine.close()
+
+
 def test_draft_kv_stays_valid_through_prefix_hits_and_preemption(target):
     """The target as its own draft accepts every draft - only if the draft's KV is right
     everywhere: in prefix-cache blocks another request computed, and after recompute."""

@@ -11,7 +11,7 @@ import torch
 from chi_square import goodness_of_fit
 
 from justapi.sampling import SamplingParams
-from workers.sampler import Sampler, SamplingRow, filtered_probs
+from workers.sampler import Sampler, SamplingRow, adjusted_logits, filtered_probs
 from workers.verify import NodeDraws, Verifier, VerifyInput
 
 V = 6
@@ -124,13 +124,13 @@ def test_a_drawn_token_whose_node_was_cut_still_counts():
                for item, r in zip(items, results))
 
 
-def test_filters_and_penalties_apply_to_the_target():
+def test_filters_penalties_and_logit_bias_apply_to_the_target():
     params = SamplingParams(temperature=0.7, top_k=4, top_p=0.95, repetition_penalty=1.3,
-                            max_tokens=8)
+                            max_tokens=8, logit_bias={1: 1.5, 4: -100.0})
     history = [3, 5, 3]
     rows = [SamplingRow(params, np.asarray(history), 1, 3)]
-    from workers.sampler import apply_penalties
-    expected = filtered_probs(apply_penalties(logits_of([0]), rows), [params])[0]
+    expected = filtered_probs(adjusted_logits(logits_of([0]), rows), [params])[0]
+    assert expected[4] == 0 and expected[1] > 0  # the ban and the boost both matter here
     rng = np.random.default_rng(5)
     items = []
     for _ in range(N):
@@ -168,6 +168,17 @@ def test_greedy_follows_the_argmax_path_through_the_tree():
     (result,) = run([item])
     assert result.nodes == [1, 2] and result.tokens == [best[0], best[2], best[3]]
     assert result.rows == [0, 2, 3]
+
+
+def test_greedy_verification_follows_the_biased_argmax():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
+    forced = int(logits[0].argmin())
+    params = SamplingParams(temperature=0.0, logit_bias={forced: 100.0})
+    (result,) = run([VerifyInput(logits, params, [1], 1, 0, [forced, forced], [-1, 0])])
+    assert result.tokens == [forced] * 3  # both drafts accepted, the bonus token forced too
+    unbiased = int(logits[0].argmax())
+    (result,) = run([VerifyInput(logits[:2], params, [1], 1, 0, [unbiased], [-1])])
+    assert result.tokens == [forced]  # the model's own favourite is rejected
 
 
 @pytest.mark.parametrize("seed", [3, 11])

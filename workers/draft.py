@@ -30,7 +30,7 @@ from justapi.spec_config import SpecConfig
 from workers.attention import AttentionBackend, AttentionBatch, make_backend
 from workers.kv_pool import KVPool, PoolShape
 from workers.model import LlamaModel
-from workers.sampler import Sampler, filtered_probs, seeded_noise
+from workers.sampler import Sampler, apply_logit_bias, filtered_probs, seeded_noise
 from workers.spec_tree import TreeLayout, level_mask
 from workers.synthetic import SPEC_PREFIX, materialize
 from workers.verify import NodeDraws
@@ -128,6 +128,8 @@ class DraftModel:
         candidates: list[tuple[float, int, int]] = []
         left = size
         for node, score, node_logits in g.frontier:
+            if params.logit_bias:  # propose from what the target will sample from
+                node_logits = apply_logit_bias(node_logits[None].float(), [params])[0]
             if params.is_greedy or params.seed is not None:
                 candidates.extend(_top_children(params, node, score, node_logits, width,
                                                 g.root + depth))

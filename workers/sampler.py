@@ -1,7 +1,7 @@
 """Batched sampling for a whole step: one call per step, rows = sequences to sample.
 
-Order (vLLM's): raw logprobs -> penalties (repetition over prompt+output, presence and
-frequency over output only) -> greedy rows take the argmax -> temperature -> min_p -> top_k ->
+Order (vLLM's): raw logprobs -> logit_bias -> penalties (repetition over prompt+output,
+presence and frequency over output only) -> greedy rows take the argmax -> temperature -> min_p -> top_k ->
 top_p -> exponential race (argmax of p / q, q ~ Exp(1)). Logprobs are those of the raw model
 distribution (log_softmax of the unprocessed logits), as vLLM reports by default.
 A seeded row draws its noise from a generator seeded by (seed, position of the sampled token),
@@ -56,7 +56,7 @@ class Sampler:
         assert logits.shape[0] == len(rows)
         logits = logits.float().cpu()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
-        logits = apply_penalties(logits, rows)
+        logits = adjusted_logits(logits, rows)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled:
@@ -121,6 +121,26 @@ def _padded(sequences: list[np.ndarray], pad: int) -> torch.Tensor:
     for i, s in enumerate(sequences):
         out[i, :len(s)] = s
     return torch.from_numpy(out)
+
+
+def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """What every sampling decision starts from (plain steps and speculative verification):
+    the model's logits [N, vocab] with each row's logit_bias added, then its penalties."""
+    return apply_penalties(apply_logit_bias(logits, [r.params for r in rows]), rows)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logit[row, id] += bias for each row's (id, bias) pairs; ids past the vocabulary (the
+    frontend refuses them; a direct caller may not) are skipped."""
+    vocab = logits.shape[1]
+    picks = [(i, token_id, bias) for i, p in enumerate(params)
+             for token_id, bias in p.logit_bias if token_id < vocab]
+    if not picks:
+        return logits
+    row_index, token_ids, biases = (torch.tensor(column) for column in zip(*picks))
+    logits = logits.clone()
+    logits.index_put_((row_index, token_ids), biases.to(logits.dtype), accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

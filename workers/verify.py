@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from justapi.sampling import SamplingParams
-from workers.sampler import Sampler, SamplingRow, apply_penalties, filtered_probs
+from workers.sampler import Sampler, SamplingRow, adjusted_logits, filtered_probs
 
 RESIDUAL_EPS = 1e-12
 
@@ -147,7 +147,7 @@ def _target_probs(items: list[VerifyInput]) -> list[torch.Tensor]:
         return []
     rows = [row for item in items for row in _rows(item, wants_logprobs=False)]
     logits = torch.cat([item.logits for item in items]).float()
-    probs = filtered_probs(apply_penalties(logits, rows), [row.params for row in rows])
+    probs = filtered_probs(adjusted_logits(logits, rows), [row.params for row in rows])
     return list(torch.split(probs, [1 + len(item.tokens) for item in items]))
 
 

@@ -51,7 +51,7 @@ class GenerationFields(RequestModel):
     user: str | None = None
     """Accepted and ignored."""
     logit_bias: dict[str, float] | None = None
-    """Not supported: a non-empty value is refused."""
+    """Token id (as a string) -> bias in [-100, 100], added to that token's logit."""
 
 
 class CompletionRequest(GenerationFields):

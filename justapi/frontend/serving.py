@@ -188,16 +188,27 @@ class Serving:
                      seed: int | None) -> SamplingParams:
         fields: dict = {"max_tokens": max_tokens, "seed": seed, "logprobs": logprobs,
                         "ignore_eos": request.ignore_eos,
-                        "stop_token_ids": tuple(request.stop_token_ids or ())}
+                        "stop_token_ids": tuple(request.stop_token_ids or ()),
+                        "logit_bias": _bias_by_id(request.logit_bias or {})}
         for name in SAMPLING_FIELDS:
             value = getattr(request, name)
             if value is not None:
                 fields[name] = value
         try:
-            return SamplingParams(**fields)
+            sampling = SamplingParams(**fields)
         except ValueError as exc:
             raise sampling_error(exc, (*SAMPLING_FIELDS, "seed", "stop_token_ids",
-                                       "max_tokens", "logprobs")) from None
+                                       "max_tokens", "logprobs", "logit_bias")) from None
+        return self.check_sampling(sampling)
+
+    def check_sampling(self, sampling: SamplingParams) -> SamplingParams:
+        """What SamplingParams cannot know: the biased tokens are in this model's vocabulary."""
+        bad = [token_id for token_id, _ in sampling.logit_bias
+               if token_id >= self.tokenizer.vocab_size]
+        if bad:
+            raise ApiError(f"logit_bias token id {bad[0]} is not in the vocabulary "
+                           f"[0, {self.tokenizer.vocab_size})", param="logit_bias")
+        return sampling
 
     def stop_strings(self, stop: str | list[str] | None) -> tuple[str, ...]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -242,6 +253,17 @@ class Serving:
         self.check_available(len(plans))  # everything validated: only now submit
         self.log_request("HTTP", prompts, plans[0][1])
         return [self.start(ids, sampling, options, arrival_s) for ids, sampling, options in plans]
+
+
+def _bias_by_id(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings ("50256")."""
+    out = {}
+    for key, bias in logit_bias.items():
+        if not (key.strip().isascii() and key.strip().isdigit()):
+            raise ApiError(f"logit_bias keys must be token ids (decimal integers), got {key!r}",
+                           param="logit_bias")
+        out[int(key)] = bias
+    return out
 
 
 def _check_unicode(text: str, param: str) -> None:

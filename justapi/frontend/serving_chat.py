@@ -31,8 +31,6 @@ def check_supported(request: ChatCompletionRequest) -> int | None:
     if request.response_format and request.response_format.get("type") != "text":
         raise ApiError("only response_format {'type': 'text'} is supported",
                        param="response_format")
-    if request.logit_bias:
-        raise ApiError("logit_bias is not supported", param="logit_bias")
     if request.stream_options is not None and not request.stream:
         raise ApiError("stream_options needs stream: true", param="stream_options")
     if request.top_logprobs is not None and not request.logprobs:

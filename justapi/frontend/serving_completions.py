@@ -36,8 +36,6 @@ def completion_prompts(serving: Serving, prompt: str | list, n: int) -> list[Pro
 def check_supported(request: CompletionRequest) -> None:
     if request.suffix:
         raise ApiError("suffix is not supported", param="suffix")
-    if request.logit_bias:
-        raise ApiError("logit_bias is not supported", param="logit_bias")
     if request.best_of is not None and request.best_of != request.n:
         raise ApiError("best_of other than n is not supported", param="best_of")
     if request.echo and request.logprobs is not None:

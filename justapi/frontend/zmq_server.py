@@ -115,7 +115,7 @@ class ZmqServer:
     def _start(self, submit: SubmitGeneration) -> Generation:
         serving = self._serving
         token_ids = self._prompt_ids(submit)
-        sampling = submit.sampling
+        sampling = serving.check_sampling(submit.sampling)
         serving.max_tokens_for(sampling.max_tokens, len(token_ids))  # the context rule
         stop = serving.stop_strings([str(s) for s in submit.stop])
         serving.check_available()
