@@ -37,7 +37,7 @@ def assert_same(a, b):
 
 
 SAMPLING = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, seed=3,
-                          stop_token_ids=(2, 5), logprobs=2)
+                          stop_token_ids=(2, 5), logprobs=2, logit_bias={7: -100.0, 3: 1.5})
 POOL = PoolInfo(pool_id=0, kind="shm", handle="justapi-kv-1", device="cpu", dtype="float32",
                 num_layers=2, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=8)
 
