@@ -203,11 +203,7 @@ class Serving:
 
     def check_sampling(self, sampling: SamplingParams) -> SamplingParams:
         """What SamplingParams cannot know: the biased tokens are in this model's vocabulary."""
-        bad = [token_id for token_id, _ in sampling.logit_bias
-               if token_id >= self.tokenizer.vocab_size]
-        if bad:
-            raise ApiError(f"logit_bias token id {bad[0]} is not in the vocabulary "
-                           f"[0, {self.tokenizer.vocab_size})", param="logit_bias")
+        self.check_token_ids([token_id for token_id, _ in sampling.logit_bias], "logit_bias")
         return sampling
 
     def stop_strings(self, stop: str | list[str] | None) -> tuple[str, ...]:
