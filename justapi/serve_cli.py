@@ -32,6 +32,9 @@ def _flags(fn: Any) -> Any:
         click.option("--workers", type=int, help="Worker processes (default 1)."),
         click.option("--threads", type=int, help="torch threads per CPU worker (default: the "
                                                   "cores divided among the workers)."),
+        click.option("--cpu-spin", type=int,
+                     help="CPU workers: GOMP_SPINCOUNT of a thread waiting at a barrier "
+                          "(-1 auto: 10000 unless the model is tiny; 0: sleep at once)."),
         click.option("--launcher", type=click.Choice(["local", "ray"]),
                      help="Where workers run: local processes (default), or Ray actors on the "
                           "nodes of a Ray cluster (docs/scale-out.md)."),

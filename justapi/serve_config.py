@@ -39,6 +39,10 @@ class ServerConfig:
     threads: int = 0
     """torch threads of each CPU worker; 0: the cores divided among the workers (with PD:
     see workers/process.py)."""
+    cpu_spin: int = -1
+    """How long a CPU worker's OpenMP thread spins at a barrier before it sleeps, as
+    GOMP_SPINCOUNT (10,000 is about 0.1-0.3 ms); 0: it sleeps at once; -1 (auto): 10,000 for
+    models whose steps take far longer than the spin, 0 for tiny ones (justapi/launcher.py)."""
     served_model_name: str = ""
     """Model id shown by /v1/models; "" derives it from the GGUF."""
     ready_timeout_s: float = 120.0
@@ -67,6 +71,9 @@ class ServerConfig:
                  f"workers must be in [1, 64], got {self.workers!r}")
         _require(isinstance(self.threads, int) and not isinstance(self.threads, bool)
                  and 0 <= self.threads <= 1024, f"threads must be in [0, 1024], got {self.threads!r}")
+        _require(isinstance(self.cpu_spin, int) and not isinstance(self.cpu_spin, bool)
+                 and -1 <= self.cpu_spin <= 10**9,
+                 f"cpu-spin must be -1 (auto) or in [0, 1e9], got {self.cpu_spin!r}")
         _require(self.ready_timeout_s > 0, "ready-timeout-s must be > 0")
         _require(self.launcher in LAUNCHERS,
                  f"launcher must be one of {LAUNCHERS}, got {self.launcher!r}")

@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -274,6 +275,14 @@ def test_workload_shapes() -> None:
     mixed = build(options("mixed", num_requests=200), sizer)
     lengths = [r.max_tokens for r in mixed]
     assert min(lengths) >= 16 and max(lengths) <= 256 and len(set(lengths)) > 50
+    tailed = [r.max_tokens for r in build(options("mixed", num_requests=200,
+                                                  length_dist="log-uniform"), sizer)]
+    assert min(tailed) >= 16 and max(tailed) <= 256 and len(set(tailed)) > 50
+    # log-uniform: the median is near the geometric mean (64), uniform's near 136
+    assert statistics.median(tailed) < 90 < 110 < statistics.median(lengths)
+    assert sum(x > 128 for x in tailed) > 30  # and still a tail of long outputs
+    with pytest.raises(ValueError, match="length distribution"):
+        options("mixed", length_dist="normal")
     burst = build(options("long-burst", num_requests=10, decode_streams=2, burst_size=4,
                           burst_interval_s=2.0), sizer)
     assert [r.group for r in burst] == ["decode"] * 2 + ["burst"] * 8
@@ -350,6 +359,17 @@ def test_unreachable_server_fails_with_one_line(capsys: pytest.CaptureFixture[st
     err = capsys.readouterr().err
     assert code == bench.EXIT_USAGE
     assert err.count("\n") == 1 and err.startswith("bench: error: cannot reach server at")
+
+
+def test_length_dist_flag_reaches_the_mixed_workload() -> None:
+    def lengths(*flags: str) -> list[int]:
+        args = bench.build_parser().parse_args(["--workload", "mixed", *flags])
+        return [r.max_tokens for r in bench.plan_run(args).requests]
+    expected = bench_workloads.build_workload(
+        bench_workloads.WorkloadOptions("mixed", length_dist="log-uniform"),
+        bench_workloads.EstimateSizer())
+    assert lengths("--length-dist", "log-uniform") == [r.max_tokens for r in expected]
+    assert lengths() != lengths("--length-dist", "log-uniform")
 
 
 def test_bad_flags_fail_with_a_message(capsys: pytest.CaptureFixture[str],

@@ -4,6 +4,7 @@ blocks land, every layer's K and V, at the destination ids; failures answer with
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from justapi.protocol import CopyBlocks
@@ -84,7 +85,7 @@ def test_cpu_workers_sleep_at_openmp_barriers(monkeypatch):
     from justapi.serve_config import build_config
 
     def env(role: str, **values) -> dict:
-        fake = SimpleNamespace(config=build_config(values, {}), _api_key="")
+        fake = SimpleNamespace(config=build_config(values, {}), _api_key="", model=_model(1, 64))
         return Launcher.child_env(fake, role)  # type: ignore[arg-type]
 
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
@@ -93,3 +94,39 @@ def test_cpu_workers_sleep_at_openmp_barriers(monkeypatch):
     assert "OMP_WAIT_POLICY" not in env("worker", device="cuda")
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert env("worker")["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def _model(num_layers: int, hidden_size: int):
+    from justapi.model_info import ModelInfo
+    return ModelInfo(path="", name="m", architecture="llama", num_layers=num_layers,
+                     hidden_size=hidden_size, num_heads=4, num_kv_heads=2, head_dim=16,
+                     context_length=2048, vocab_size=256)
+
+
+def test_cpu_workers_spin_briefly_for_big_models(monkeypatch):
+    """cpu_spin -1 (auto): a SmolLM2-sized model's CPU workers spin 10,000 rounds at a barrier
+    before they sleep, a tiny model's sleep at once; an explicit --cpu-spin wins over the
+    environment, auto keeps what the user exported; GPU workers and other roles get none."""
+    from types import SimpleNamespace
+
+    from justapi.launcher import AUTO_CPU_SPIN, Launcher, cpu_spin_count
+    from justapi.serve_config import build_config
+
+    smollm2, tiny = _model(30, 576), _model(1, 64)
+
+    def spin(model, role: str = "worker", **values) -> str | None:
+        fake = SimpleNamespace(config=build_config(values, {}), _api_key="", model=model)
+        return Launcher.child_env(fake, role).get("GOMP_SPINCOUNT")  # type: ignore[arg-type]
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert cpu_spin_count(-1, smollm2) == AUTO_CPU_SPIN == 10_000
+    assert cpu_spin_count(-1, tiny) == 0 and cpu_spin_count(7, tiny) == 7
+    assert spin(smollm2) == "10000" and spin(tiny) is None
+    assert spin(smollm2, "frontend") is None and spin(smollm2, device="cuda") is None
+    assert spin(tiny, cpu_spin=3000) == "3000"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "500")
+    assert spin(smollm2) == "500" and spin(tiny) == "500"  # auto: the user's export stays
+    assert spin(smollm2, cpu_spin=0) is None  # on purpose: sleep at once
+    assert spin(smollm2, cpu_spin=2000) == "2000"
+    with pytest.raises(ValueError, match="cpu-spin"):
+        build_config({"cpu_spin": -2}, {})

@@ -19,8 +19,8 @@ from typing import Any, Sequence
 # tools/ are scripts: their siblings import by module name (tools/ is on sys.path).
 from bench_client import (DEFAULT_BASE_URL, ENDPOINT_PATHS, BenchError, ClientConfig,
                           Pacing, RequestRecord, RunResult, resolve_model, run_requests)
-from bench_workloads import (WORKLOADS, BenchRequest, EstimateSizer, PromptSizer,
-                             TokenizerSizer, WorkloadOptions, build_workload,
+from bench_workloads import (LENGTH_DISTRIBUTIONS, WORKLOADS, BenchRequest, EstimateSizer,
+                             PromptSizer, TokenizerSizer, WorkloadOptions, build_workload,
                              load_tokenizer_sizer, poisson_arrivals)
 
 PERCENTILES = (50, 90, 99)
@@ -36,7 +36,8 @@ workload defaults (requests, concurrency):
   batch 64, 16          ~128-token prompts, 128 output tokens
   shared-prefix 64, 16  one ~512-token prefix + short unique questions, 64 output tokens
   single 8, 1           one stream at a time, ~128-token prompts, 128 output tokens
-  mixed 64, 16          ~128-token prompts, output lengths uniform in 16..256
+  mixed 64, 16          ~128-token prompts, output lengths in 16..256 (--length-dist:
+                        uniform, or log-uniform: long-tailed, most outputs short)
   long-burst 24, none   8 streams decode 256 tokens from t=0 while bursts of 4
                         ~1500-token prompts arrive every 2 s (ITL reported per group)
 
@@ -195,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--concurrency", type=int, help="max requests in flight (default: per workload)")
     add("--request-rate", type=float, help="Poisson arrivals, requests/s (seeded)")
     add("--max-tokens", type=int, help="output tokens (mixed: upper bound of 16..N)")
+    add("--length-dist", choices=LENGTH_DISTRIBUTIONS, default="uniform",
+        help="mixed: output lengths uniform (default) or log-uniform in 16..N")
     add("--prompt-tokens", type=int, help="prompt size (shared-prefix: the prefix)")
     add("--ignore-eos", action="store_true", help="send ignore_eos: exact output lengths")
     add("--temperature", type=float, default=0.0, help="sampling temperature (0)")
@@ -240,7 +243,8 @@ def plan_run(args: argparse.Namespace) -> RunPlan:
     num_requests = default_num if args.num_requests is None else args.num_requests
     options = WorkloadOptions(
         args.workload, num_requests, args.seed, args.max_tokens, args.prompt_tokens,
-        args.decode_streams, args.burst_size, args.burst_interval_s)
+        args.decode_streams, args.burst_size, args.burst_interval_s,
+        length_dist=args.length_dist)
     sizer: PromptSizer = EstimateSizer()
     counter: TokenizerSizer | None = None
     if args.tokenizer_gguf:

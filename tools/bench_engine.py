@@ -12,12 +12,18 @@ prefill), with the median step beside it.
 With --attention-paired (CPU) the decode phases instead run with the native paged-attention
 kernel and with the gathered torch path, in turns (alternating which goes first), and print
 the ratio of the two.
+
+With --wait-policies (CPU) each decode batch runs in a fresh process per OpenMP wait setting
+(sleep at once, spin 1,000 / 10,000 / 100,000 rounds, spin without end), in turns, and prints
+the median decode step of each: what `justapi serve --cpu-spin` trades (docs/runtime.md).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -112,6 +118,32 @@ def paired_attention(engine: LLMEngine, prompts: list[list[int]], decode_steps: 
     return times
 
 
+WAIT_SETTINGS = (("sleep at once (PASSIVE)", {"OMP_WAIT_POLICY": "PASSIVE"}),
+                 ("spin 1,000", {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "1000"}),
+                 ("spin 10,000", {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}),
+                 ("spin 100,000", {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "100000"}),
+                 ("spin without end (ACTIVE)", {"OMP_WAIT_POLICY": "ACTIVE"}))
+"""libgomp reads these once, when torch loads it: each setting needs a process of its own."""
+
+
+def wait_policies(args: argparse.Namespace) -> None:
+    """Median decode step (ms) per OpenMP wait setting and batch, fresh processes in turns."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    for batch in args.batches.split(","):
+        medians: dict[str, list[float]] = {name: [] for name, _ in WAIT_SETTINGS}
+        for turn in range(args.rounds):
+            for name, env in WAIT_SETTINGS if turn % 2 == 0 else WAIT_SETTINGS[::-1]:
+                done = subprocess.run(
+                    [sys.executable, __file__, "--model", args.model, "--batches", batch,
+                     "--decode-steps", str(args.decode_steps), "--prompt-tokens",
+                     str(args.prompt_tokens), "--median-step-ms"],
+                    env={**clean, **env}, capture_output=True, text=True, check=True)
+                medians[name].append(float(done.stdout.split()[-1]))
+        print(f"decode {batch} seqs, median step ms over {args.rounds} turns:")
+        for name, runs in medians.items():
+            print(f"  {name:<28} {' / '.join(f'{ms:6.1f}' for ms in runs)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="GGUF path or synthetic:SPEC (default SmolLM2)")
@@ -121,8 +153,15 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--attention-paired", action="store_true",
                         help="decode with the CPU attention kernel and the gathered path in turns")
-    parser.add_argument("--rounds", type=int, default=4, help="turns per path with --attention-paired")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="turns per path with --attention-paired / --wait-policies")
+    parser.add_argument("--wait-policies", action="store_true",
+                        help="decode under each OpenMP wait setting, fresh processes in turns")
+    parser.add_argument("--median-step-ms", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.wait_policies:
+        wait_policies(args)
+        return
     torch.manual_seed(0)
     batches = [int(b) for b in args.batches.split(",")]
     need = max(batches) * -(-(args.prompt_tokens + args.decode_steps + 1) // 16) + 64
@@ -133,6 +172,13 @@ def main() -> None:
     print(f"model {engine.model.name}: load {load_s:.2f} s (GGUF parse, dequantize, kernel layout, "
           f"tokenizer); torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}")
     rng = np.random.default_rng(0)
+    if args.median_step_ms:  # one --wait-policies run: warm up, then the median decode step
+        prompts = [rng.integers(0, p.vocab_size, args.prompt_tokens).tolist()
+                   for _ in range(batches[0])]
+        run_steps(engine, prompts, 4)
+        print(f"{statistics.median(run_steps(engine, prompts, args.decode_steps)[1]) * 1e3:.2f}")
+        engine.close()
+        return
     if args.attention_paired:
         for num_seqs in batches:
             prompts = [rng.integers(0, p.vocab_size, args.prompt_tokens).tolist() for _ in range(num_seqs)]

@@ -5,7 +5,8 @@ Each comparison starts the real process pool per configuration, drives it with
 `tools/bench.py` (streaming OpenAI requests), stops it, and prints the figures with their
 ratio. The machine is noisy: compare ratios from one run, not absolute figures across runs.
 
-  scheduled-vs-static  mixed output lengths 16..256: continuous vs static batching
+  scheduled-vs-static  mixed output lengths 16..256 (--length-dist uniform or log-uniform):
+                       continuous vs static batching
   prefix-cache         shared ~512-token prefix: with vs without the prefix cache
   overhead             64 requests at concurrency 16: HTTP serving (one worker, and on CPU also
                        one single-thread worker per core) vs the in-process engine
@@ -80,12 +81,13 @@ def show(title: str, rows: list[tuple[str, dict[str, Any]]], ratio_of: str, targ
 
 def scheduled_vs_static(args: argparse.Namespace) -> None:
     bench = ["--workload", "mixed", "--ignore-eos", "--num-requests", str(args.num_requests),
-             "--concurrency", "32", "--max-tokens", "256"]
+             "--concurrency", "32", "--max-tokens", "256", "--length-dist", args.length_dist]
     common = ["--model", args.model, "--max-seqs", "16"]
     rows = [("continuous (--scheduled)", serve_and_bench(common, bench, count_steps=True)),
             ("static (--no-scheduled)",
              serve_and_bench([*common, "--no-scheduled"], bench, count_steps=True))]
-    show("continuous vs static batching, outputs 16..256", rows, "continuous / static", ">= 2x")
+    show(f"continuous vs static batching, outputs {args.length_dist} in 16..256", rows,
+         "continuous / static", ">= 2x")
     # Tokens per step is what a device whose step cost is flat in the batch size (a GPU at
     # 16 rows) turns into throughput; a CPU's step cost grows with the rows, so a draining
     # static batch gets cheaper steps and the throughput ratio stays below this one.
@@ -174,6 +176,8 @@ def main() -> None:
     parser.add_argument("which", choices=[*COMPARISONS, "all"])
     parser.add_argument("--model", default="", help="GGUF (default: the embedded SmolLM2)")
     parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--length-dist", choices=("uniform", "log-uniform"), default="uniform",
+                        help="scheduled-vs-static: how output lengths spread over 16..256")
     parser.add_argument("--repeats", type=int, default=2,
                         help="overhead: turns of (serve, offline), best of each compared")
     parser.add_argument("--serve-arg", action="append", default=[],

@@ -6,11 +6,15 @@ Does not own: HTTP, timing or statistics (tools/bench.py).
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 WORKLOADS = ("batch", "shared-prefix", "single", "mixed", "long-burst")
+LENGTH_DISTRIBUTIONS = ("uniform", "log-uniform")
+"""mixed: how output lengths spread over 16..N. log-uniform is long-tailed like real chat
+outputs (most short, a few long): a static batch then waits on its longest member longer."""
 
 # Common English words: nearly all are one token (with their leading space) in the BPE
 # vocabularies of llama-family models. Measured on SmolLM2's tokenizer, text made from
@@ -130,7 +134,7 @@ class WorkloadOptions:
     num_requests: int = 64
     seed: int = 0
     max_tokens: int | None = None
-    """Output tokens per request (mixed: the upper bound of the uniform range)."""
+    """Output tokens per request (mixed: the upper bound of the range)."""
     prompt_tokens: int | None = None
     """Prompt size (shared-prefix: the prefix; long-burst: the burst prompts)."""
     decode_streams: int = 8
@@ -139,10 +143,15 @@ class WorkloadOptions:
     """long-burst: long prompts arriving together."""
     burst_interval_s: float = 2.0
     """long-burst: time between bursts (the first one comes after half of it)."""
+    length_dist: str = "uniform"
+    """mixed: one of LENGTH_DISTRIBUTIONS."""
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
             raise ValueError(f"unknown workload {self.name!r}; choose one of {WORKLOADS}")
+        if self.length_dist not in LENGTH_DISTRIBUTIONS:
+            raise ValueError(f"unknown length distribution {self.length_dist!r}; choose one "
+                             f"of {LENGTH_DISTRIBUTIONS}")
         for field in ("num_requests", "decode_streams", "burst_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
@@ -192,9 +201,15 @@ def _mixed(options: WorkloadOptions, sizer: PromptSizer,
     prompt_tokens = options.prompt_tokens or 128
     upper = options.max_tokens or 256
     lower = min(16, upper)
-    return [BenchRequest(i, sizer.make_text(rng, prompt_tokens), prompt_tokens,
-                         rng.randint(lower, upper))
-            for i in range(options.num_requests)]
+    requests = []
+    for i in range(options.num_requests):
+        prompt = sizer.make_text(rng, prompt_tokens)
+        if options.length_dist == "log-uniform":
+            length = round(math.exp(rng.uniform(math.log(lower), math.log(upper))))
+        else:
+            length = rng.randint(lower, upper)
+        requests.append(BenchRequest(i, prompt, prompt_tokens, min(upper, max(lower, length))))
+    return requests
 
 
 def _long_burst(options: WorkloadOptions, sizer: PromptSizer,
