@@ -139,7 +139,7 @@ class Launcher:
             env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
             # ... but waking a sleeping thread at each of a step's ~150 parallel regions costs
             # a big model's step 5-20%: a short spin first (cpu_spin_count).
-            spin = cpu_spin_count(self.config.server.cpu_spin, self.model)
+            spin = cpu_spin_count(self.config, self.model, os.cpu_count() or 1)
             if self.config.server.cpu_spin >= 0:  # set on purpose: it wins over the env
                 env.pop("GOMP_SPINCOUNT", None)
             if spin:
@@ -242,12 +242,17 @@ parallel regions takes the core that the frontend and scheduler need (64 streams
 synthetic 1-layer model, alternating runs: 8,537-8,753 -> 5,470-5,924 tok/s through HTTP)."""
 
 
-def cpu_spin_count(setting: int, model: ModelInfo) -> int:
-    """The GOMP_SPINCOUNT for CPU workers of `model` (0: none, sleep at once)."""
-    if setting >= 0:
-        return setting
+def cpu_spin_count(config: ServeConfig, model: ModelInfo, cores: int) -> int:
+    """The GOMP_SPINCOUNT for the CPU workers of `model` (0: none, sleep at once). Auto spins
+    only where the workers' threads together fit the cores: where they outnumber them (PD's
+    decode workers beside the prefill threads, a large --threads) a spinning thread holds a
+    core another worker's thread is waiting for."""
+    if config.server.cpu_spin >= 0:
+        return config.server.cpu_spin
+    workers = config.server.workers
+    threads = sum(config.cpu_worker_threads(i, workers, cores) for i in range(workers))
     weights = model.num_layers * model.hidden_size ** 2
-    return AUTO_CPU_SPIN if weights >= AUTO_SPIN_MIN_WEIGHTS else 0
+    return AUTO_CPU_SPIN if weights >= AUTO_SPIN_MIN_WEIGHTS and threads <= cores else 0
 
 
 def _signal(process: subprocess.Popen, signum: int) -> None:

@@ -34,7 +34,8 @@ def _flags(fn: Any) -> Any:
                                                   "cores divided among the workers)."),
         click.option("--cpu-spin", type=int,
                      help="CPU workers: GOMP_SPINCOUNT of a thread waiting at a barrier "
-                          "(-1 auto: 10000 unless the model is tiny; 0: sleep at once)."),
+                          "(-1 auto: 10000 unless the model is tiny or the threads outnumber "
+                          "the cores; 0: sleep at once)."),
         click.option("--launcher", type=click.Choice(["local", "ray"]),
                      help="Where workers run: local processes (default), or Ray actors on the "
                           "nodes of a Ray cluster (docs/scale-out.md)."),

@@ -17,6 +17,7 @@ from justapi.cluster_config import ClusterConfig
 from justapi.config import CacheConfig, ConfigError, ModelConfig, SchedulerConfig, _require
 from justapi.ops_config import OpsConfig
 from justapi.pd_config import PdConfig
+from justapi.scheduler.topology import ROLE_DECODE
 from justapi.spec_config import SpecConfig
 
 LAUNCHERS = ("local", "ray")
@@ -42,7 +43,8 @@ class ServerConfig:
     cpu_spin: int = -1
     """How long a CPU worker's OpenMP thread spins at a barrier before it sleeps, as
     GOMP_SPINCOUNT (10,000 is about 0.1-0.3 ms); 0: it sleeps at once; -1 (auto): 10,000 for
-    models whose steps take far longer than the spin, 0 for tiny ones (justapi/launcher.py)."""
+    models whose steps take far longer than the spin, 0 for tiny ones and where the workers'
+    threads outnumber the cores (justapi/launcher.py)."""
     served_model_name: str = ""
     """Model id shown by /v1/models; "" derives it from the GGUF."""
     ready_timeout_s: float = 120.0
@@ -108,6 +110,17 @@ class ServeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def cpu_worker_threads(self, index: int, num_workers: int, cores: int) -> int:
+        """torch threads of CPU worker `index`: its share of the cores (at least one). With
+        PD, the prefill workers share all the cores (their steps are long, compute-bound
+        chunks) and each decode worker takes one thread (its steps are small; it mostly waits
+        for the next one). `threads` overrides both."""
+        if self.server.threads:
+            return self.server.threads
+        if self.pd.is_enabled:
+            return 1 if self.pd.role_of(index) == ROLE_DECODE else max(1, cores // self.pd.num_prefill)
+        return max(1, cores // num_workers)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ServeConfig:

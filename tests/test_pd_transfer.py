@@ -105,8 +105,9 @@ def _model(num_layers: int, hidden_size: int):
 
 def test_cpu_workers_spin_briefly_for_big_models(monkeypatch):
     """cpu_spin -1 (auto): a SmolLM2-sized model's CPU workers spin 10,000 rounds at a barrier
-    before they sleep, a tiny model's sleep at once; an explicit --cpu-spin wins over the
-    environment, auto keeps what the user exported; GPU workers and other roles get none."""
+    before they sleep, a tiny model's sleep at once, and so do workers whose threads outnumber
+    the cores; an explicit --cpu-spin wins over the environment, auto keeps what the user
+    exported; GPU workers and other roles get none."""
     from types import SimpleNamespace
 
     from justapi.launcher import AUTO_CPU_SPIN, Launcher, cpu_spin_count
@@ -118,9 +119,18 @@ def test_cpu_workers_spin_briefly_for_big_models(monkeypatch):
         fake = SimpleNamespace(config=build_config(values, {}), _api_key="", model=model)
         return Launcher.child_env(fake, role).get("GOMP_SPINCOUNT")  # type: ignore[arg-type]
 
+    def count(model, cores: int = 2, **values) -> int:
+        return cpu_spin_count(build_config(values, {}), model, cores)
+
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    assert cpu_spin_count(-1, smollm2) == AUTO_CPU_SPIN == 10_000
-    assert cpu_spin_count(-1, tiny) == 0 and cpu_spin_count(7, tiny) == 7
+    assert count(smollm2) == AUTO_CPU_SPIN == 10_000
+    assert count(tiny) == 0 and count(tiny, cpu_spin=7) == 7
+    assert count(smollm2, workers=2) == 10_000  # 1 + 1 threads on 2 cores
+    # threads outnumbering the cores (PD: the prefill workers take every core and each decode
+    # worker one more; or 4 asked for): sleep at once
+    assert count(smollm2, pd="1:1") == 0 and count(smollm2, cores=8, pd="2:1") == 0
+    assert count(smollm2, pd="1:1", threads=1) == 10_000  # 1 + 1 <= 2
+    assert count(smollm2, threads=4) == 0 and count(smollm2, threads=4, cpu_spin=5) == 5
     assert spin(smollm2) == "10000" and spin(tiny) is None
     assert spin(smollm2, "frontend") is None and spin(smollm2, device="cuda") is None
     assert spin(tiny, cpu_spin=3000) == "3000"

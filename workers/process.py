@@ -51,20 +51,9 @@ def device_of(spec: ChildSpec) -> str:
 
 
 def set_cpu_threads(spec: ChildSpec) -> int:
-    """Each CPU worker gets its share of the cores (at least one). With PD, the prefill
-    workers share all the cores (their steps are long, compute-bound chunks) and each decode
-    worker takes one thread (its steps are small; it mostly waits for the next one).
-    `threads` in the config overrides both."""
-    cores = os.cpu_count() or 1
-    pd = spec.config.pd
-    if spec.config.server.threads:
-        threads = spec.config.server.threads
-    elif pd.is_enabled:
-        is_decode = pd.role_of(spec.index) == "decode"
-        threads = 1 if is_decode else max(1, cores // pd.num_prefill)
-    else:
-        num_workers = int(spec.extra.get("num_workers", spec.config.server.workers))
-        threads = max(1, cores // num_workers)
+    """Each CPU worker gets its share of the cores (ServeConfig.cpu_worker_threads)."""
+    num_workers = int(spec.extra.get("num_workers", spec.config.server.workers))
+    threads = spec.config.cpu_worker_threads(spec.index, num_workers, os.cpu_count() or 1)
     torch.set_num_threads(threads)
     return threads
 
