@@ -74,3 +74,31 @@ def test_prefix_cached_by_one_worker_serves_the_other(pool):
     for out in outs:
         cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached >= prefix_tokens - 16, out["usage"]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as handle:
+        pairs = [item.partition(b"=") for item in handle.read().split(b"\0") if item]
+    with open(f"/proc/{pid}/cmdline", "rb") as handle:
+        module = handle.read().split(b"\0")[2].decode()
+    return {"module": module, **{k.decode(): v.decode() for k, _, v in pairs}}
+
+
+def test_cpu_spin_flag_reaches_the_workers_only(pool, monkeypatch):
+    """--cpu-spin N becomes the CPU workers' GOMP_SPINCOUNT (beside OMP_WAIT_POLICY=PASSIVE)
+    and no other process's; under auto, this tiny model's workers (the module's pool) get
+    none and sleep at barriers at once."""
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    auto = [_environ(pid) for pid in pool.children]
+    assert sorted(e["module"] for e in auto).count("workers.process") == 2
+    assert all("GOMP_SPINCOUNT" not in e for e in auto)
+    with ServedPool("--model", TINY_MODEL, "--cpu-spin", "1234") as spun:
+        envs = [_environ(pid) for pid in spun.children]
+        workers = [e for e in envs if e["module"] == "workers.process"]
+        others = [e for e in envs if e["module"] != "workers.process"]
+        assert len(workers) == 1 and {"justapi.frontend.process", "justapi.scheduler_process"} \
+            <= {e["module"] for e in others}
+        assert workers[0]["GOMP_SPINCOUNT"] == "1234"
+        assert workers[0]["OMP_WAIT_POLICY"] == "PASSIVE"
+        assert all("GOMP_SPINCOUNT" not in e for e in others)
+        assert complete(spun, "hello there")["usage"]["completion_tokens"] == 8
