@@ -83,11 +83,20 @@ def scheduled_vs_static(args: argparse.Namespace) -> None:
     bench = ["--workload", "mixed", "--ignore-eos", "--num-requests", str(args.num_requests),
              "--concurrency", "32", "--max-tokens", "256", "--length-dist", args.length_dist]
     common = ["--model", args.model, "--max-seqs", "16"]
-    rows = [("continuous (--scheduled)", serve_and_bench(common, bench, count_steps=True)),
-            ("static (--no-scheduled)",
-             serve_and_bench([*common, "--no-scheduled"], bench, count_steps=True))]
-    show(f"continuous vs static batching, outputs {args.length_dist} in 16..256", rows,
-         "continuous / static", ">= 2x")
+    configs = [("continuous (--scheduled)", common), ("static (--no-scheduled)",
+                                                      [*common, "--no-scheduled"])]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
+    for turn in range(args.turns):  # AB, then BA: the host's drift lands on both
+        for name, flags in configs if turn % 2 == 0 else configs[::-1]:
+            runs[name].append(serve_and_bench(flags, bench, count_steps=True))
+    rows = [(name, max(summaries, key=lambda s: s["output_throughput"]))
+            for name, summaries in runs.items()]
+    title = f"continuous vs static batching, outputs {args.length_dist} in 16..256"
+    if args.turns > 1:
+        title += f", best of {args.turns} turns (runs: " + "; ".join(
+            f"{name.split()[0]} " + " / ".join(f"{s['output_throughput']:.1f}" for s in summaries)
+            for name, summaries in runs.items()) + " tok/s)"
+    show(title, rows, "continuous / static", ">= 2x")
     # Tokens per step is what a device whose step cost is flat in the batch size (a GPU at
     # 16 rows) turns into throughput; a CPU's step cost grows with the rows, so a draining
     # static batch gets cheaper steps and the throughput ratio stays below this one.
@@ -178,6 +187,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--length-dist", choices=("uniform", "log-uniform"), default="uniform",
                         help="scheduled-vs-static: how output lengths spread over 16..256")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="scheduled-vs-static: turns of (continuous, static), alternating "
+                             "which goes first; the best of each compared")
     parser.add_argument("--repeats", type=int, default=2,
                         help="overhead: turns of (serve, offline), best of each compared")
     parser.add_argument("--serve-arg", action="append", default=[],
