@@ -39,7 +39,7 @@ class ServerConfig:
     """Worker processes (one per GPU with --gpu; CPU workers share the cores)."""
     threads: int = 0
     """torch threads of each CPU worker; 0: the cores divided among the workers (with PD:
-    see workers/process.py)."""
+    see ServeConfig.cpu_worker_threads)."""
     cpu_spin: int = -1
     """How long a CPU worker's OpenMP thread spins at a barrier before it sleeps, as
     GOMP_SPINCOUNT (10,000 is about 0.1-0.3 ms); 0: it sleeps at once; -1 (auto): 10,000 for
