@@ -28,8 +28,9 @@ def role_pid(pool: ServedPool, module: str) -> int:
     raise AssertionError(f"no {module} process")
 
 
-def stream_text(pool: ServedPool, max_tokens: int, started: list) -> dict:
-    """A streaming completion to its end: its chunks' text, finish reason and any error."""
+def stream_text(pool: ServedPool, max_tokens: int, started: list, name: int = 0) -> dict:
+    """A streaming completion to its end: its chunks' text, finish reason and any error.
+    Each event appends `name` to `started`."""
     out: dict = {"text": "", "finish_reason": None, "error": None, "status": None}
     with httpx.stream("POST", f"{pool.base_url}/v1/completions", timeout=120, json={
             "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
@@ -39,7 +40,7 @@ def stream_text(pool: ServedPool, max_tokens: int, started: list) -> dict:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            started.append(1)
+            started.append(name)
             if "error" in event:
                 out["error"] = event["error"]
                 continue
@@ -63,8 +64,10 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones():
             "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "temperature": 0}).json()
         started: list = []
         with concurrent.futures.ThreadPoolExecutor(4) as executor:
-            futures = [executor.submit(stream_text, pool, 400, started) for _ in range(4)]
-            wait_for(lambda: len(started) >= 8)
+            futures = [executor.submit(stream_text, pool, 400, started, i) for i in range(4)]
+            # every stream under way (each has had 2 events) before the signal: one still on
+            # its way in would rightly be refused with 503
+            wait_for(lambda: all(started.count(i) >= 2 for i in range(4)))
             pool.proc.send_signal(signal.SIGTERM)
             refused = None
             while refused is None and not all(f.done() for f in futures):
