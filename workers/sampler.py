@@ -1,9 +1,10 @@
 """Batched sampling for a whole step: one call per step, rows = sequences to sample.
 
 Order (vLLM's): raw logprobs -> logit_bias -> penalties (repetition over prompt+output,
-presence and frequency over output only) -> greedy rows take the argmax -> temperature -> min_p -> top_k ->
-top_p -> exponential race (argmax of p / q, q ~ Exp(1)). Logprobs are those of the raw model
-distribution (log_softmax of the unprocessed logits), as vLLM reports by default.
+presence and frequency over output only) -> greedy rows take the argmax -> temperature ->
+min_p -> top_k -> top_p -> exponential race (argmax of p / q, q ~ Exp(1)). Logprobs are those
+of the raw model distribution (log_softmax of the unprocessed logits), as vLLM reports by
+default.
 A seeded row draws its noise from a generator seeded by (seed, position of the sampled token),
 so its tokens do not depend on the batch, the worker, or recompute after preemption.
 Owns: the sampling math. Does not own: parameter validation (justapi.sampling), token history.

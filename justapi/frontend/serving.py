@@ -255,10 +255,11 @@ def _bias_by_id(logit_bias: dict[str, float]) -> dict[int, float]:
     """OpenAI's logit_bias keys are token ids written as strings ("50256")."""
     out = {}
     for key, bias in logit_bias.items():
-        if not (key.strip().isascii() and key.strip().isdigit()):
+        digits = key.strip()
+        if not (digits.isascii() and digits.isdigit()):
             raise ApiError(f"logit_bias keys must be token ids (decimal integers), got {key!r}",
                            param="logit_bias")
-        out[int(key)] = bias
+        out[int(digits)] = bias
     return out
 
 
