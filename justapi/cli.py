@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from justapi.config import WEIGHT_MODES
+from justapi.config.sections import WEIGHT_MODES
 from justapi.sampling import SamplingParams
 
 
@@ -68,7 +68,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _register_serve() -> None:
-    from justapi.serve_cli import serve
+    from justapi.launch.serve import serve
 
     main.add_command(serve)
 

@@ -19,11 +19,17 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from justapi import transport
-from justapi.codec import ProtocolError, decode, encode
-from justapi.protocol import (FINISH_ERROR, AbortGeneration, GenerationChunk, QueryStats,
-                              StatsReport, SubmitGeneration)
 from justapi.sampling import SamplingParams
+from justapi.wire import transport
+from justapi.wire.codec import ProtocolError, decode, encode
+from justapi.wire.protocol import (
+    FINISH_ERROR,
+    AbortGeneration,
+    GenerationChunk,
+    QueryStats,
+    StatsReport,
+    SubmitGeneration,
+)
 
 DEFAULT_STATS_TIMEOUT_S = 10.0
 READER_YIELD_EVERY = 64

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from justapi.codec import register
+from justapi.wire.codec import register
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 256

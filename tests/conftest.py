@@ -9,14 +9,14 @@ from typing import Callable
 
 import pytest
 
-from justapi.gguf_file import GGUFError, default_model_path
+from justapi.model.gguf_file import GGUFError, default_model_path
 
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     """Factory: tiny_gguf(layers=2, hidden=64, type="Q8_0", ...) -> path of a random llama GGUF
-    (workers.synthetic.SyntheticSpec fields). Each distinct spec is written once per session."""
-    from workers.synthetic import SyntheticSpec, write_synthetic_gguf
+    (workers.weights.synthetic.SyntheticSpec fields). Each distinct spec is written once per session."""
+    from workers.weights.synthetic import SyntheticSpec, write_synthetic_gguf
 
     directory = tmp_path_factory.mktemp("gguf")
     written: dict[SyntheticSpec, str] = {}

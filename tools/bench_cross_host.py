@@ -30,13 +30,13 @@ from typing import Any
 
 import httpx
 
-from justapi.gguf_file import GGUFFile
-from justapi.model_info import ModelInfo, resolve_model
+from justapi.model.gguf_file import GGUFFile
+from justapi.model.info import ModelInfo, resolve_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pd import PD_METRICS  # noqa: E402
-from serve_process import Server  # noqa: E402
 from netns_lab import NetnsLab, netns_available  # noqa: E402
+from serve_process import Server  # noqa: E402
 
 DEFAULT_LENGTHS = "128,512,1536"
 STATS_WAIT_S = 10.0

@@ -29,10 +29,10 @@ import time
 import numpy as np
 import torch
 
-from justapi.protocol import NewRequest, StepPlan
 from justapi.sampling import SamplingParams
-from workers.attention import TorchCpuBackend
+from justapi.wire.protocol import NewRequest, StepPlan
 from workers.engine import LLMEngine
+from workers.model.attention import TorchCpuBackend
 
 
 def matmul_step_s(engine: LLMEngine, num_rows: int, repeats: int = 7) -> list[float]:

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-
-from justapi.admin_client import AdminClient
 from ops_cli import table
 from serve_process import Server
+
+from justapi.ops.admin_client import AdminClient
 
 PROG = "bench_failover.py"
 TINY_MODEL = "synthetic:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,context=1024"

@@ -23,9 +23,15 @@ import numpy as np
 import orjson
 import zmq
 
-from justapi import transport
-from justapi.protocol import (FINISH_ABORT, FINISH_LENGTH, AbortRequest, SchedulerStats,
-                              SubmitRequest, TokenDeltas)
+from justapi.wire import transport
+from justapi.wire.protocol import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    AbortRequest,
+    SchedulerStats,
+    SubmitRequest,
+    TokenDeltas,
+)
 
 TEXT = " The quick brown fox jumps over the lazy dog, and the cat sleeps in the sun."
 
@@ -84,7 +90,7 @@ def run_frontend(settings_dict: dict, ready: mp.Queue) -> None:
 
     from justapi.frontend.engine_client import EngineClient
     from justapi.frontend.server import FrontendServer, FrontendSettings, build_serving
-    from justapi.gguf_file import GGUFFile, default_model_path
+    from justapi.model.gguf_file import GGUFFile, default_model_path
 
     async def main() -> None:
         settings = FrontendSettings(**settings_dict)
@@ -187,8 +193,8 @@ def main() -> None:
                         help="send a stop string (token-by-token text path)")
     args = parser.parse_args()
 
-    from justapi.gguf_file import GGUFFile, default_model_path
-    from justapi.tokenizer import Tokenizer
+    from justapi.frontend.text.tokenizer import Tokenizer
+    from justapi.model.gguf_file import GGUFFile, default_model_path
     token_ids = Tokenizer.from_gguf(GGUFFile(default_model_path())).encode(
         TEXT, add_special_tokens=False)
     runtime_dir = transport.make_runtime_dir("justapi-bench-")

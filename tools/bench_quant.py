@@ -5,7 +5,7 @@ kernels) and auto.
 Prints, with the load average (the machine is shared: figures are medians of several steps):
   crossover   every layer's matmuls and the head at M rows on the dense kernel and the int4
               kernel, and the crossover (most rows for which int4 won at every M up to there)
-              that `--weights auto` uses (workers/weight_paths.py records it);
+              that `--weights auto` uses (workers/weights/paths.py records it);
   decode      tokens/s at 1 / 8 / 32 / 64 sequences and prefill tokens/s, per path;
   accuracy    perplexity of each path on tools/data/prose.txt (sliding windows, as
               tools/perplexity.py), and greedy agreement of each path with fp32;
@@ -26,16 +26,16 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-
 from bench_engine import run_steps
-from justapi.gguf_file import GGUFFile
+
+from justapi.model.gguf_file import GGUFFile
 from justapi.sampling import SamplingParams
 from workers.engine import LLMEngine, resolve_model
-from workers.model import LlamaModel
-from workers.perplexity import perplexity
-from workers.quant_blocks import QuantMatrix
-from workers.quant_linear import DualLinear, Int4Linear
-from workers.weight_paths import CPU_CROSSOVER, Crossover, load_model
+from workers.model.forward import LlamaModel
+from workers.model.perplexity import perplexity
+from workers.weights.paths import CPU_CROSSOVER, Crossover, load_model
+from workers.weights.quant_blocks import QuantMatrix
+from workers.weights.quant_linear import DualLinear, Int4Linear
 
 PATHS = ("fp32", "bf16", "q4", "auto")
 TEXT = Path(__file__).resolve().parent / "data" / "prose.txt"

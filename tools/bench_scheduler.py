@@ -16,13 +16,13 @@ import time
 
 import numpy as np
 
-from justapi.config import CacheConfig, SchedulerConfig
-from justapi.protocol import StepPlan, StepResult, SubmitRequest
+from justapi.config.sections import CacheConfig, SchedulerConfig
 from justapi.sampling import SamplingParams
-from justapi.scheduler.block_pool import BlockPool
-from justapi.scheduler.radix_cache import RadixPrefixCache
+from justapi.scheduler.kv.block_pool import BlockPool
+from justapi.scheduler.kv.radix_cache import RadixPrefixCache
 from justapi.scheduler.scheduler import Scheduler
 from justapi.scheduler.topology import ModelLimits, PoolSpec, Topology
+from justapi.wire.protocol import StepPlan, StepResult, SubmitRequest
 
 VOCAB = 32000
 

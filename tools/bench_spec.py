@@ -29,17 +29,17 @@ from typing import Any
 
 import torch
 
-from justapi.gguf_file import GGUFFile, default_model_path
+from justapi.config.spec import SpecConfig
+from justapi.model.gguf_file import GGUFFile, default_model_path
 from justapi.sampling import SamplingParams
-from justapi.spec_config import SpecConfig
-from workers.attention import make_backend
-from workers.draft import DraftModel
-from workers.draft_gguf import write_random_draft, write_truncated_draft
 from workers.engine import LLMEngine
 from workers.engine_loop import LoopLimits, SchedulerLoop
-from workers.kv_pool import KVPool, PoolShape
-from workers.model import LlamaModel
-from workers.weight_paths import load_model
+from workers.kv.pool import KVPool, PoolShape
+from workers.model.attention import make_backend
+from workers.model.forward import LlamaModel
+from workers.spec.draft import DraftModel
+from workers.spec.draft_gguf import write_random_draft, write_truncated_draft
+from workers.weights.paths import load_model
 
 PASSAGES = [
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, "
@@ -91,7 +91,7 @@ class Bench:
 
     def draft(self, name: str) -> LlamaModel:
         if name not in self._drafts:  # "random": a 1-layer random draft with the vocabulary;
-            # "layers:N": the target's first N layers (workers/draft_gguf.py)
+            # "layers:N": the target's first N layers (workers/spec/draft_gguf.py)
             path = os.path.join(tempfile.mkdtemp(prefix="justapi-draft-"), "draft.gguf")
             if name == "random":
                 write_random_draft(self.engine.path, path)

@@ -10,10 +10,10 @@ import statistics
 import time
 from collections.abc import Callable
 
-from justapi.chat_template import ChatTemplate
-from justapi.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from justapi.gguf_file import GGUFFile, resolve_model_path
-from justapi.tokenizer import Tokenizer
+from justapi.frontend.text.chat_template import ChatTemplate
+from justapi.frontend.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from justapi.frontend.text.tokenizer import Tokenizer
+from justapi.model.gguf_file import GGUFFile, resolve_model_path
 
 SAMPLE = ("The quick brown fox jumps over the lazy dog. 東京は日本の首都です。 "
           "def f(x):\n    return x ** 2  # 12345\n😀 naïve café, don't stop. ") * 200

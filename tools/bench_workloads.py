@@ -64,7 +64,7 @@ def pseudo_text(rng: random.Random, num_words: int) -> str:
 
 
 class TextTokenizer(Protocol):
-    """What TokenizerSizer needs of a tokenizer (justapi.tokenizer.Tokenizer has it)."""
+    """What TokenizerSizer needs of a tokenizer (justapi.frontend.text.tokenizer.Tokenizer has it)."""
 
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
@@ -100,13 +100,13 @@ class TokenizerSizer:
 
 
 def load_tokenizer_sizer(gguf_path: str) -> TokenizerSizer:
-    """A TokenizerSizer over the tokenizer stored in a GGUF (justapi.tokenizer)."""
+    """A TokenizerSizer over the tokenizer stored in a GGUF (justapi.frontend.text.tokenizer)."""
     try:
-        from justapi.tokenizer import Tokenizer
+        from justapi.frontend.text.tokenizer import Tokenizer
     except ImportError as exc:
-        raise ValueError(f"--tokenizer-gguf needs justapi.tokenizer, which cannot be imported "
+        raise ValueError(f"--tokenizer-gguf needs justapi.frontend.text.tokenizer, which cannot be imported "
                          f"here ({exc}); drop the flag to size prompts by estimate") from None
-    from justapi.gguf_file import GGUFFile
+    from justapi.model.gguf_file import GGUFFile
 
     return TokenizerSizer(Tokenizer.from_gguf(GGUFFile(gguf_path)))
 

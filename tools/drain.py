@@ -11,8 +11,9 @@ import sys
 import time
 from dataclasses import asdict
 
-from justapi.admin_client import AdminClient
 from ops_cli import EXIT_FAILED, EXIT_OK, parser, print_json, run
+
+from justapi.ops.admin_client import AdminClient
 
 PROG = "drain.py"
 WAIT_POLL_S = 0.2

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import sys
 
-from justapi.admin_client import AdminClient
 from ops_cli import EXIT_FAILED, EXIT_OK, parser, print_json, run
+
+from justapi.ops.admin_client import AdminClient
 
 PROG = "flush_cache.py"
 

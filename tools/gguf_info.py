@@ -4,7 +4,7 @@ quantized, KV cache per token and for full-context sequences). Works without a s
 
 Usage: python tools/gguf_info.py [MODEL] [--context N] [--seqs N] [--tensors] [--template] [--json]
 MODEL is a .gguf path, `synthetic:SPEC`, or nothing for the embedded default model.
-Owns: this report. Does not own: GGUF parsing (justapi/gguf_file.py, the gguf package).
+Owns: this report. Does not own: GGUF parsing (justapi/model/gguf_file.py, the gguf package).
 """
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import sys
 from collections import Counter
 from typing import Any
 
-from justapi.gguf_file import GGUFError, GGUFFile
-from justapi.model_info import ModelInfo, resolve_model
 from ops_cli import human_bytes, table
+
+from justapi.model.gguf_file import GGUFError, GGUFFile
+from justapi.model.info import ModelInfo, resolve_model
 
 PROG = "gguf_info.py"
 COMPUTE_DTYPES = (("fp32", 4), ("bf16", 2), ("fp16", 2))

@@ -4,15 +4,16 @@ GPU where there is one (temperature, memory, utilisation, power, throttling, ECC
 
 Usage: python tools/health.py [--admin ENDPOINT] [--json]
 Exit codes: 0 healthy, 1 unhealthy, 2 server not reachable (usable as a probe).
-Owns: the health view. Does not own: the verdicts (justapi/health.py, justapi/health_watch.py).
+Owns: the health view. Does not own: the verdicts (justapi/health/table.py, justapi/health/watch.py).
 """
 from __future__ import annotations
 
 import sys
 
-from justapi.admin_client import AdminClient
-from justapi.protocol import StatusReply
 from ops_cli import EXIT_FAILED, EXIT_OK, human_bytes, parser, print_json, run, seconds, table
+
+from justapi.ops.admin_client import AdminClient
+from justapi.wire.protocol import StatusReply
 
 PROG = "health.py"
 

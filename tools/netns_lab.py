@@ -1,6 +1,6 @@
 """A lab cluster on one machine: network namespaces as hosts, each a Ray node, reachable only
 through veth pairs - so `justapi serve --launcher ray` traffic really crosses a network
-boundary (tests/test_ray_cluster.py, tools/bench_cross_host.py). Needs root (`ip netns`).
+boundary (tests/cluster/test_ray_cluster.py, tools/bench_cross_host.py). Needs root (`ip netns`).
 
     python tools/netns_lab.py --hosts 2      # prints the Ray address and node addresses,
                                              # tears everything down on Ctrl-C

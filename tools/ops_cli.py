@@ -3,9 +3,9 @@ the --admin / --timeout / --json flags, connecting to the server, one-line error
 codes, and plain-text tables.
 
 Without --admin the tools talk to the most recently started live `justapi serve` of this
-user (its state file, see justapi/discovery.py and docs/operations.md).
+user (its state file, see justapi/launch/discovery.py and docs/operations.md).
 Owns: how the admin tools look and fail. Does not own: the admin protocol
-(justapi/admin_client.py) or what each tool shows.
+(justapi/ops/admin_client.py) or what each tool shows.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from justapi.admin_client import DEFAULT_TIMEOUT_S, AdminClient, AdminError
+from justapi.ops.admin_client import DEFAULT_TIMEOUT_S, AdminClient, AdminError
 
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 2
 FIND_HELP = ("admin endpoint of the server, e.g. ipc:///tmp/justapi-xyz/admin.sock "

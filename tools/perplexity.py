@@ -2,7 +2,7 @@
 """Perplexity of a GGUF model on a text file, for each weight path (--weights fp32|bf16|q4|auto).
 
 Sliding windows as llama.cpp's perplexity tool: n_ctx tokens every `stride` tokens (default
-n_ctx / 2), each window a fresh sequence, only its second half scored (workers/perplexity.py).
+n_ctx / 2), each window a fresh sequence, only its second half scored (workers/model/perplexity.py).
 `--chunk-rows N` computes each window N tokens at a time through the KV cache: with a small N,
 `auto` takes its int4 path as decode steps do; by default a window is one step (auto: fp32).
 
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from workers.engine import LLMEngine
-from workers.perplexity import perplexity
+from workers.model.perplexity import perplexity
 
 DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "prose.txt"
 

@@ -39,7 +39,7 @@ class Server:
 
     `zmq=True` also opens the ZMQ client endpoint (`self.zmq`). `private_state=True` gives the
     pool a state directory of its own (JUSTAPI_STATE_DIR, set in this process too) so that
-    `justapi.admin_client.AdminClient()` here finds this pool and no other."""
+    `justapi.ops.admin_client.AdminClient()` here finds this pool and no other."""
 
     def __init__(self, args: Sequence[str], *, zmq: bool = False,
                  private_state: bool = False) -> None:

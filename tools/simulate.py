@@ -18,7 +18,7 @@ import dataclasses
 import json
 import sys
 
-from justapi.config import CacheConfig, SchedulerConfig
+from justapi.config.sections import CacheConfig, SchedulerConfig
 from justapi.scheduler.scheduler import Scheduler
 from justapi.scheduler.sim.cost_model import StepCostModel
 from justapi.scheduler.sim.report import format_requests, format_summary

@@ -22,10 +22,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
-
-from justapi.admin_client import AdminClient
-from justapi.client import AsyncClient
 from serve_process import Server
+
+from justapi.client import AsyncClient
+from justapi.ops.admin_client import AdminClient
 
 PROG = "soak.py"
 TINY_MODEL = "synthetic:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,context=1024"

@@ -4,17 +4,27 @@ admin socket.
 
 Usage: python tools/status.py [--admin ENDPOINT] [--json] [--check-invariants]
 Exit codes: 0 healthy, 1 unhealthy (or an invariant violated), 2 server not reachable.
-Owns: the status view. Does not own: the figures (justapi/scheduler/stats.py, justapi/health.py).
+Owns: the status view. Does not own: the figures (justapi/scheduler/stats.py, justapi/health/table.py).
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import asdict
 
-from justapi.admin_client import AdminClient
-from justapi.protocol import StatusReply
-from ops_cli import (EXIT_FAILED, EXIT_OK, human_bytes, parser, percent, print_json, run,
-                     seconds, table)
+from ops_cli import (
+    EXIT_FAILED,
+    EXIT_OK,
+    human_bytes,
+    parser,
+    percent,
+    print_json,
+    run,
+    seconds,
+    table,
+)
+
+from justapi.ops.admin_client import AdminClient
+from justapi.wire.protocol import StatusReply
 
 PROG = "status.py"
 

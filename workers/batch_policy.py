@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from justapi.protocol import FINISH_LENGTH, FINISH_STOP, NewRequest, StepPlan, StepResult
 from justapi.sampling import SamplingParams
-
+from justapi.wire.protocol import FINISH_LENGTH, FINISH_STOP, NewRequest, StepPlan, StepResult
 
 Chunk = tuple[str, int, list[int], list[int], bool]
 """(request_id, start position, token ids, block ids, sample?) as StepPlan.build takes it."""

@@ -5,7 +5,7 @@ policy (workers/batch_policy.py, to be replaced by the real scheduler) and the r
 (ModelRunner: model + KV pool + attention backend + sampler), which stays as it is. With
 speculative decoding (`speculative=SpecConfig(...)`) the real scheduler core drives the
 runner (workers/engine_loop.py) and a draft model, if any, runs beside the target.
-Text: the model's own tokenizer and chat template (justapi.tokenizer, justapi.chat_template).
+Text: the model's own tokenizer and chat template (justapi.frontend.text.tokenizer, justapi.frontend.text.chat_template).
 Owns: wiring the runtime together. Does not own: the policy or the runtime.
 """
 from __future__ import annotations
@@ -15,21 +15,22 @@ from typing import Sequence
 
 import torch
 
-from justapi.chat_template import ChatTemplate
-from justapi.gguf_file import GGUFFile, resolve_model_path
+from justapi.config.spec import SpecConfig
+from justapi.frontend.text.chat_template import ChatTemplate
+from justapi.frontend.text.tokenizer import Tokenizer
+from justapi.model.gguf_file import GGUFFile, resolve_model_path
 from justapi.sampling import SamplingParams
-from justapi.spec_config import SpecConfig
-from justapi.tokenizer import Tokenizer
-from workers.attention import make_backend, require_cuda
-from workers.batch_policy import BatchPolicy, Sequence as Seq
+from workers.batch_policy import BatchPolicy
+from workers.batch_policy import Sequence as Seq
 from workers.cpu_memory import keep_freed_memory
-from workers.draft import load_draft
 from workers.engine_loop import LoopLimits, SchedulerLoop
-from workers.kv_pool import KVPool, PoolShape
+from workers.kv.pool import KVPool, PoolShape
+from workers.model.attention import make_backend, require_cuda
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
-from workers.synthetic import SPEC_PREFIX, materialize
-from workers.weight_paths import load_model
+from workers.spec.draft import load_draft
+from workers.weights.paths import load_model
+from workers.weights.synthetic import SPEC_PREFIX, materialize
 
 DEFAULT_KV_BYTES = 2 << 30
 """KV pool size when num_blocks is 0 (an anonymous mapping: pages cost nothing until used)."""

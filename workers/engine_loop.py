@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from justapi.config import CacheConfig, SchedulerConfig
-from justapi.protocol import SubmitRequest, TokenDeltas, offsets
+from justapi.config.sections import CacheConfig, SchedulerConfig
+from justapi.config.spec import SpecConfig
 from justapi.sampling import SamplingParams
 from justapi.scheduler.scheduler import Scheduler
 from justapi.scheduler.topology import ModelLimits, Topology
-from justapi.spec_config import SpecConfig
+from justapi.wire.protocol import SubmitRequest, TokenDeltas, offsets
 from workers.runner import ModelRunner
 
 

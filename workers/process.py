@@ -20,22 +20,30 @@ import numpy as np
 import torch
 import zmq
 
-from justapi import transport
-from justapi.child import ChildSpec, StopFlag, report, start_child
-from justapi.gguf_file import GGUFFile
-from justapi.health import HEARTBEAT_INTERVAL_S
-from justapi.protocol import CopyBlocks, Heartbeat, PoolInfo, Ready, Shutdown, StepPlan, StepResult
-from justapi.shm_pool import available_memory_bytes
-from justapi.spec_config import SpecConfig
-from workers.attention import make_backend, require_cuda
+from justapi.config.spec import SpecConfig
+from justapi.health.table import HEARTBEAT_INTERVAL_S
+from justapi.launch.child import ChildSpec, StopFlag, report, start_child
+from justapi.launch.shm_pool import available_memory_bytes
+from justapi.model.gguf_file import GGUFFile
+from justapi.wire import transport
+from justapi.wire.protocol import (
+    CopyBlocks,
+    Heartbeat,
+    PoolInfo,
+    Ready,
+    Shutdown,
+    StepPlan,
+    StepResult,
+)
 from workers.cpu_memory import keep_freed_memory
-from workers.draft import load_draft
-from workers.kv_pool import KVPool, PoolShape
-from workers.kv_transfer import BlockCopier
-from workers.model import LlamaModel
+from workers.kv.pool import KVPool, PoolShape
+from workers.kv.transfer import BlockCopier
+from workers.model.attention import make_backend, require_cuda
+from workers.model.forward import LlamaModel
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
-from workers.weight_paths import load_model
+from workers.spec.draft import load_draft
+from workers.weights.paths import load_model
 
 logger = logging.getLogger(__name__)
 

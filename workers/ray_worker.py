@@ -1,8 +1,8 @@
 """A worker placed by Ray on some host: Worker (workers/process.py), connected to the
 scheduler over tcp:// with CURVE keys, reporting its host, and executing KV copies between
-hosts (workers/kv_wire.py).
+hosts (workers/kv/wire.py).
 
-It runs inside a Ray actor process (justapi/ray_actors.py starts it on a thread there):
+It runs inside a Ray actor process (justapi/cluster/actors.py starts it on a thread there):
 Ray gives it a CPU share (its torch threads) or one GPU (then it is cuda:0, Ray having set
 CUDA_VISIBLE_DEVICES). Its KV pool is its host's: the shared-memory segment of the host's
 pool owner on CPU, its own device pool on a GPU.
@@ -17,12 +17,12 @@ from typing import Any
 import torch
 import zmq
 
-from justapi import transport
-from justapi.child import ChildSpec, StopFlag
-from justapi.protocol import BlocksCopied, ReadBlocks, Ready, WriteBlocks
-from justapi.worker_auth import connect_worker_socket
-from workers.attention import require_cuda
-from workers.kv_wire import BlockWriter, read_blocks
+from justapi.launch.child import ChildSpec, StopFlag
+from justapi.wire import transport
+from justapi.wire.protocol import BlocksCopied, ReadBlocks, Ready, WriteBlocks
+from justapi.wire.worker_auth import connect_worker_socket
+from workers.kv.wire import BlockWriter, read_blocks
+from workers.model.attention import require_cuda
 from workers.process import Worker
 
 

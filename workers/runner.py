@@ -4,7 +4,7 @@ Keeps per-request state (sampling params, token history for penalties) learned f
 `plan.new_requests` and dropped on `plan.finished_request_ids`. Each chunk's tokens overwrite
 the history at their positions (truncate to the chunk's start, then extend), so a rollback
 after rejected speculative tokens, or a recompute after preemption, leaves it right.
-Steps with speculative drafts (or a draft model) go through workers/spec_step.py.
+Steps with speculative drafts (or a draft model) go through workers/spec/step.py.
 Owns: that state, turning a plan into tensors, picking logit rows. Does not own: block
 allocation or scheduling (the scheduler), the forward math (model.py), sampling (sampler.py),
 verification (verify.py).
@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from justapi.protocol import StepPlan, StepResult, offsets
 from justapi.sampling import SamplingParams
-from workers.attention import AttentionBackend, AttentionBatch
-from workers.kv_pool import KVPool
-from workers.model import LlamaModel
-from workers.draft import DraftModel
+from justapi.wire.protocol import StepPlan, StepResult, offsets
+from workers.kv.pool import KVPool
+from workers.model.attention import AttentionBackend, AttentionBatch
+from workers.model.forward import LlamaModel
 from workers.sampler import Sampler, SamplerOutput, SamplingRow
-from workers.spec_step import execute_speculative
-from workers.spec_tree import TreeLayout
-from workers.verify import Verifier
+from workers.spec.draft import DraftModel
+from workers.spec.step import execute_speculative
+from workers.spec.tree import TreeLayout
+from workers.spec.verify import Verifier
 
 
 @dataclass
@@ -48,7 +48,7 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.worker_id = worker_id
         self.requests: dict[str, RequestState] = {}
-        self.draft = draft  # speculative decoding's draft model (workers/draft.py), if any
+        self.draft = draft  # speculative decoding's draft model (workers/spec/draft.py), if any
         self.verifier = Verifier(self.sampler)
 
     @property
@@ -57,7 +57,7 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step: forward every chunk, sample the sequences whose sample flag is set
-        (verifying their drafts, workers/spec_step.py, when there are any or a draft model)."""
+        (verifying their drafts, workers/spec/step.py, when there are any or a draft model)."""
         if self.draft is not None or np.any(plan.draft_counts > 0):
             return execute_speculative(self, plan)
         logits = self.forward_logits(plan)  # [num sampled, vocab]: one row each

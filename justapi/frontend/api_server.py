@@ -23,18 +23,32 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from justapi.frontend import metrics as metrics_module
-from justapi.frontend.errors import (INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, ApiError,
-                                     error_body, from_validation_errors)
+from justapi.frontend.errors import (
+    INVALID_REQUEST,
+    NOT_FOUND,
+    SERVER_ERROR,
+    ApiError,
+    error_body,
+    from_validation_errors,
+)
 from justapi.frontend.guards import DEFAULT_MAX_REQUEST_BYTES, HttpGuards
-from justapi.frontend.openai_models import (ChatCompletionRequest, ChatCompletionResponse,
-                                            CompletionRequest, CompletionResponse,
-                                            DetokenizeRequest, DetokenizeResponse,
-                                            ErrorResponse, HealthResponse, ModelList,
-                                            TokenizeRequest, TokenizeResponse)
+from justapi.frontend.openai_models import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from justapi.frontend.serving import Serving
 from justapi.frontend.serving_chat import create_chat_completion, message_dicts
 from justapi.frontend.serving_completions import create_completion
-from justapi.protocol import SchedulerStats
+from justapi.wire.protocol import SchedulerStats
 
 logger = logging.getLogger(__name__)
 

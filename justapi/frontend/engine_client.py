@@ -17,10 +17,16 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from justapi import transport
-from justapi.codec import ProtocolError, decode
-from justapi.protocol import (FINISH_ERROR, AbortRequest, SchedulerStats, SubmitRequest,
-                              TokenDeltas, offsets)
+from justapi.wire import transport
+from justapi.wire.codec import ProtocolError, decode
+from justapi.wire.protocol import (
+    FINISH_ERROR,
+    AbortRequest,
+    SchedulerStats,
+    SubmitRequest,
+    TokenDeltas,
+    offsets,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from justapi.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, StopStringMatcher
 from justapi.frontend.engine_client import EngineClient, RequestDelta
 from justapi.frontend.metrics import RequestTimer
-from justapi.protocol import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, SubmitRequest
-from justapi.tokenizer import Tokenizer
+from justapi.frontend.text.detokenizer import (
+    PROMPT_CONTEXT_TOKENS,
+    IncrementalDetokenizer,
+    StopStringMatcher,
+)
+from justapi.frontend.text.tokenizer import Tokenizer
+from justapi.wire.protocol import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, SubmitRequest
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import time
 
 from justapi.frontend.engine_client import EngineClient
 from justapi.frontend.server import FrontendServer
-from justapi.health_watch import process_state
+from justapi.health.watch import process_state
 
 logger = logging.getLogger(__name__)
 

@@ -12,13 +12,22 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
-                               generate_latest)
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily, Metric)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from justapi.protocol import SchedulerStats
+from justapi.wire.protocol import SchedulerStats
 
 PREFIX = "justapi:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -62,7 +71,7 @@ SCHEDULER_METRICS = (
     StatMetric(PREFIX + "num_preemptions", "Requests preempted (blocks freed, re-queued).",
                "num_preemptions", is_counter=True),
 )
-# PD disaggregation (--pd P:D; justapi/scheduler/pd_stats.py): absent from a colocated snapshot.
+# PD disaggregation (--pd P:D; justapi/scheduler/pd/stats.py): absent from a colocated snapshot.
 PD_METRICS = (
     StatMetric(PREFIX + "pd_handoffs", "Requests handed from a prefill to a decode worker.",
                "pd_num_handoffs", is_counter=True),
@@ -83,7 +92,7 @@ PD_METRICS = (
     StatMetric(PREFIX + "pd_copies_in_flight", "Hand-off copies ordered and not acknowledged.",
                "pd_num_copies_in_flight"),
 )
-# Speculative decoding (justapi/scheduler/speculation.py): vLLM's spec_decode counters, plus
+# Speculative decoding (justapi/scheduler/spec/speculation.py): vLLM's spec_decode counters, plus
 # the acceptance figures llama.cpp's server reports (draft acceptance rate) as gauges.
 SPEC_METRICS = (
     StatMetric(PREFIX + "spec_decode_num_drafts", "Verifications of draft tokens (one per "
@@ -97,7 +106,7 @@ SPEC_METRICS = (
     StatMetric(PREFIX + "spec_decode_draft_acceptance_rate", "Accepted / verified draft tokens.",
                "spec_decode_draft_acceptance_rate"),
 )
-# Workers on several hosts (--launcher ray; justapi/scheduler/cluster_scheduler.py).
+# Workers on several hosts (--launcher ray; justapi/scheduler/cluster/scheduler.py).
 CLUSTER_METRICS = (
     StatMetric(PREFIX + "kv_imports", "Cached prefixes copied in from another host's pool "
                "instead of recomputed.", "kv_imports", is_counter=True),
@@ -122,7 +131,7 @@ PD_SIDE_GAUGES = (  # stats key pd_<side>_<key>, labelled pool="prefill"|"decode
 )
 PD_HANDOFF_LATENCY = "pd_handoff_latency_seconds"
 WORKER_LABELS = ["model_name", "worker_id"]
-# The scheduler's health table (justapi/health.py rows: process, pool and NVML figures), one
+# The scheduler's health table (justapi/health/table.py rows: process, pool and NVML figures), one
 # gauge per figure and worker; a figure a worker lacks (no GPU, no NVML) is left out.
 HEALTH_GAUGES = (
     ("rss_bytes", "worker_resident_memory_bytes", "Resident memory of the worker process."),

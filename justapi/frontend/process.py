@@ -16,13 +16,13 @@ import signal
 
 import uvloop
 
-from justapi.child import ChildSpec, report, start_child
-from justapi.curve_keys import read_secret_key
+from justapi.config.serve import API_KEY_ENV
 from justapi.frontend.engine_client import EngineClient
 from justapi.frontend.lifecycle import drain, watch_scheduler
 from justapi.frontend.server import FrontendServer, FrontendSettings, build_serving
-from justapi.gguf_file import GGUFFile
-from justapi.serve_config import API_KEY_ENV
+from justapi.launch.child import ChildSpec, report, start_child
+from justapi.model.gguf_file import GGUFFile
+from justapi.wire.curve_keys import read_secret_key
 
 logger = logging.getLogger(__name__)
 

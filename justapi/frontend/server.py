@@ -13,15 +13,15 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from justapi.chat_template import ChatTemplate
 from justapi.frontend.api_server import build_app, make_http_server
 from justapi.frontend.engine_client import EngineClient
 from justapi.frontend.guards import DEFAULT_MAX_REQUEST_BYTES
 from justapi.frontend.metrics import FrontendMetrics
 from justapi.frontend.serving import Serving, ServingConfig
+from justapi.frontend.text.chat_template import ChatTemplate
+from justapi.frontend.text.tokenizer import Tokenizer
 from justapi.frontend.zmq_server import ZmqServer
-from justapi.gguf_file import GGUFFile
-from justapi.tokenizer import Tokenizer
+from justapi.model.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 

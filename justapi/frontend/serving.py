@@ -19,16 +19,16 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from justapi.detokenizer import StopStringMatcher
 from justapi.frontend.admission import Admission, RejectionCounter, unavailable
 from justapi.frontend.engine_client import EngineClient
 from justapi.frontend.errors import NOT_FOUND, SERVER_ERROR, ApiError, sampling_error
 from justapi.frontend.generation import Generation, GenerationOutput, TextOptions
 from justapi.frontend.metrics import FrontendMetrics
 from justapi.frontend.openai_models import GenerationFields
-from justapi.protocol import FINISH_ERROR, SubmitRequest
+from justapi.frontend.text.detokenizer import StopStringMatcher
+from justapi.frontend.text.tokenizer import Tokenizer
 from justapi.sampling import SamplingParams
-from justapi.tokenizer import Tokenizer
+from justapi.wire.protocol import FINISH_ERROR, SubmitRequest
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,17 @@ from collections.abc import AsyncIterator
 from justapi.frontend.errors import SERVER_ERROR, ApiError, error_body
 from justapi.frontend.generation import Generation, TokenLogprob
 from justapi.frontend.openai_models import ChatCompletionRequest, ChatMessage
-from justapi.frontend.serving import (SSE_DONE, Serving, close_all, collect_all, fan_in,
-                                      sse_event, usage)
-from justapi.protocol import FINISH_ERROR
+from justapi.frontend.serving import (
+    SSE_DONE,
+    Serving,
+    close_all,
+    collect_all,
+    fan_in,
+    sse_event,
+    usage,
+)
 from justapi.sampling import MAX_TOP_LOGPROBS
+from justapi.wire.protocol import FINISH_ERROR
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:

@@ -13,9 +13,18 @@ from collections.abc import AsyncIterator
 from justapi.frontend.errors import SERVER_ERROR, ApiError, error_body
 from justapi.frontend.generation import Generation, GenerationOutput, TokenLogprob
 from justapi.frontend.openai_models import CompletionRequest
-from justapi.frontend.serving import (MAX_CHOICES, SSE_DONE, Prompt, Serving, close_all,
-                                      collect_all, fan_in, sse_event, usage)
-from justapi.protocol import FINISH_ERROR
+from justapi.frontend.serving import (
+    MAX_CHOICES,
+    SSE_DONE,
+    Prompt,
+    Serving,
+    close_all,
+    collect_all,
+    fan_in,
+    sse_event,
+    usage,
+)
+from justapi.wire.protocol import FINISH_ERROR
 
 
 def completion_prompts(serving: Serving, prompt: str | list, n: int) -> list[Prompt]:

@@ -20,15 +20,21 @@ import zmq
 import zmq.asyncio
 from pydantic import ValidationError
 
-from justapi import transport
-from justapi.codec import ProtocolError, decode, encode
 from justapi.frontend.errors import ApiError, from_validation_errors
 from justapi.frontend.generation import Generation, GenerationOutput
 from justapi.frontend.openai_models import ChatMessage
 from justapi.frontend.serving import Prompt, Serving
 from justapi.frontend.serving_chat import message_dicts
-from justapi.protocol import (FINISH_ERROR, AbortGeneration, GenerationChunk, QueryStats,
-                              StatsReport, SubmitGeneration)
+from justapi.wire import transport
+from justapi.wire.codec import ProtocolError, decode, encode
+from justapi.wire.protocol import (
+    FINISH_ERROR,
+    AbortGeneration,
+    GenerationChunk,
+    QueryStats,
+    StatsReport,
+    SubmitGeneration,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The scheduler core: pure, deterministic continuous batching over paged KV pools.
 
-No torch, sockets or clocks: the scheduler process (justapi/scheduler_process.py) feeds it
+No torch, sockets or clocks: the scheduler process (justapi/scheduler/process.py) feeds it
 messages and sends out what it returns. See docs/scheduler.md for the design.
 """
 from justapi.scheduler.scheduler import Scheduler

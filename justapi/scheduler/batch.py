@@ -21,9 +21,9 @@ import array
 
 import numpy as np
 
-from justapi.config import SchedulerConfig
-from justapi.protocol import NewRequest, StepPlan
+from justapi.config.sections import SchedulerConfig
 from justapi.scheduler.request import Request
+from justapi.wire.protocol import NewRequest, StepPlan
 
 
 class StepBatch:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from justapi.protocol import StepResult, TokenDeltas
 from justapi.scheduler.request import Request
+from justapi.wire.protocol import StepResult, TokenDeltas
 
 
 class DeltaBuilder:

@@ -11,14 +11,14 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from justapi.gguf_file import GGUFFile, resolve_model_path
-from justapi.protocol import Ready
-from justapi.scheduler.cluster_scheduler import ClusterScheduler
-from justapi.scheduler.hosts import HostMap
-from justapi.scheduler.pd_scheduler import PdScheduler
+from justapi.config.serve import ServeConfig
+from justapi.model.gguf_file import GGUFFile, resolve_model_path
+from justapi.scheduler.cluster.hosts import HostMap
+from justapi.scheduler.cluster.scheduler import ClusterScheduler
+from justapi.scheduler.pd.scheduler import PdScheduler
 from justapi.scheduler.scheduler import Scheduler
 from justapi.scheduler.topology import ROLE_MIXED, ModelLimits, PoolSpec, Topology, WorkerSpec
-from justapi.serve_config import ServeConfig
+from justapi.wire.protocol import Ready
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def limits_of(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, An
 
 def eos_token_ids(model: str) -> tuple[int, ...]:
     """End-of-generation ids of a GGUF model (EOS, EOT, EOM and llama.cpp's end-of-turn list)."""
-    from justapi.tokenizer import Tokenizer  # tokenizers is heavy: only when needed
+    from justapi.frontend.text.tokenizer import Tokenizer  # tokenizers is heavy: only when needed
 
     if model.startswith("synthetic:"):
         logger.warning("model %r: no tokenizer path given, EOS is not enforced", model)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from justapi.config import SchedulerConfig
-from justapi.scheduler.kv_cache_manager import KvCacheManager
+from justapi.config.sections import SchedulerConfig
+from justapi.scheduler.kv.manager import KvCacheManager
 from justapi.scheduler.request import Request
 from justapi.scheduler.waiting_queue import WaitingQueue
 

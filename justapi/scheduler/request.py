@@ -17,8 +17,8 @@ import array
 import enum
 
 from justapi.sampling import SamplingParams
-from justapi.spec.budget import Acceptance
-from justapi.scheduler.radix_node import RadixNode
+from justapi.scheduler.kv.radix_node import RadixNode
+from justapi.scheduler.spec.budget import Acceptance
 
 
 class RequestStatus(enum.Enum):
@@ -70,7 +70,7 @@ class Request:
         self.num_preemptions = 0
         self.queue_entry: list | None = None  # its live entry in a WaitingQueue heap
         self.enqueued_step = 0
-        # Speculative decoding (justapi/scheduler/speculation.py): the drafts' token tree
+        # Speculative decoding (justapi/scheduler/spec/speculation.py): the drafts' token tree
         # (parent per draft, [] = a chain), acceptance history, steps without drafts, and how
         # many tokens the worker's draft model proposes for the next step.
         self.draft_parents: list[int] = []

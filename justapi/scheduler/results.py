@@ -10,13 +10,20 @@ Owns: those rules. Does not own: the step's choice (planner.py) or the message s
 """
 from __future__ import annotations
 
-from justapi.protocol import (FINISH_ABORT, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, StepResult,
-                              TokenDeltas, offsets)
 from justapi.scheduler.deltas import DeltaBuilder
 from justapi.scheduler.request import Request
+from justapi.scheduler.spec.tree import follow, max_depth
 from justapi.scheduler.state import SchedulerState
 from justapi.scheduler.worker_state import InFlightStep
-from justapi.spec.tree import follow, max_depth
+from justapi.wire.protocol import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    StepResult,
+    TokenDeltas,
+    offsets,
+)
 
 
 class ResultApplier:

@@ -17,9 +17,8 @@ from typing import Union
 
 import numpy as np
 
-from justapi.config import CacheConfig, SchedulerConfig
-from justapi.protocol import (FINISH_ABORT, FINISH_ERROR, CopyBlocks, Ready, StepPlan, StepResult,
-                              SubmitRequest, TokenDeltas)
+from justapi.config.sections import CacheConfig, SchedulerConfig
+from justapi.config.spec import SpecConfig
 from justapi.scheduler.batch import StepBatch
 from justapi.scheduler.deltas import DeltaBuilder
 from justapi.scheduler.invariants import check_state
@@ -28,13 +27,22 @@ from justapi.scheduler.policy import sort_key
 from justapi.scheduler.request import Request, RequestStatus
 from justapi.scheduler.results import ResultApplier
 from justapi.scheduler.router import Router
-from justapi.scheduler.speculation import Speculation
+from justapi.scheduler.spec.speculation import Speculation
+from justapi.scheduler.spec.tree import chain_parents, check_tree, is_chain, keep_depth
 from justapi.scheduler.state import SchedulerState
 from justapi.scheduler.stats import collect_stats
 from justapi.scheduler.topology import ModelLimits, PoolSpec, Topology, WorkerSpec
 from justapi.scheduler.worker_state import InFlightStep, WorkerState
-from justapi.spec.tree import chain_parents, check_tree, is_chain, keep_depth
-from justapi.spec_config import SpecConfig
+from justapi.wire.protocol import (
+    FINISH_ABORT,
+    FINISH_ERROR,
+    CopyBlocks,
+    Ready,
+    StepPlan,
+    StepResult,
+    SubmitRequest,
+    TokenDeltas,
+)
 
 NOT_A_STEP = -1  # step_id of deltas that no step produced (aborts, ill health)
 WorkerOrder = Union[StepPlan, CopyBlocks]  # what schedule() sends to a worker (copies: PD only)
@@ -107,7 +115,7 @@ class Scheduler:
     def set_draft_tokens(self, request_id: str, token_ids: Sequence[int],
                          parents: Sequence[int] | None = None) -> int:
         """Speculative decoding hook: drafts to verify in the request's next step (counted by
-        the rule) - a chain, or a token tree with `parents` (justapi/spec/tree.py). Nodes
+        the rule) - a chain, or a token tree with `parents` (justapi/scheduler/spec/tree.py). Nodes
         deeper than the room left before the request's finish are dropped; returns how many
         were kept."""
         req = self.state.requests.get(request_id)

@@ -14,14 +14,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from justapi.config import CacheConfig, SchedulerConfig
-from justapi.scheduler.block_pool import BlockPool
-from justapi.scheduler.handoff import HandOffTable
-from justapi.scheduler.kv_cache_manager import KvCacheManager
+from justapi.config.sections import CacheConfig, SchedulerConfig
+from justapi.scheduler.kv.block_pool import BlockPool
+from justapi.scheduler.kv.manager import KvCacheManager
+from justapi.scheduler.pd.handoff_table import HandOffTable
 from justapi.scheduler.request import Request, RequestStatus
-from justapi.scheduler.speculation import Speculation
-from justapi.scheduler.topology import (ROLE_DECODE, ROLE_PREFILL, ModelLimits, PoolSpec, Topology,
-                                        WorkerSpec)
+from justapi.scheduler.spec.speculation import Speculation
+from justapi.scheduler.topology import (
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    ModelLimits,
+    PoolSpec,
+    Topology,
+    WorkerSpec,
+)
 from justapi.scheduler.waiting_queue import WaitingQueue
 from justapi.scheduler.worker_state import WorkerState
 

@@ -4,7 +4,7 @@ Names: gauges `num_requests_running|waiting`, `kv_usage` (blocks held by request
 blocks; cached blocks nobody holds count as free, as in vLLM), `prefix_cache_blocks`;
 counters `prefix_cache_hits|misses` (blocks), `prefix_cache_query_tokens|hit_tokens`
 (tokens, for vLLM-style prefix_cache_queries/hits), `num_preemptions`, `num_*_tokens`, ...,
-`spec_decode_*` with speculative decoding (justapi/scheduler/speculation.py);
+`spec_decode_*` with speculative decoding (justapi/scheduler/spec/speculation.py);
 per worker `worker_<id>_<name>` and per pool `pool_<id>_<name>`.
 Owns: the names. Does not own: the counters themselves (SchedulerState.counters).
 """

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from justapi.protocol import StepPlan
+from justapi.wire.protocol import StepPlan
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from justapi.protocol import BlocksCopied, CopyBlocks, StepPlan, StepResult, offsets
 from justapi.scheduler.sim.fake_model import SEED_HASH, FakeKvStore, mix, next_token
+from justapi.wire.protocol import BlocksCopied, CopyBlocks, StepPlan, StepResult, offsets
 
 
 class FakeWorkerError(AssertionError):

@@ -12,15 +12,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from justapi.config import CacheConfig, SchedulerConfig
-from justapi.protocol import CopyBlocks, SubmitRequest, TokenDeltas, offsets
+from justapi.config.sections import CacheConfig, SchedulerConfig
+from justapi.config.spec import SpecConfig
 from justapi.sampling import SamplingParams
-from justapi.scheduler.pd_scheduler import PdScheduler
+from justapi.scheduler.pd.scheduler import PdScheduler
 from justapi.scheduler.scheduler import Scheduler, WorkerOrder
 from justapi.scheduler.sim.fake_model import FakeKvStore
 from justapi.scheduler.sim.fake_worker import FakeWorker, Proposer
 from justapi.scheduler.topology import ModelLimits, Topology
-from justapi.spec_config import SpecConfig
+from justapi.wire.protocol import CopyBlocks, SubmitRequest, TokenDeltas, offsets
 
 _SPEC_FIELDS = {f.name for f in dataclasses.fields(SpecConfig)}
 

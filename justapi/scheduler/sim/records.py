@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from justapi.protocol import StepPlan
 from justapi.sampling import SamplingParams
+from justapi.wire.protocol import StepPlan
 
 
 @dataclass

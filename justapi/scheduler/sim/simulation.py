@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from justapi.protocol import CopyBlocks, StepPlan, SubmitRequest, TokenDeltas, offsets
 from justapi.sampling import SamplingParams
 from justapi.scheduler.request import Request, RequestStatus
 from justapi.scheduler.scheduler import Scheduler
@@ -25,6 +24,7 @@ from justapi.scheduler.sim.fake_model import FakeKvStore
 from justapi.scheduler.sim.fake_worker import FakeWorker
 from justapi.scheduler.sim.records import PlanRecord, RequestRecord, SimResult
 from justapi.scheduler.sim.trace import TraceRequest
+from justapi.wire.protocol import CopyBlocks, StepPlan, SubmitRequest, TokenDeltas, offsets
 
 DraftProposer = Callable[[Request], list[int]]
 

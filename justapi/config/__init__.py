@@ -1,0 +1,1 @@
+"""Serve configuration: frozen dataclass sections, TOML files and flags (torch-free)."""

@@ -1,0 +1,1 @@
+"""Model files, torch-free: the GGUF reader, the facts the control plane needs, start-up checks."""

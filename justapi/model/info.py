@@ -1,0 +1,78 @@
+"""The facts about a model that the control plane needs, read from GGUF metadata (torch-free).
+
+Shapes for sizing the KV pool, the context length for validation, and the name to serve.
+Owns: ModelInfo and model-path resolution (default model, file, `synthetic:` spec).
+Does not own: weights (workers/) or the tokenizer (justapi/frontend/text/tokenizer.py).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from justapi.model.gguf_file import GGUFError, GGUFFile, resolve_model_path
+
+SYNTHETIC_PREFIX = "synthetic:"
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    path: str
+    name: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    context_length: int
+    vocab_size: int
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile) -> ModelInfo:
+        arch = gguf.architecture
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise GGUFError(f"{gguf.path}: unsupported architecture {arch!r} "
+                            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        hidden = _positive(gguf, "embedding_length")
+        heads = _positive(gguf, "attention.head_count")
+        kv_heads = int(gguf.arch_get("attention.head_count_kv", heads))
+        head_dim = int(gguf.arch_get("attention.key_length", hidden // heads))
+        if kv_heads <= 0 or heads % kv_heads or head_dim <= 0:
+            raise GGUFError(f"{gguf.path}: bad attention shape (heads={heads}, kv_heads={kv_heads})")
+        tokens = gguf.get("tokenizer.ggml.tokens")
+        vocab = int(gguf.arch_get("vocab_size", len(tokens) if tokens is not None else 0))
+        return cls(path=gguf.path, name=gguf.name, architecture=arch,
+                   num_layers=_positive(gguf, "block_count"), hidden_size=hidden, num_heads=heads,
+                   num_kv_heads=kv_heads, head_dim=head_dim,
+                   context_length=_positive(gguf, "context_length"), vocab_size=vocab)
+
+
+def _positive(gguf: GGUFFile, suffix: str) -> int:
+    value = gguf.arch_get(suffix)
+    if not isinstance(value, int) or value <= 0 or value > 1 << 24:
+        raise GGUFError(f"{gguf.path}: metadata {gguf.architecture}.{suffix} is missing or "
+                        f"absurd ({value!r})")
+    return value
+
+
+def resolve_model(model: str) -> str:
+    """'' -> default GGUF; 'synthetic:SPEC' -> a generated random-weight GGUF; else the path."""
+    if model.startswith(SYNTHETIC_PREFIX):
+        return _materialize_synthetic(model)
+    return resolve_model_path(model)
+
+
+def _materialize_synthetic(spec: str) -> str:
+    # The generator lives with the other weight code in workers/; run it as a tool so the
+    # control plane does not import the data plane.
+    result = subprocess.run([sys.executable, "-m", "workers.weights.synthetic", spec],
+                            capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        lines = (result.stderr or result.stdout).strip().splitlines()
+        raise GGUFError(f"bad synthetic model spec {spec!r}: {lines[-1] if lines else 'failed'}")
+    return result.stdout.strip().splitlines()[-1]

@@ -1,0 +1,1 @@
+"""Operating a running server: the admin client and the ops commands."""

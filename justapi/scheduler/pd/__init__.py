@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation in the scheduler core: PdScheduler and its KV hand-offs."""

@@ -1,0 +1,221 @@
+"""The scheduler process: the IO shell around the pure scheduler core.
+
+Reads SubmitRequest/AbortRequest from the frontend and Ready/StepResult/Heartbeat from the
+workers, asks the core for step plans, and pushes coalesced TokenDeltas and periodic
+SchedulerStats back to the frontend; answers the admin socket between steps (justapi/scheduler/admin.py).
+Never busy-polls: it blocks on its sockets, and every change of state arrives as a message.
+Owns: sockets, clocks, the worker identity table. Does not own: scheduling decisions
+(justapi/scheduler/), health verdicts and fencing (justapi/health/watch.py), tokens-to-text.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from justapi.health.watch import HealthWatch
+from justapi.launch.child import ChildSpec, StopFlag, report, start_child
+from justapi.scheduler.admin import AdminServer
+from justapi.scheduler.factory import build_scheduler
+from justapi.wire import transport
+from justapi.wire.protocol import (
+    FINISH_ERROR,
+    AbortRequest,
+    BlocksCopied,
+    CopyBlocks,
+    Heartbeat,
+    Ready,
+    SchedulerStats,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    SubmitRequest,
+    TokenDeltas,
+)
+
+logger = logging.getLogger(__name__)
+
+POLL_TIMEOUT_MS = 100
+STATS_INTERVAL_S = 0.5
+
+
+def worker_identity(worker_id: int) -> bytes:
+    return f"worker-{worker_id}".encode()
+
+
+class SchedulerProcess:
+    def __init__(self, spec: ChildSpec, stop: StopFlag) -> None:
+        self.spec = spec
+        self.stop = stop
+        self.num_workers = int(spec.extra.get("num_workers", spec.config.server.workers))
+        ctx = zmq.Context()
+        self.context = ctx
+        self.inbox = transport.make_socket(ctx, zmq.PULL, spec.endpoints.scheduler_in, bind=True)
+        self.outbox = transport.make_socket(ctx, zmq.PUSH, spec.endpoints.frontend_in, bind=False)
+        self.workers = self.open_worker_socket(ctx)
+        self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
+        self.admin = AdminServer(ctx, spec.endpoints.admin)
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox, zmq.POLLIN)
+        self.poller.register(self.workers, zmq.POLLIN)
+        self.poller.register(self.admin.socket, zmq.POLLIN)
+        self.readies: dict[int, Ready] = {}
+        self.health = HealthWatch(spec.config.ops)
+        self.core: Any = None
+        self._last_stats_s = 0.0
+
+    def open_worker_socket(self, context: zmq.Context) -> zmq.Socket:
+        """The ROUTER the workers connect to: ipc in the runtime dir (justapi/scheduler/cluster_process.py
+        binds tcp with CURVE for workers on other hosts)."""
+        return transport.make_socket(context, zmq.ROUTER, self.spec.endpoints.workers, bind=True)
+
+    # ---------------------------------------------------------------- start-up
+    def wait_for_workers(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.readies) < self.num_workers and not self.stop.is_set:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.num_workers)) - set(self.readies))
+                raise RuntimeError(f"no Ready from worker(s) {missing} in {timeout_s:.0f}s")
+            if self.poller.poll(POLL_TIMEOUT_MS):
+                for sender, message in transport.drain(self.workers, routed=True):
+                    if isinstance(message, Ready):
+                        self.readies[message.worker_id] = message
+                        self.health.on_ready(message)
+        self.core = build_scheduler(self.spec.config, list(self.readies.values()),
+                                    {**self.spec.extra, "model_path": self.spec.model_path})
+
+    # ---------------------------------------------------------------- the loop
+    def run(self) -> None:
+        while not self.stop.is_set:
+            self.poller.poll(POLL_TIMEOUT_MS)
+            for _, message in transport.drain(self.inbox):
+                self._on_frontend(message)
+            for sender, message in transport.drain(self.workers, routed=True):
+                self._on_worker(sender, message)
+            self.admin.serve(self.core, self.health)
+            self._check_health()
+            self._send_deltas(self.core.tick(time.monotonic()))  # PD: hand-off leases
+            for worker_id, plan in self.core.schedule():
+                self._send_plan(worker_id, plan)
+            self._maybe_push_stats()
+        self._stop_workers()
+
+    def _on_frontend(self, message: Any) -> None:
+        if isinstance(message, SubmitRequest):
+            try:
+                self._check_vocab(message)
+                self.core.add_request(message)
+            except ValueError as exc:
+                self._reject(message.request_id, str(exc))
+        elif isinstance(message, AbortRequest):
+            for request_id in message.request_ids:
+                self._send_deltas(self.core.abort_request(request_id))
+        else:
+            logger.warning("ignored unexpected %s from the frontend", type(message).__name__)
+
+    def _check_vocab(self, request: SubmitRequest) -> None:
+        """A token id past the vocabulary would fail the whole step it is batched in."""
+        vocab_size = min((r.vocab_size for r in self.readies.values()), default=0)
+        ids = request.prompt_token_ids
+        if vocab_size and len(ids) and int(np.max(ids)) >= vocab_size:
+            raise ValueError(f"request {request.request_id!r}: token id {int(np.max(ids))} "
+                             f"is not in the vocabulary [0, {vocab_size})")
+
+    def _on_worker(self, sender: bytes | None, message: Any) -> None:
+        worker_id = getattr(message, "worker_id", None)
+        suffix = b"-heartbeat" if isinstance(message, Heartbeat) else b""
+        if not isinstance(worker_id, int) or sender != worker_identity(worker_id) + suffix:
+            # Only worker N's own socket may speak for worker N (a stray or hostile peer on
+            # the workers socket cannot forge results, heartbeats or a Ready).
+            logger.warning("dropped %s from %r: not that worker's socket",
+                           type(message).__name__, sender)
+            return
+        if isinstance(message, StepResult):
+            self.health.on_step_result(message.worker_id)
+            if message.error:
+                logger.error("worker %d step %d failed: %s", message.worker_id, message.step_id,
+                             message.error)
+            self._send_deltas(self.core.update(message))
+        elif isinstance(message, BlocksCopied):  # PD: a KV hand-off copy is in place
+            self._send_deltas(self.core.copy_done(message))
+        elif isinstance(message, Heartbeat):
+            self.health.on_heartbeat(message)
+        elif isinstance(message, Ready):
+            self.readies[message.worker_id] = message
+            self._send_deltas(self.health.rejoin(self.core, message))
+        else:
+            logger.warning("ignored unexpected %s from %r", type(message).__name__, sender)
+
+    def _send_deltas(self, deltas: TokenDeltas | None) -> None:
+        if deltas is not None and deltas.request_ids:
+            transport.send(self.outbox, deltas)
+
+    def _reject(self, request_id: str, error: str) -> None:
+        transport.send(self.outbox, TokenDeltas(
+            step_id=-1, request_ids=[request_id], num_new_tokens=np.zeros(1, np.int32),
+            token_ids=np.zeros(0, np.int32), finish_reasons=[FINISH_ERROR],
+            errors={request_id: error}))
+
+    def _send_plan(self, worker_id: int, plan: StepPlan | CopyBlocks) -> None:
+        try:
+            transport.send(self.workers, plan, to=worker_identity(worker_id))
+        except zmq.ZMQError as exc:  # its process is gone: retired at the next health check
+            self.health.on_unreachable(worker_id, str(exc))
+            return
+        if isinstance(plan, StepPlan):  # (a PD copy order is not a step)
+            self.health.on_step_sent(worker_id, plan.step_id)
+
+    def _check_health(self) -> None:
+        for worker_id, reason in self.health.poll():
+            logger.error("worker %d is unhealthy: %s; fencing it, re-queueing its requests",
+                         worker_id, reason)
+            self._send_deltas(self.health.retire(self.core, worker_id))
+
+    def _maybe_push_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_stats_s < STATS_INTERVAL_S:
+            return
+        self._last_stats_s = now
+        snap = self.health.snapshot(self.core)
+        transport.send(self.outbox, SchedulerStats(
+            time_s=time.time(), healthy=snap.healthy, stats=snap.stats, workers=snap.workers,
+            problems=snap.problems, warnings=snap.warnings))
+
+    def _stop_workers(self) -> None:
+        for worker_id in self.readies:
+            try:
+                transport.send(self.workers, Shutdown("scheduler stopping"),
+                               to=worker_identity(worker_id), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+
+    def close(self) -> None:
+        self.health.close()
+        self.admin.close()
+        for sock in (self.inbox, self.outbox, self.workers):
+            sock.close(0)
+        self.context.term()
+
+
+def main() -> None:
+    spec, stop = start_child()
+    process = SchedulerProcess(spec, stop)
+    try:
+        process.wait_for_workers(spec.config.server.ready_timeout_s)
+    except Exception as exc:  # report any start-up failure as one line, then exit
+        report(spec, error=str(exc))
+        raise SystemExit(1) from None
+    report(spec, info={"num_workers": len(process.readies)})
+    gc.freeze()  # start-up objects never die: keep full collections short in the loop
+    try:
+        process.run()
+    finally:
+        process.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Wire codec: a registered frozen dataclass <-> ZeroMQ multipart frames, never pickle.
+
+Frame 0 is an orjson header (the message's type tag and its fields); every numpy array in
+the message travels as one raw little-endian frame after it, referenced from the header by
+index. Decoding trusts nothing: unknown types, unknown fields, a value that does not have
+its field's annotated type, dtypes outside an allowlist and frames whose size disagrees
+with their shape raise `ProtocolError`.
+Owns: encoding rules and the type registry. Does not own: sockets (justapi/wire/transport.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Callable, Sequence, TypeVar, Union
+
+import numpy as np
+import orjson
+
+_REGISTRY: dict[str, type] = {}
+_FIELD_TYPES: dict[type, dict[str, Any]] = {}
+_ALLOWED_DTYPES = {"<i4", "<i8", "<f4", "<f2", "|u1", "|b1", "<u4"}
+_FRAME_KEY = "__frame__"
+_TYPE_KEY = "__type__"
+MAX_ARRAY_DIMS = 4
+
+T = TypeVar("T")
+
+
+class ProtocolError(ValueError):
+    """A message that does not decode to a registered, well-formed dataclass."""
+
+
+def register(tag: str) -> Callable[[type[T]], type[T]]:
+    """Class decorator: make a frozen dataclass encodable under a unique type tag."""
+
+    def wrap(cls: type[T]) -> type[T]:
+        if tag in _REGISTRY:
+            raise RuntimeError(f"message tag {tag!r} registered twice")
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"{cls.__name__} must be a dataclass")
+        _REGISTRY[tag] = cls
+        cls.TAG = tag  # type: ignore[attr-defined]
+        return cls
+
+    return wrap
+
+
+def encode(message: Any) -> list[bytes | memoryview]:
+    """Message -> [header, array frames...]. Arrays are sent without a copy when contiguous."""
+    frames: list[bytes | memoryview] = [b""]
+    header = _encode_value(message, frames)
+    frames[0] = orjson.dumps(header)
+    return frames
+
+
+def decode(frames: Sequence[bytes | memoryview | Any]) -> Any:
+    """[header, array frames...] -> message; raises ProtocolError on anything malformed."""
+    if not frames:
+        raise ProtocolError("empty message")
+    buffers = [_as_buffer(f) for f in frames]
+    try:
+        header = orjson.loads(buffers[0])
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict) or _TYPE_KEY not in header:
+        raise ProtocolError("header is not a typed message")
+    used: set[int] = set()
+    message = _decode_value(header, buffers, used, depth=0)
+    if len(used) != len(buffers) - 1:
+        raise ProtocolError(f"message has {len(buffers) - 1} array frames, {len(used)} used")
+    return message
+
+
+def _as_buffer(frame: Any) -> memoryview:
+    if hasattr(frame, "buffer"):  # zmq.Frame
+        return memoryview(frame.buffer)
+    return memoryview(frame)
+
+
+def _encode_value(value: Any, frames: list[bytes | memoryview]) -> Any:
+    if isinstance(value, np.ndarray):
+        array = np.ascontiguousarray(value)
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        frames.append(memoryview(array).cast("B") if array.size else b"")  # type: ignore[arg-type]
+        return {_FRAME_KEY: len(frames) - 1, "dtype": array.dtype.str, "shape": list(array.shape)}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        tag = getattr(type(value), "TAG", None)
+        if tag is None:
+            raise TypeError(f"{type(value).__name__} is not a registered message type")
+        out = {_TYPE_KEY: tag}
+        for field in dataclasses.fields(value):
+            out[field.name] = _encode_value(getattr(value, field.name), frames)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_encode_value(v, frames) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _encode_value(v, frames) for k, v in value.items()}
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _decode_value(value: Any, buffers: list[memoryview], used: set[int], depth: int) -> Any:
+    if depth > 8:
+        raise ProtocolError("message nests too deeply")
+    if isinstance(value, list):
+        return [_decode_value(v, buffers, used, depth + 1) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if _FRAME_KEY in value:
+        return _decode_array(value, buffers, used)
+    if _TYPE_KEY in value:
+        return _decode_dataclass(value, buffers, used, depth)
+    return {k: _decode_value(v, buffers, used, depth + 1) for k, v in value.items()}
+
+
+def _decode_dataclass(value: dict, buffers: list[memoryview], used: set[int], depth: int) -> Any:
+    cls = _REGISTRY.get(value[_TYPE_KEY]) if isinstance(value[_TYPE_KEY], str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {value[_TYPE_KEY]!r}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, item in value.items():
+        if key == _TYPE_KEY:
+            continue
+        if key not in names:
+            raise ProtocolError(f"{cls.__name__} has no field {key!r}")
+        kwargs[key] = _decode_value(item, buffers, used, depth + 1)
+    _check_field_types(cls, kwargs)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"bad {cls.__name__}: {exc}") from None
+
+
+def _check_field_types(cls: type, kwargs: dict[str, Any]) -> None:
+    """A peer could send any JSON value for any field: refuse one of the wrong type here, so
+    no process ever works on a str where an int or an array belongs."""
+    hints = _FIELD_TYPES.get(cls)
+    if hints is None:
+        try:
+            hints = typing.get_type_hints(cls)
+        except (NameError, TypeError):  # an annotation we cannot resolve: the class checks it
+            hints = {}
+        _FIELD_TYPES[cls] = hints
+    for name, value in kwargs.items():
+        hint = hints.get(name, Any)
+        if not _has_type(value, hint):
+            raise ProtocolError(f"{cls.__name__}.{name} must be {_type_name(hint)}, got "
+                                f"{type(value).__name__}")
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """isinstance for the annotations messages use: int, float, str, bool, np.ndarray,
+    dataclasses, X | None, list[X], tuple[X, ...], dict[K, V]; anything else is accepted."""
+    if hint is Any:
+        return True
+    origin = typing.get_origin(hint)
+    if origin is Union or origin is types.UnionType:
+        return any(_has_type(value, arg) for arg in typing.get_args(hint))
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (list, tuple, set, frozenset):  # all travel as JSON arrays
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return isinstance(value, list) and (
+            len(set(args)) != 1 or all(_has_type(v, args[0]) for v in value))
+    if origin is dict:
+        key_value = typing.get_args(hint)
+        return isinstance(value, dict) and (
+            len(key_value) != 2 or all(_has_type(v, key_value[1]) for v in value.values()))
+    if hint in (list, tuple):
+        return isinstance(value, list)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True  # Literal, TypeVar...: left to the class's own checks
+
+
+def _type_name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _decode_array(ref: dict, buffers: list[memoryview], used: set[int]) -> np.ndarray:
+    index, dtype, shape = ref.get(_FRAME_KEY), ref.get("dtype"), ref.get("shape")
+    if not isinstance(index, int) or not 1 <= index < len(buffers) or index in used:
+        raise ProtocolError(f"bad array frame index {index!r}")
+    if dtype not in _ALLOWED_DTYPES:
+        raise ProtocolError(f"array dtype {dtype!r} not allowed")
+    if (not isinstance(shape, list) or len(shape) > MAX_ARRAY_DIMS
+            or not all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise ProtocolError(f"bad array shape {shape!r}")
+    np_dtype = np.dtype(dtype)
+    expected = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    buffer = buffers[index]
+    if buffer.nbytes != expected:
+        raise ProtocolError(f"array frame has {buffer.nbytes} bytes, shape {shape} needs {expected}")
+    used.add(index)
+    return np.frombuffer(buffer, dtype=np_dtype).reshape(shape)

@@ -1,0 +1,591 @@
+"""Messages between processes, grouped by the channel that carries them.
+
+Each message is a small frozen dataclass registered with the codec (orjson header + raw
+numpy frames; never pickle). Batches are columnar: per-sequence scalars are int32 arrays
+and per-sequence variable-length data (tokens, block tables) is one flat array plus counts.
+Owns: message shapes and their cheap structural validation. Does not own: sockets.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from justapi.sampling import SamplingParams
+from justapi.wire.codec import ProtocolError, register
+
+_EMPTY_I32 = np.zeros(0, dtype=np.int32)
+_EMPTY_F32 = np.zeros(0, dtype=np.float32)
+
+
+def _i32(values: object) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(values, dtype=np.int32).reshape(-1))
+
+
+def offsets(counts: np.ndarray) -> np.ndarray:
+    """Per-sequence counts -> start offsets into the flat array, length num_seqs + 1."""
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
+def _check_parents(parents: np.ndarray, counts: np.ndarray, name: str) -> None:
+    """Each sequence's draft parents index its own earlier drafts (or -1, the root)."""
+    if len(parents) != int(np.sum(counts)):
+        raise ProtocolError(f"{name} has {len(parents)} entries, expected {int(np.sum(counts))}")
+    off = offsets(counts)
+    index = np.arange(len(parents)) - np.repeat(off[:-1], counts)  # draft index within its sequence
+    if np.any(parents < -1) or np.any(parents >= index):
+        raise ProtocolError(f"{name}: a parent must be -1 or an earlier draft of the same sequence")
+
+
+# --------------------------------------------------------------------------------------
+# scheduler -> worker
+# --------------------------------------------------------------------------------------
+
+
+@register("NewRequest")
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the worker has not seen (or must forget and relearn after preemption).
+
+    `token_ids` are all tokens known so far (prompt, then any output already generated),
+    so that penalties and seeds see the whole history even when a prefix-cache hit means
+    the first chunk does not start at position 0."""
+
+    request_id: str
+    sampling: SamplingParams
+    num_prompt_tokens: int
+    token_ids: np.ndarray  # int32 [num_known_tokens]
+
+
+@register("StepPlan")
+@dataclass(frozen=True)
+class StepPlan:
+    """One forward step for one worker: a flattened batch of chunks of many sequences.
+
+    Sequence i computes tokens at positions [start_positions[i], start_positions[i] +
+    num_tokens[i]); its tokens are token_ids[tok_off[i]:tok_off[i+1]] and its block table is
+    block_ids[blk_off[i]:blk_off[i+1]] (offsets from `offsets(num_tokens)` and
+    `offsets(num_blocks)`). When sample_flags[i] is set the last position's logits are
+    sampled; the last num_draft_tokens[i] tokens of the chunk are speculative drafts to verify.
+    Drafts form a token tree: draft_parents (flat, offsets(num_draft_tokens)) gives each draft's
+    parent as an index into its sequence's drafts, -1 for the last known token (the root);
+    parents precede children; empty means every sequence's drafts are a chain. num_propose[i]
+    asks the worker's draft model for up to that many tokens for the request's next step
+    (empty: none); the block table then also covers those look-ahead positions.
+
+        token_ids: | seq 0 chunk | seq 1 (decode: 1 token) | seq 2 chunk ... |
+        block_ids: | seq 0 table ........ | seq 1 table | seq 2 table ...... |
+    """
+
+    step_id: int
+    request_ids: list[str]
+    start_positions: np.ndarray  # int32 [num_seqs]
+    num_tokens: np.ndarray  # int32 [num_seqs]
+    token_ids: np.ndarray  # int32 [sum(num_tokens)]
+    num_blocks: np.ndarray  # int32 [num_seqs]
+    block_ids: np.ndarray  # int32 [sum(num_blocks)]
+    sample_flags: np.ndarray  # bool [num_seqs]
+    num_draft_tokens: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [num_seqs] or []
+    new_requests: list[NewRequest] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+    draft_parents: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum(drafts)] or []
+    num_propose: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [num_seqs] or []
+
+    def __post_init__(self) -> None:
+        num_seqs = len(self.request_ids)
+        for name in ("start_positions", "num_tokens", "num_blocks", "sample_flags"):
+            if len(getattr(self, name)) != num_seqs:
+                raise ProtocolError(f"StepPlan.{name} has {len(getattr(self, name))} entries, "
+                                    f"expected {num_seqs}")
+        if len(self.num_draft_tokens) not in (0, num_seqs):
+            raise ProtocolError("StepPlan.num_draft_tokens must be empty or one per sequence")
+        if int(np.sum(self.num_tokens)) != len(self.token_ids):
+            raise ProtocolError("StepPlan.token_ids length disagrees with num_tokens")
+        if int(np.sum(self.num_blocks)) != len(self.block_ids):
+            raise ProtocolError("StepPlan.block_ids length disagrees with num_blocks")
+        if num_seqs and (np.min(self.num_tokens) < 1 or np.min(self.start_positions) < 0):
+            raise ProtocolError("StepPlan chunks need >= 1 token and a start position >= 0")
+        if len(self.num_propose) not in (0, num_seqs):
+            raise ProtocolError("StepPlan.num_propose must be empty or one per sequence")
+        if len(self.draft_parents):
+            _check_parents(self.draft_parents, self.draft_counts, "StepPlan.draft_parents")
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def draft_counts(self) -> np.ndarray:
+        """num_draft_tokens, with the empty default expanded to zeros."""
+        if len(self.num_draft_tokens) == self.num_seqs:
+            return self.num_draft_tokens
+        return np.zeros(self.num_seqs, dtype=np.int32)
+
+    @property
+    def propose_counts(self) -> np.ndarray:
+        """num_propose, with the empty default expanded to zeros."""
+        if len(self.num_propose) == self.num_seqs:
+            return self.num_propose
+        return np.zeros(self.num_seqs, dtype=np.int32)
+
+    def parents_of(self, seq: int) -> np.ndarray:
+        """Draft parents of sequence `seq` (a chain [-1, 0, 1, ...] when none were sent)."""
+        counts = self.draft_counts
+        if not len(self.draft_parents):
+            return np.arange(-1, int(counts[seq]) - 1, dtype=np.int32)
+        off = offsets(counts)
+        return self.draft_parents[off[seq]:off[seq + 1]]
+
+    @staticmethod
+    def build(step_id: int, chunks: list[tuple[str, int, list[int], list[int], bool]],
+              new_requests: list[NewRequest] | None = None,
+              finished_request_ids: list[str] | None = None) -> StepPlan:
+        """Convenience constructor from (request_id, start, token_ids, block_ids, sample)."""
+        return StepPlan(
+            step_id=step_id,
+            request_ids=[c[0] for c in chunks],
+            start_positions=_i32([c[1] for c in chunks]),
+            num_tokens=_i32([len(c[2]) for c in chunks]),
+            token_ids=_i32([t for c in chunks for t in c[2]]),
+            num_blocks=_i32([len(c[3]) for c in chunks]),
+            block_ids=_i32([b for c in chunks for b in c[3]]),
+            sample_flags=np.asarray([c[4] for c in chunks], dtype=np.bool_),
+            new_requests=list(new_requests or []),
+            finished_request_ids=list(finished_request_ids or []),
+        )
+
+
+@register("CopyBlocks")
+@dataclass(frozen=True)
+class CopyBlocks:
+    """Copy KV data block by block: src_block_ids[i] of the pool `src_pool` -> dst_block_ids[i]
+    of the receiving worker's pool (ids relative to each pool). `src` describes the source
+    pool (PD hand-off: a prefill pool, which the decode worker maps once); the worker answers
+    BlocksCopied when the data is in place."""
+
+    copy_id: int
+    src_pool: int
+    src_block_ids: np.ndarray  # int32 [n]
+    dst_block_ids: np.ndarray  # int32 [n]
+    src: PoolInfo | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.src_block_ids) != len(self.dst_block_ids):
+            raise ProtocolError(f"CopyBlocks has {len(self.src_block_ids)} source and "
+                                f"{len(self.dst_block_ids)} destination blocks")
+
+
+@register("Shutdown")
+@dataclass(frozen=True)
+class Shutdown:
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------------------
+# worker -> scheduler
+# --------------------------------------------------------------------------------------
+
+
+@register("StepResult")
+@dataclass(frozen=True)
+class StepResult:
+    """Tokens sampled in one step, echoing its step_id.
+
+    Sequence i (the plan's sampled sequences, in plan order) produced
+    sampled_token_ids[off[i]:off[i+1]] with off = offsets(num_sampled); one token normally,
+    1..num_draft+1 when verifying drafts (the accepted path's drafts, root first, then the
+    bonus/corrected token). A worker with a draft model returns its proposals for the next
+    step as a token tree: proposed_token_ids[p[i]:p[i+1]] (p = offsets(num_proposed)) with
+    proposed_parents in StepPlan.draft_parents' layout (empty: chains).
+    When logprobs were asked, logprobs has one entry per sampled token and
+    top_logprob_ids / top_logprobs are [num_sampled_total, max_top_n] padded with -1 / -inf."""
+
+    step_id: int
+    worker_id: int
+    request_ids: list[str]
+    num_sampled: np.ndarray  # int32 [num_seqs]
+    sampled_token_ids: np.ndarray  # int32 [sum(num_sampled)]
+    logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)  # float32 [sum] or []
+    top_logprob_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum, n]
+    top_logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)  # float32 [sum, n]
+    error: str | None = None
+    num_proposed: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [num_seqs] or []
+    proposed_token_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum]
+    proposed_parents: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum] or []
+
+    def __post_init__(self) -> None:
+        if len(self.num_sampled) != len(self.request_ids):
+            raise ProtocolError("StepResult.num_sampled must have one entry per request")
+        if int(np.sum(self.num_sampled)) != len(self.sampled_token_ids):
+            raise ProtocolError("StepResult.sampled_token_ids length disagrees with num_sampled")
+        if len(self.num_proposed) not in (0, len(self.request_ids)):
+            raise ProtocolError("StepResult.num_proposed must be empty or one per request")
+        if int(np.sum(self.num_proposed)) != len(self.proposed_token_ids):
+            raise ProtocolError("StepResult.proposed_token_ids length disagrees with num_proposed")
+        if len(self.proposed_parents):
+            _check_parents(self.proposed_parents, self.num_proposed, "StepResult.proposed_parents")
+
+
+@register("PoolInfo")
+@dataclass(frozen=True)
+class PoolInfo:
+    """Where a KV pool lives and its shape [layers, 2, num_blocks, block_size, kv_heads, head_dim]."""
+
+    pool_id: int
+    kind: str  # "shm" (POSIX shared memory name) | "cuda_ipc" | "local"
+    handle: str  # shm name, or a base64 CUDA IPC handle; "" for local
+    device: str
+    dtype: str
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    host: str = ""  # the host whose memory holds it ("" = the launcher's host, local launcher)
+
+
+@register("Ready")
+@dataclass(frozen=True)
+class Ready:
+    worker_id: int
+    pid: int
+    model_name: str
+    vocab_size: int
+    max_context: int
+    pool: PoolInfo
+
+
+@register("BlocksCopied")
+@dataclass(frozen=True)
+class BlocksCopied:
+    """A CopyBlocks order is done: its blocks are readable in the worker's pool (or `error`)."""
+
+    copy_id: int
+    worker_id: int
+    num_blocks: int = 0
+    error: str | None = None
+
+
+@register("Heartbeat")
+@dataclass(frozen=True)
+class Heartbeat:
+    """Sent by a worker's heartbeat thread every HEARTBEAT_INTERVAL_S (justapi/health/table.py):
+    process figures, the worker's own GPU figures (torch allocator; {} on CPU, or
+    {"fatal": why} for a condition the worker found fatal) and its KV pool's state
+    (kind, handle, num_blocks, num_bytes, is_mapped; for shm also is_linked)."""
+
+    worker_id: int
+    time_s: float
+    rss_bytes: int = 0
+    cpu_time_s: float = 0.0
+    gpu: dict = field(default_factory=dict)
+    pool: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------
+# scheduler <-> workers: KV blocks between hosts (docs/scale-out.md). A copy whose source
+# pool the destination worker cannot map (another host) is relayed by the scheduler:
+# ReadBlocks to a worker on the source pool's host, BlockData chunks back, each forwarded
+# to the destination as WriteBlocks, which answers BlocksCopied after the last one.
+# --------------------------------------------------------------------------------------
+
+
+@register("ReadBlocks")
+@dataclass(frozen=True)
+class ReadBlocks:
+    """Send the KV of these blocks of your pool (ids relative to it) as BlockData chunks of
+    at most max_chunk_bytes each (at least one block per chunk)."""
+
+    copy_id: int
+    block_ids: np.ndarray  # int32 [n]
+    max_chunk_bytes: int = 32 << 20
+
+
+@register("BlockData")
+@dataclass(frozen=True)
+class BlockData:
+    """Blocks [first, first + num_blocks) of a ReadBlocks order: raw bytes of the pool's
+    layout [layers, 2, num_blocks, block_size, kv_heads, head_dim] in `dtype`."""
+
+    copy_id: int
+    worker_id: int
+    first: int
+    num_blocks: int
+    dtype: str
+    data: np.ndarray  # uint8 [num_bytes]
+    is_last: bool
+    error: str | None = None
+
+
+@register("WriteBlocks")
+@dataclass(frozen=True)
+class WriteBlocks:
+    """One chunk of a relayed copy into the receiving worker's pool (ids relative to it);
+    the worker answers BlocksCopied after the chunk with is_last (with `error` if this or an
+    earlier chunk failed, or the source was lost: then data is empty)."""
+
+    copy_id: int
+    dst_block_ids: np.ndarray  # int32 [num_blocks]
+    dtype: str
+    data: np.ndarray  # uint8 [num_bytes]
+    is_last: bool
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------------------
+# client <-> frontend (justapi.client DEALER <-> the frontend's ROUTER, see docs/api.md)
+# --------------------------------------------------------------------------------------
+
+
+@register("SubmitGeneration")
+@dataclass(frozen=True)
+class SubmitGeneration:
+    """A programmatic client's request: exactly one of `prompt` (text, tokenized by the
+    frontend), `prompt_token_ids` or `messages` (chat, rendered with the model's template).
+
+    `client_request_id` is the client's own name for it, unique per connection; every chunk
+    echoes it. `stop` strings are matched by the frontend across token boundaries and never
+    returned. Semantic checks happen in the frontend, which answers bad input with a
+    GenerationChunk carrying `error` (so a client never waits on a dropped message)."""
+
+    client_request_id: str
+    sampling: SamplingParams
+    prompt: str = ""
+    prompt_token_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [n]
+    messages: list = field(default_factory=list)
+    stop: list = field(default_factory=list)
+    add_special_tokens: bool = True
+
+
+@register("AbortGeneration")
+@dataclass(frozen=True)
+class AbortGeneration:
+    client_request_ids: list[str]
+
+
+@register("QueryStats")
+@dataclass(frozen=True)
+class QueryStats:
+    query_id: str
+
+
+@register("GenerationChunk")
+@dataclass(frozen=True)
+class GenerationChunk:
+    """New output of one generation since its last chunk: token ids and their text.
+
+    The last chunk has a finish_reason (FINISH_*); `error` is set with FINISH_ERROR (bad
+    input or an engine failure). Logprob arrays are only sent when the request asked for
+    them (None otherwise, saving three frames per chunk): logprobs [len(token_ids)],
+    top_logprob_ids / top_logprobs [len(token_ids), n] padded with -1 / -inf."""
+
+    client_request_id: str
+    token_ids: np.ndarray  # int32 [num_new_tokens]
+    text: str
+    finish_reason: str = ""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: np.ndarray | None = None  # float32 [num_new_tokens]
+    top_logprob_ids: np.ndarray | None = None  # int32 [num_new_tokens, n]
+    top_logprobs: np.ndarray | None = None  # float32 [num_new_tokens, n]
+    error: str | None = None
+
+
+@register("StatsReport")
+@dataclass(frozen=True)
+class StatsReport:
+    """Answer to QueryStats: the latest scheduler snapshot as the frontend sees it."""
+
+    query_id: str
+    model_name: str
+    max_context: int
+    healthy: bool
+    problems: list
+    stats: dict
+    workers: list
+    num_in_flight: int
+
+
+# --------------------------------------------------------------------------------------
+# frontend <-> scheduler
+# --------------------------------------------------------------------------------------
+
+FINISH_STOP = "stop"  # EOS or a stop token id / stop string
+FINISH_LENGTH = "length"  # max_tokens or the context length
+FINISH_ABORT = "abort"  # client abort or disconnect
+FINISH_ERROR = "error"  # could not be served (see TokenDeltas.errors)
+
+
+@register("SubmitRequest")
+@dataclass(frozen=True)
+class SubmitRequest:
+    """A tokenized request. `cache_salt` namespaces the prefix cache (model, adapter, tenant):
+    requests with different salts never share cached blocks."""
+
+    request_id: str
+    prompt_token_ids: np.ndarray  # int32 [num_prompt_tokens]
+    sampling: SamplingParams
+    arrival_time_s: float = 0.0
+    priority: int = 0
+    cache_salt: str = ""
+
+
+@register("AbortRequest")
+@dataclass(frozen=True)
+class AbortRequest:
+    request_ids: list[str]
+
+
+@register("TokenDeltas")
+@dataclass(frozen=True)
+class TokenDeltas:
+    """New tokens of many requests after one step (coalesced: one message per step).
+
+    Request i got token_ids[off[i]:off[i+1]] with off = offsets(num_new_tokens) (possibly
+    zero tokens, e.g. a finish by abort). finish_reasons[i] is "" while running. Logprob
+    arrays follow StepResult's layout when any request asked for them.
+    num_cached_tokens[i] is the prompt tokens served from the prefix cache (reported with
+    the request's first delta, 0 afterwards); errors maps request id -> message."""
+
+    step_id: int
+    request_ids: list[str]
+    num_new_tokens: np.ndarray  # int32 [n]
+    token_ids: np.ndarray  # int32 [sum]
+    finish_reasons: list[str]
+    num_cached_tokens: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [n] or []
+    logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
+    top_logprob_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    top_logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
+    errors: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.request_ids)
+        if len(self.num_new_tokens) != n or len(self.finish_reasons) != n:
+            raise ProtocolError("TokenDeltas columns must have one entry per request")
+        if int(np.sum(self.num_new_tokens)) != len(self.token_ids):
+            raise ProtocolError("TokenDeltas.token_ids length disagrees with num_new_tokens")
+
+
+@register("SchedulerStats")
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Periodic snapshot pushed to the frontend: scheduler counters and the health table.
+
+    `stats` holds flat numeric figures (names as exported on /metrics); `workers` one dict per
+    worker (id, pool, healthy, load, kv usage, ...); `healthy` is the scheduler's own verdict
+    (progressing, and every pool has a healthy worker)."""
+
+    time_s: float
+    healthy: bool
+    stats: dict
+    workers: list
+    problems: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+    """Conditions that do not make the server unhealthy: an unhealthy worker whose pool still
+    has a healthy one, a draining worker."""
+
+
+# --------------------------------------------------------------------------------------
+# every process -> launcher
+# --------------------------------------------------------------------------------------
+
+
+@register("ProcessReady")
+@dataclass(frozen=True)
+class ProcessReady:
+    """A process finished starting; `info` carries what the launcher prints (pool, endpoints)."""
+
+    role: str  # "frontend" | "scheduler" | "worker"
+    index: int
+    pid: int
+    info: dict = field(default_factory=dict)
+
+
+@register("ProcessFailed")
+@dataclass(frozen=True)
+class ProcessFailed:
+    """A process could not start (or died on a fatal error); `error` is one readable line."""
+
+    role: str
+    index: int
+    pid: int
+    error: str
+
+
+@register("FenceWorker")
+@dataclass(frozen=True)
+class FenceWorker:
+    """Scheduler -> launcher: kill worker `worker_id`'s process `pid`, declared unhealthy, which
+    the scheduler cannot signal itself (it runs on another host, e.g. as a Ray actor). A
+    replacement process (another pid) is never hit."""
+
+    worker_id: int
+    pid: int
+    reason: str
+
+
+# --------------------------------------------------------------------------------------
+# admin tools <-> scheduler (tools/*.py DEALER <-> the scheduler's admin ROUTER; see
+# docs/operations.md). Every command gets exactly one reply: StatusReply or AdminReply.
+# --------------------------------------------------------------------------------------
+
+
+@register("QueryStatus")
+@dataclass(frozen=True)
+class QueryStatus:
+    """Ask for the scheduler's state: workers, health table, queues, cache statistics."""
+
+
+@register("DrainWorker")
+@dataclass(frozen=True)
+class DrainWorker:
+    """Stop admitting new requests to a worker (running ones finish), or undrain it."""
+
+    worker_id: int
+    is_draining: bool = True
+
+
+@register("FlushPrefixCache")
+@dataclass(frozen=True)
+class FlushPrefixCache:
+    """Evict every prefix-cache block no request holds; pool_id -1 flushes every pool."""
+
+    pool_id: int = -1
+
+
+@register("CheckInvariants")
+@dataclass(frozen=True)
+class CheckInvariants:
+    """Run the scheduler core's full consistency check (O(requests + blocks))."""
+
+
+@register("StatusReply")
+@dataclass(frozen=True)
+class StatusReply:
+    """The scheduler's state. `workers` is the health table (one dict per worker: pool, pid,
+    device, healthy, reason, draining, heartbeat age, process and GPU figures); `gpus` the
+    NVML readings by GPU; `nvml` says whether NVML is in use ("ok", "not needed (CPU
+    workers)" or why it is unavailable); `stats` the core's flat figures (justapi/scheduler/
+    stats.py names)."""
+
+    time_s: float
+    uptime_s: float
+    healthy: bool
+    problems: list
+    warnings: list
+    stats: dict
+    workers: list
+    gpus: list = field(default_factory=list)
+    nvml: str = ""
+
+
+@register("AdminReply")
+@dataclass(frozen=True)
+class AdminReply:
+    """The outcome of an admin command: `ok`, one readable line, and its figures."""
+
+    ok: bool
+    message: str
+    figures: dict = field(default_factory=dict)

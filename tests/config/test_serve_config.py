@@ -1,0 +1,49 @@
+"""Serve config: TOML keys named as the flags, flags win, unknown keys and bad values named."""
+from __future__ import annotations
+
+import pytest
+
+from justapi.config.sections import ConfigError
+from justapi.config.serve import ServeConfig, build_config, load_toml
+
+
+def test_file_then_flags(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('max-seqs = 8\nblock_size = 32\nport = 9000\nmodel = "x.gguf"\n')
+    config = build_config(load_toml(str(path)), {"port": 9001})
+    assert config.scheduler.max_seqs == 8
+    assert config.cache.block_size == 32
+    assert config.server.port == 9001
+    assert config.model.model == "x.gguf"
+
+
+def test_defaults_and_roundtrip():
+    config = build_config({}, {})
+    assert config.server.host == "127.0.0.1"
+    assert config.scheduler.max_seqs == 32 and config.scheduler.chunk_size == 512
+    assert ServeConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("values, key", [
+    ({"no-such-key": 1}, "no-such-key"),
+    ({"max-seqs": 0}, "max-seqs"),
+    ({"block-size": 3}, "block-size"),
+    ({"port": 70000}, "port"),
+    ({"policy": "random"}, "policy"),
+    ({"device": "tpu"}, "device"),
+    ({"threads": -1}, "threads"),
+    ({"threads": "2"}, "threads"),
+])
+def test_bad_values_name_the_key(values, key):
+    with pytest.raises(ConfigError, match=key):
+        build_config(values, {})
+
+
+def test_bad_toml(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("max-seqs = = 3")
+    with pytest.raises(ConfigError, match="TOML"):
+        load_toml(str(path))
+    path.write_text("[scheduler]\nmax-seqs = 3\n")
+    with pytest.raises(ConfigError, match="flat"):
+        load_toml(str(path))

@@ -1,0 +1,162 @@
+"""The native CPU paged-attention kernel against the torch path, its bit-for-bit batch
+invariance, and its build cache and fallback (workers/model/cpu_kernels.py)."""
+from __future__ import annotations
+
+import logging
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from workers.model import cpu_kernels
+from workers.model.attention import AttentionBatch, TorchCpuBackend
+from workers.spec.tree import TreeLayout, verify_mask
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+
+
+@pytest.fixture(autouse=True)
+def kernel_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path_factory.getbasetemp() / "kernels"))
+    cpu_kernels.paged_attention.cache_clear()
+    yield
+    cpu_kernels.paged_attention.cache_clear()
+
+
+def random_step(starts, rows, heads=9, kv_heads=3, head_dim=64, block_size=16, seed=0, tree=None):
+    """A pool with random K/V, scattered block tables and random queries for a short-chunk step."""
+    rng = np.random.default_rng(seed)
+    starts, rows = np.asarray(starts), np.asarray(rows)
+    blocks = -(-(starts + rows) // block_size)
+    num_pool_blocks = int(blocks.sum()) + 5
+    block_ids = rng.permutation(num_pool_blocks)[:blocks.sum()]
+    batch = AttentionBatch(starts, rows, blocks, block_ids, block_size, tree=tree)
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, num_pool_blocks, block_size, kv_heads, head_dim, generator=gen)
+    q = torch.randn(int(rows.sum()), heads, head_dim, generator=gen)
+    return batch, kv, q
+
+
+def attend(batch, kv, q, use_kernel=True):
+    backend = TorchCpuBackend(batch.block_size, use_kernel=use_kernel)
+    assert (backend.kernel is not None) == use_kernel
+    return backend.attend(kv, q, backend.prepare(batch))
+
+
+SHAPES = [  # heads, kv_heads, head_dim, block_size
+    (9, 3, 64, 16),   # SmolLM2-135M
+    (4, 4, 16, 1),    # no GQA, one slot per block
+    (8, 2, 24, 4),    # head_dim not a multiple of the kernel's 16 lanes
+    (4, 2, 128, 32),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
+def test_kernel_equals_the_gathered_torch_path(heads, kv_heads, head_dim, block_size):
+    """Decodes and multi-row chunks (verification), at scattered blocks, mid-block and at
+    block boundaries."""
+    starts = [0, 5, block_size * 3, 37, 100, 2, 63]
+    rows = [1, 1, 1, 4, 16, 3, 1]
+    batch, kv, q = random_step(starts, rows, heads, kv_heads, head_dim, block_size)
+    got, want = attend(batch, kv, q), attend(batch, kv, q, use_kernel=False)
+    assert got.shape == want.shape == q.shape
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+
+
+def test_kernel_follows_token_tree_masks():
+    """Tree rows see their ancestors only, not their siblings (speculative tree verification)."""
+    parents = [-1, 0, 0, 1, 2, 2]  # the drafts' parents (-1: the root, the chunk's first row)
+    rows = [1, 1 + len(parents), 1]
+    tree = TreeLayout()
+    tree.add(verify_mask(seq=1, num_tokens=rows[1], start=20, parents=parents))
+    batch, kv, q = random_step([7, 20, 40], rows, tree=tree)
+    got, want = attend(batch, kv, q), attend(batch, kv, q, use_kernel=False)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+    chain, _, _ = random_step([7, 20, 40], rows)
+    plain = attend(chain, kv, q)
+    draft_2 = 1 + 1 + 2  # sequence 0's row, the root, drafts 0 and 1
+    assert torch.equal(plain[:draft_2 - 1], got[:draft_2 - 1])  # root, draft 0: a chain's rows
+    assert not torch.allclose(plain[draft_2], got[draft_2])  # without the tree it sees draft 1
+
+
+def test_a_row_is_bit_identical_alone_beside_longer_mates_and_as_a_verification_row():
+    """The torch path differs in the last bits in both cases (padded keys, multi-row SDPA)."""
+    batch, kv, q = random_step([30, 200, 90, 500], [4, 1, 1, 1], seed=3)
+    step = attend(batch, kv, q)
+    for i in range(4):  # sequence 0's rows, each decoded alone at its position
+        alone = AttentionBatch(np.array([30 + i]), np.array([1]), batch.num_blocks[:1],
+                               batch.block_ids[:batch.num_blocks[0]], batch.block_size)
+        assert torch.equal(attend(alone, kv, q[i:i + 1])[0], step[i]), i
+    mates = AttentionBatch(batch.start_positions[1:], batch.num_tokens[1:], batch.num_blocks[1:],
+                           batch.block_ids[batch.num_blocks[0]:], batch.block_size)
+    assert torch.equal(attend(mates, kv, q[4:])[1:], step[5:])
+
+
+def test_thread_count_does_not_change_a_bit():
+    """With fewer sequences than threads the kernel splits each by KV head."""
+    steps = [random_step([300], [1], seed=4), random_step([300, 10, 20, 7], [1, 3, 1, 2], seed=4)]
+    before = torch.get_num_threads()
+    try:
+        for batch, kv, q in steps:
+            outs = []
+            for threads in (1, 2, 4):
+                torch.set_num_threads(threads)
+                outs.append(attend(batch, kv, q))
+            assert all(torch.equal(out, outs[0]) for out in outs)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_build_is_cached_per_source_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    first = cpu_kernels.build("paged_attention")
+    built_ns = first.stat().st_mtime_ns
+    assert first.parent == tmp_path and first.suffix == ".so"
+    assert cpu_kernels.build("paged_attention") == first and first.stat().st_mtime_ns == built_ns
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
+
+
+def test_without_a_compiler_the_cpu_backend_falls_back_to_torch(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc")
+    with caplog.at_level(logging.WARNING, logger="workers.model.cpu_kernels"):
+        assert cpu_kernels.paged_attention() is None
+    assert "no C compiler: 'no-such-cc'" in caplog.text
+    backend = TorchCpuBackend(16)
+    assert backend.kernel is None
+    batch, kv, q = random_step([3, 40], [1, 2])
+    torch.testing.assert_close(backend.attend(kv, q, backend.prepare(batch)),
+                               attend(batch, kv, q, use_kernel=False), atol=0, rtol=0)
+
+
+def test_a_failing_compiler_and_the_off_switch_both_mean_no_kernel(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with caplog.at_level(logging.WARNING, logger="workers.model.cpu_kernels"):
+        assert cpu_kernels.paged_attention() is None
+    assert "failed on paged_attention.c" in caplog.text and not list(tmp_path.iterdir())
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv(cpu_kernels.ENABLE_ENV, "0")
+    cpu_kernels.paged_attention.cache_clear()
+    assert cpu_kernels.paged_attention() is None
+
+
+def test_a_cache_directory_others_can_write_is_not_used(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(shared))
+    assert cpu_kernels.cache_dir() != shared
+
+
+def test_a_block_id_outside_the_pool_is_an_error_not_a_stray_read():
+    batch, kv, q = random_step([3, 40], [1, 1])
+    backend = TorchCpuBackend(batch.block_size)
+    meta = backend.prepare(batch)
+    meta.short.tables[1, 0] = kv.shape[1]  # one past the last block
+    with pytest.raises(ValueError, match="outside the pool's"):
+        backend.attend(kv, q, meta)
+    meta.short.tables[1, 0] = -1
+    with pytest.raises(ValueError, match="outside the pool's"):
+        backend.attend(kv, q, meta)

@@ -1,0 +1,1 @@
+"""KV memory of a worker: the pool tensor, PD copies, blocks to and from the wire."""

@@ -1,0 +1,1 @@
+"""The forward pass: model functions, paged attention backends, native CPU kernels."""

@@ -1,0 +1,135 @@
+"""Native CPU kernels (workers/model/csrc/*.c): compiled on first use with the system C compiler,
+cached per user and per CPU, loaded with ctypes.
+
+A kernel that cannot be built (no compiler, or JUSTAPI_CPU_KERNELS=0) leaves its caller on
+the plain torch path, with one warning. Owns: building, caching and calling the kernels.
+Does not own: the attention metadata (attention.py) or the pool (kv_pool.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).with_name("csrc")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+"""-march=native: the build is for this CPU (the cache key holds its flags). -fopenmp links
+libgomp.so.1, the same soname torch loads, so the kernel shares torch's one thread pool."""
+ENABLE_ENV = "JUSTAPI_CPU_KERNELS"
+BAD_BLOCK = -2  # paged_attention.c's status codes (OUT_OF_MEMORY = -1)
+CACHE_ENV = "JUSTAPI_KERNEL_CACHE"
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def cpu_id() -> str:
+    """What a -march=native build depends on: the CPU model and its feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.startswith(wanted)}))
+
+
+def cache_dir() -> Path:
+    """A directory only this user can write (a library loaded from it runs as this user)."""
+    base = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "justapi", "kernels")
+    for path in (Path(base), Path(tempfile.gettempdir()) / f"justapi-kernels-{os.getuid()}"):
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            continue
+        info = path.stat()
+        if info.st_uid == os.getuid() and not info.st_mode & 0o022:
+            return path
+    raise KernelBuildError(f"no private directory to build kernels in (tried {base})")
+
+
+def build(name: str) -> Path:
+    """workers/model/csrc/<name>.c -> a shared library in the cache (compiled once per source,
+    compiler and CPU; concurrent builders each write a temporary file, then rename it)."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise KernelBuildError(f"no C compiler: {os.environ.get('CC', 'cc')!r} is not on PATH")
+    source = SOURCE_DIR / f"{name}.c"
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, " ".join(FLAGS),
+                                    cpu_id()]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"{name}-{key}.so"
+    if out.exists():
+        return out
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *FLAGS, str(source), "-o", tmp, "-lm"],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["(no output)"])[0]
+            raise KernelBuildError(f"{Path(compiler).name} failed on {source.name}: {first}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+class PagedAttentionKernel:
+    """workers/model/csrc/paged_attention.c's paged_attention_short, called with torch tensors."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        fn = library.paged_attention_short
+        ptr, i64p = ctypes.c_void_p, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, i64p, ptr, i64p, i64p, ptr, i64p, ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor,
+                 num_keys: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
+        """q [A, Qmax, heads, head_dim] fp32; kv [2, num_blocks, block_size, kv_heads, head_dim]
+        fp32; tables [A, Bmax] int64; mask [A, Qmax, Bmax * block_size] bool; num_keys,
+        num_rows [A] int64 -> out like q (rows past num_rows[a] undefined)."""
+        num_seqs, q_max, heads, head_dim = q.shape
+        _, num_blocks, block_size, kv_heads, kv_dim = kv.shape
+        assert kv_dim == head_dim and heads % kv_heads == 0 and q.dtype == kv.dtype == torch.float32
+        assert mask.shape == (num_seqs, q_max, tables.shape[1] * block_size)
+        assert kv.is_contiguous(), "a pool layer is contiguous (a copy would cost the whole layer)"
+        q, tables, mask, num_keys, num_rows = (t.contiguous() for t in (q, tables, mask, num_keys, num_rows))
+        out = torch.empty_like(q)
+        dims = torch.tensor([num_seqs, q_max, heads, kv_heads, head_dim, block_size,
+                             tables.shape[1], num_blocks], dtype=torch.int64)
+        status = self._fn(q.data_ptr(), kv.data_ptr(), tables.data_ptr(), mask.data_ptr(),
+                          num_keys.data_ptr(), num_rows.data_ptr(), out.data_ptr(), dims.data_ptr(),
+                          head_dim ** -0.5, torch.get_num_threads())
+        if status == BAD_BLOCK:
+            raise ValueError(f"a block table names a block outside the pool's {num_blocks} "
+                             f"(largest id {int(tables.max())})")
+        if status != 0:
+            raise MemoryError("paged attention kernel: out of memory for its scratch buffers")
+        return out
+
+
+@functools.cache
+def paged_attention() -> PagedAttentionKernel | None:
+    """The kernel, or None (with one warning) where it cannot be built here."""
+    if os.environ.get(ENABLE_ENV, "1") == "0":
+        return None
+    try:
+        return PagedAttentionKernel(ctypes.CDLL(str(build("paged_attention"))))
+    except (KernelBuildError, OSError) as exc:
+        log.warning("CPU attention kernel unavailable, using the torch path (slower): %s", exc)
+        return None

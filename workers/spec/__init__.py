@@ -1,0 +1,1 @@
+"""Speculative decoding in the worker: the step, tree attention layouts, verification, draft models."""

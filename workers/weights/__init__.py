@@ -1,0 +1,1 @@
+"""Weights: GGUF loading and dequantization, quantized blocks and their kernels, weight paths, synthetic models."""
