@@ -4,7 +4,8 @@ Routes: /v1/completions, /v1/chat/completions (SSE when stream=true), /v1/models
 /detokenize, /health, /metrics (and FastAPI's /openapi.json). Every refusal is an
 OpenAI-style error body (validation errors are 400, like vLLM, not FastAPI's 422). A client
 that disconnects, streaming or not, gets its scheduler requests aborted at once.
-Owns: the HTTP surface. Does not own: request semantics (serving*.py) or the process shell.
+Owns: the HTTP surface. Does not own: request semantics (serving*.py, prompts.py, choices.py,
+sse.py) or the process shell.
 """
 from __future__ import annotations
 
@@ -184,7 +185,7 @@ def _add_model_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **ERRORS})
     async def detokenize(body: DetokenizeRequest) -> Response:
         serving.check_model(body.model)
-        token_ids = serving.check_token_ids(body.tokens, "tokens")
+        token_ids = serving.prompts.check_token_ids(body.tokens, "tokens")
         text = serving.tokenizer.decode(token_ids, skip_special_tokens=False)
         return json_response({"prompt": text})
 
@@ -192,14 +193,15 @@ def _add_model_routes(app: FastAPI, serving: Serving) -> None:
 def _tokenize(serving: Serving, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError("pass exactly one of prompt and messages", param="prompt")
+    prompts = serving.prompts
     if body.prompt is not None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
-        return serving.encode_text(body.prompt, add_special)
+        return prompts.encode_text(body.prompt, add_special)
     assert body.messages is not None
-    prompt = serving.chat_prompt(message_dicts(body.messages), body.add_generation_prompt)
+    prompt = prompts.chat_prompt(message_dicts(body.messages), body.add_generation_prompt)
     if body.add_special_tokens:  # the template's text tokenized with BOS as the model asks
         assert prompt.text is not None
-        return serving.encode_text(prompt.text, True)
+        return prompts.encode_text(prompt.text, True)
     return prompt.token_ids
 
 

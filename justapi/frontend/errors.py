@@ -2,7 +2,8 @@
 
 Every refusal leaves the server as `{"error": {"message", "type", "param", "code"}}` with a
 4xx/5xx status. Owns: that shape and the mapping of validation errors onto it. Does not own:
-deciding what is invalid (serving.py, SamplingParams, the tokenizer and chat template).
+deciding what is invalid (prompts.py, request_sampling.py, SamplingParams, the tokenizer and
+chat template).
 """
 from __future__ import annotations
 

@@ -1,46 +1,34 @@
-"""From a validated API request to running Generations: prompts, limits, sampling, fan-out.
+"""One frontend process's serving context: settings, engine link, tokenizer, metrics, admission.
 
-Shared by the OpenAI routes (serving_completions.py, serving_chat.py) and the ZMQ endpoint:
-tokenizes prompts (the scheduler sees only ids), renders chat messages with the model's
-template, checks the model name and the context length, maps OpenAI fields onto
-SamplingParams (deriving distinct per-choice seeds for n > 1), submits one scheduler
-request per choice, and fans their outputs back in. Owns: the serving settings and request
-ids. Does not own: response shapes, text state (generation.py), the scheduler link.
+Every handler (serving_chat.py, serving_completions.py, zmq_server.py, api_server.py) takes a
+Serving; its `prompts` (prompts.py) and `sampling_rules` (request_sampling.py) hold the request
+rules. Owns: the serving settings, request ids, the model-name check, submitting one scheduler
+request. Does not own: n choices (choices.py), SSE (sse.py), response shapes, text state.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import orjson
 
 from justapi.frontend.admission import Admission, RejectionCounter, unavailable
 from justapi.frontend.engine_client import EngineClient
-from justapi.frontend.errors import NOT_FOUND, SERVER_ERROR, ApiError, sampling_error
-from justapi.frontend.generation import Generation, GenerationOutput, TextOptions
+from justapi.frontend.errors import NOT_FOUND, SERVER_ERROR, ApiError
+from justapi.frontend.generation import Generation, TextOptions
 from justapi.frontend.metrics import FrontendMetrics
-from justapi.frontend.openai_models import GenerationFields
-from justapi.frontend.text.detokenizer import StopStringMatcher
+from justapi.frontend.prompts import ChatRenderer, Prompt, Prompts
+from justapi.frontend.request_sampling import SamplingRules
 from justapi.frontend.text.tokenizer import Tokenizer
 from justapi.sampling import SamplingParams
-from justapi.wire.protocol import FINISH_ERROR, SubmitRequest
+from justapi.wire.protocol import SubmitRequest
 
 logger = logging.getLogger(__name__)
 
-ChatRenderer = Callable[[list[dict], bool], str]
-"""(messages, add_generation_prompt) -> prompt text; raises ValueError for bad messages."""
-MAX_CHOICES = 64  # prompts x n of one request
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty")
-SSE_DONE = b"data: [DONE]\n\n"
 LOGGED_PROMPT_CHARS = 2000  # --log-requests: longer prompts are cut in the log
-_GOLDEN = 0x9E3779B97F4A7C15
-_MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -60,24 +48,6 @@ class ServingConfig:
     """Log each request's prompt and parameters (off: prompts never reach the logs)."""
 
 
-def derive_seed(seed: int, choice_index: int) -> int:
-    """Choice 0 keeps the request's seed (n=1 reproduces it); choice i > 0 gets a splitmix64
-    mix of (seed, i): deterministic, distinct in practice, in [0, 2**63)."""
-    if choice_index == 0:
-        return seed
-    z = (seed + choice_index * _GOLDEN) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
-
-
-@dataclass(frozen=True)
-class Prompt:
-    token_ids: list[int]
-    text: str | None = None
-    """The prompt as text when the client sent text (for echo)."""
-
-
 class Serving:
     """Everything a request handler needs; one per frontend process."""
 
@@ -85,9 +55,10 @@ class Serving:
                  config: ServingConfig, metrics: FrontendMetrics) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.render_chat = render_chat
         self.config = config
         self.metrics = metrics
+        self.prompts = Prompts(tokenizer, render_chat, config.max_context)
+        self.sampling_rules = SamplingRules(tokenizer)
         self._id_prefix = os.urandom(4).hex()
         self._next_id = 0
         self._token_texts: dict[int, str] = {}  # bounded by the vocabulary
@@ -134,92 +105,6 @@ class Serving:
             logger.info("%s request: prompt (%d tokens) %r, %s", kind, len(prompt.token_ids),
                         text[:LOGGED_PROMPT_CHARS], sampling)
 
-    def check_token_ids(self, token_ids: Sequence[int], param: str) -> list[int]:
-        ids = list(token_ids)
-        if ids:
-            try:
-                array = np.asarray(ids, dtype=np.int64)
-                is_valid = int(array.min()) >= 0 and int(array.max()) < self.tokenizer.vocab_size
-            except OverflowError:  # JSON integers have no size limit
-                is_valid = False
-            if not is_valid:
-                bad = next(t for t in ids if not 0 <= t < self.tokenizer.vocab_size)
-                raise ApiError(f"token id {bad} is not in the vocabulary "
-                               f"[0, {self.tokenizer.vocab_size})", param=param)
-        return ids
-
-    def max_tokens_for(self, requested: int | None, num_prompt_tokens: int, *,
-                       param: str = "max_tokens", prompt_param: str = "prompt") -> int:
-        """The context rule: prompt + max_tokens <= max_context, and at least one new token.
-        None asks for all the room the context leaves."""
-        limit = self.config.max_context
-        if num_prompt_tokens == 0:
-            raise ApiError("the prompt is empty", param=prompt_param)
-        if num_prompt_tokens >= limit:
-            raise ApiError(f"the prompt has {num_prompt_tokens} tokens; this model's context "
-                           f"length is {limit} tokens (prompt plus at least one new token)",
-                           param=prompt_param, code="context_length_exceeded")
-        if requested is None:
-            return limit - num_prompt_tokens
-        if requested < 1:
-            raise ApiError(f"{param} must be an integer >= 1, got {requested}", param=param)
-        if num_prompt_tokens + requested > limit:
-            raise ApiError(f"this model's context length is {limit} tokens; the request needs "
-                           f"{num_prompt_tokens + requested} ({num_prompt_tokens} in the prompt, "
-                           f"{requested} for the completion): lower {param} or the prompt",
-                           param=param, code="context_length_exceeded")
-        return requested
-
-    # ---------------------------------------------------------------- prompts
-    def encode_text(self, text: str, add_special_tokens: bool = True,
-                    param: str = "prompt") -> list[int]:
-        _check_unicode(text, param)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> Prompt:
-        try:
-            text = self.render_chat(messages, add_generation_prompt)
-        except ValueError as exc:
-            raise ApiError(str(exc), param="messages") from None
-        return Prompt(self.encode_text(text, False, "messages"), text)
-
-    # ---------------------------------------------------------------- sampling
-    def sampling_for(self, request: GenerationFields, max_tokens: int, logprobs: int | None,
-                     seed: int | None) -> SamplingParams:
-        fields: dict = {"max_tokens": max_tokens, "seed": seed, "logprobs": logprobs,
-                        "ignore_eos": request.ignore_eos,
-                        "stop_token_ids": tuple(request.stop_token_ids or ()),
-                        "logit_bias": _bias_by_id(request.logit_bias or {})}
-        for name in SAMPLING_FIELDS:
-            value = getattr(request, name)
-            if value is not None:
-                fields[name] = value
-        try:
-            sampling = SamplingParams(**fields)
-        except ValueError as exc:
-            raise sampling_error(exc, (*SAMPLING_FIELDS, "seed", "stop_token_ids",
-                                       "max_tokens", "logprobs", "logit_bias")) from None
-        return self.check_sampling(sampling)
-
-    def check_sampling(self, sampling: SamplingParams) -> SamplingParams:
-        """What SamplingParams cannot know: the biased tokens are in this model's vocabulary."""
-        self.check_token_ids([token_id for token_id, _ in sampling.logit_bias], "logit_bias")
-        return sampling
-
-    def stop_strings(self, stop: str | list[str] | None) -> tuple[str, ...]:
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if stops:
-            try:
-                StopStringMatcher(stops)  # the matcher's own limits: count, length, non-empty
-            except ValueError as exc:
-                raise ApiError(str(exc), param="stop") from None
-        return tuple(stops)
-
-    def text_options(self, sampling: SamplingParams, stop: tuple[str, ...]) -> TextOptions:
-        hidden = frozenset(self.tokenizer.eog_token_ids) | frozenset(sampling.stop_token_ids)
-        return TextOptions(stop=stop, hidden_token_ids=hidden,
-                           with_logprobs=sampling.logprobs is not None)
-
     # ---------------------------------------------------------------- running
     def start(self, prompt_ids: list[int], sampling: SamplingParams, options: TextOptions,
               arrival_s: float) -> Generation:
@@ -231,111 +116,3 @@ class Serving:
                                 cache_salt=self.config.cache_salt)
         timer = self.metrics.start_request(len(prompt_ids), arrival_s)
         return Generation(self.engine, request, self.tokenizer, options, timer)
-
-    def start_choices(self, request: GenerationFields, prompts: list[Prompt],
-                      max_tokens: list[int], logprobs: int | None,
-                      arrival_s: float) -> list[Generation]:
-        """n choices per prompt, numbered prompt-major: choice index = prompt * n + j."""
-        if len(prompts) * request.n > MAX_CHOICES:
-            raise ApiError(f"prompts x n must be at most {MAX_CHOICES}, got "
-                           f"{len(prompts)} x {request.n}", param="n")
-        stop = self.stop_strings(request.stop)
-        plans = []
-        for prompt, limit in zip(prompts, max_tokens, strict=True):
-            for j in range(request.n):
-                seed = None if request.seed is None else derive_seed(request.seed, j)
-                sampling = self.sampling_for(request, limit, logprobs, seed)
-                plans.append((prompt.token_ids, sampling, self.text_options(sampling, stop)))
-        self.check_available(len(plans))  # everything validated: only now submit
-        self.log_request("HTTP", prompts, plans[0][1])
-        return [self.start(ids, sampling, options, arrival_s) for ids, sampling, options in plans]
-
-
-def _bias_by_id(logit_bias: dict[str, float]) -> dict[int, float]:
-    """OpenAI's logit_bias keys are token ids written as strings ("50256")."""
-    out = {}
-    for key, bias in logit_bias.items():
-        digits = key.strip()
-        if not (digits.isascii() and digits.isdigit()):
-            raise ApiError(f"logit_bias keys must be token ids (decimal integers), got {key!r}",
-                           param="logit_bias")
-        out[int(digits)] = bias
-    return out
-
-
-def _check_unicode(text: str, param: str) -> None:
-    """JSON can carry lone UTF-16 surrogates ("\\ud800"); they are not text and no tokenizer
-    takes them."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ApiError(f"{param} is not valid Unicode: {exc.reason} at character {exc.start}",
-                       param=param) from None
-
-
-def close_all(generations: Sequence[Generation]) -> None:
-    for generation in generations:
-        generation.close()
-
-
-async def fan_in(generations: Sequence[Generation]) -> AsyncIterator[tuple[int, GenerationOutput]]:
-    """Outputs of several generations as they arrive, tagged with the generation's index."""
-    if len(generations) == 1:
-        try:
-            async for output in generations[0].outputs():
-                yield 0, output
-        except Exception as exc:  # end the response with an error event, not a broken stream
-            logger.exception("generation %s failed", generations[0].request_id)
-            yield 0, GenerationOutput("", [], FINISH_ERROR, error=str(exc))
-        return
-    queue: asyncio.Queue[tuple[int, GenerationOutput | None]] = asyncio.Queue()
-
-    async def pump(index: int, generation: Generation) -> None:
-        try:
-            async for output in generation.outputs():
-                queue.put_nowait((index, output))
-        except Exception as exc:  # a bad delta must end this choice, not the whole response
-            logger.exception("generation %s failed", generation.request_id)
-            queue.put_nowait((index, GenerationOutput("", [], FINISH_ERROR, error=str(exc))))
-        finally:
-            queue.put_nowait((index, None))
-
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, maybe_output = await queue.get()
-            if maybe_output is None:
-                remaining -= 1
-            else:
-                yield index, maybe_output
-    finally:
-        for task in tasks:
-            task.cancel()
-        close_all(generations)
-
-
-async def collect_all(generations: Sequence[Generation]) -> list[GenerationOutput]:
-    """Every generation to its end (aborting all of them if this is cancelled)."""
-    try:
-        return list(await asyncio.gather(*(g.collect() for g in generations)))
-    finally:
-        close_all(generations)
-
-
-def usage(prompt_lengths: Sequence[int], generations: Sequence[Generation]) -> dict:
-    """OpenAI usage: each prompt counted once, every choice's tokens. cached_tokens: per
-    prompt, the fewest any of its choices got from the prefix cache."""
-    num_prompt = sum(prompt_lengths)
-    num_completion = sum(g.num_output_tokens for g in generations)
-    per_prompt = max(1, len(generations) // max(1, len(prompt_lengths)))
-    cached = sum(min(g.num_cached_tokens for g in generations[i:i + per_prompt])
-                 for i in range(0, len(generations), per_prompt))
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def sse_event(payload: dict) -> bytes:
-    """One server-sent event carrying a JSON object."""
-    return b"data: " + orjson.dumps(payload) + b"\n\n"

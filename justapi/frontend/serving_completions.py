@@ -3,43 +3,36 @@
 Choices are numbered prompt-major (prompt p, sample j -> index p * n + j). `echo` prefixes
 the prompt text (cheap: it is known); prompt logprobs are not computed, so echo with
 logprobs is refused. Owns: the completion response/chunk shapes and their logprobs.
-Does not own: limits and sampling checks (serving.py) or text state (generation.py).
+Does not own: limits and sampling checks, the stream loop (sse.py), text state.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
 
-from justapi.frontend.errors import SERVER_ERROR, ApiError, error_body
-from justapi.frontend.generation import Generation, GenerationOutput, TokenLogprob
+from justapi.frontend.choices import MAX_CHOICES, collect_choices, start_choices, usage
+from justapi.frontend.errors import ApiError
+from justapi.frontend.generation import GenerationOutput, TokenLogprob
 from justapi.frontend.openai_models import CompletionRequest
-from justapi.frontend.serving import (
-    MAX_CHOICES,
-    SSE_DONE,
-    Prompt,
-    Serving,
-    close_all,
-    collect_all,
-    fan_in,
-    sse_event,
-    usage,
-)
-from justapi.wire.protocol import FINISH_ERROR
+from justapi.frontend.prompts import Prompt
+from justapi.frontend.serving import Serving
+from justapi.frontend.sse import stream_choices
 
 
 def completion_prompts(serving: Serving, prompt: str | list, n: int) -> list[Prompt]:
+    prompts = serving.prompts
     if isinstance(prompt, str):
-        return [Prompt(serving.encode_text(prompt), prompt)]
+        return [Prompt(prompts.encode_text(prompt), prompt)]
     if not prompt:
         raise ApiError("the prompt is empty", param="prompt")
     if not isinstance(prompt[0], int) and len(prompt) * n > MAX_CHOICES:  # before encoding
         raise ApiError(f"prompts x n must be at most {MAX_CHOICES}, got {len(prompt)} x {n}",
                        param="prompt")
     if isinstance(prompt[0], int):
-        return [Prompt(serving.check_token_ids(prompt, "prompt"))]
+        return [Prompt(prompts.check_token_ids(prompt, "prompt"))]
     if isinstance(prompt[0], str):
-        return [Prompt(serving.encode_text(text), text) for text in prompt]
-    return [Prompt(serving.check_token_ids(ids, "prompt")) for ids in prompt]
+        return [Prompt(prompts.encode_text(text), text) for text in prompt]
+    return [Prompt(prompts.check_token_ids(ids, "prompt")) for ids in prompt]
 
 
 def check_supported(request: CompletionRequest) -> None:
@@ -60,24 +53,46 @@ async def create_completion(serving: Serving, request: CompletionRequest,
     serving.check_model(request.model)
     check_supported(request)
     prompts = completion_prompts(serving, request.prompt, request.n)
-    limits = [serving.max_tokens_for(request.max_tokens, len(p.token_ids)) for p in prompts]
-    generations = serving.start_choices(request, prompts, limits, request.logprobs, arrival_s)
+    limits = [serving.prompts.max_tokens_for(request.max_tokens, len(p.token_ids))
+              for p in prompts]
+    generations = start_choices(serving, request, prompts, limits, request.logprobs, arrival_s)
     header = {"id": serving.new_id("cmpl"), "object": "text_completion",
               "created": int(time.time()), "model": serving.config.model_name}
     echoes = [_echo_text(serving, p) if request.echo else "" for p in prompts for _ in
               range(request.n)]
+    prompt_lengths = [len(p.token_ids) for p in prompts]
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return _stream(serving, generations, prompts, header, echoes, include_usage)
-    outputs = await collect_all(generations)
-    for output in outputs:
-        if output.finish_reason == FINISH_ERROR:
-            raise serving.generation_failed(output.error)
+        return stream_choices(generations, CompletionChunks(serving, echoes), header,
+                              prompt_lengths, include_usage)
+    outputs = await collect_choices(serving, generations)
     with_logprobs = request.logprobs is not None
     choices = [_choice(serving, index, echoes[index] + output.text, output, len(echoes[index]),
                        with_logprobs) for index, output in enumerate(outputs)]
-    return {**header, "choices": choices,
-            "usage": usage([len(p.token_ids) for p in prompts], generations)}
+    return {**header, "choices": choices, "usage": usage(prompt_lengths, generations)}
+
+
+class CompletionChunks:
+    """Completions' `choices` entries: the echoed prompt to open, then text deltas whose
+    logprobs' text offsets count the echo."""
+
+    def __init__(self, serving: Serving, echoes: list[str]) -> None:
+        self._serving = serving
+        self._echoes = echoes
+
+    def opening(self, index: int) -> dict | None:
+        echo = self._echoes[index]
+        if not echo:
+            return None
+        return {"index": index, "text": echo, "logprobs": None, "finish_reason": None}
+
+    def delta(self, index: int, output: GenerationOutput) -> dict:
+        logprobs = None
+        if output.logprobs:
+            logprobs = completion_logprobs(self._serving, output.logprobs,
+                                           len(self._echoes[index]))
+        return {"index": index, "text": output.text, "logprobs": logprobs,
+                "finish_reason": output.finish_reason or None}
 
 
 def _echo_text(serving: Serving, prompt: Prompt) -> str:
@@ -107,32 +122,3 @@ def completion_logprobs(serving: Serving, entries: list[TokenLogprob], offset_ba
             "token_logprobs": [e.logprob for e in entries],
             "top_logprobs": top_logprobs,
             "text_offset": [offset_base + e.text_offset for e in entries]}
-
-
-async def _stream(serving: Serving, generations: list[Generation], prompts: list[Prompt],
-                  header: dict, echoes: list[str], include_usage: bool) -> AsyncIterator[bytes]:
-    extra = {"usage": None} if include_usage else {}
-    try:
-        for index, echo in enumerate(echoes):
-            if echo:
-                yield sse_event({**header, "choices": [
-                    {"index": index, "text": echo, "logprobs": None, "finish_reason": None}],
-                    **extra})
-        async for index, output in fan_in(generations):
-            if output.finish_reason == FINISH_ERROR:
-                yield sse_event(error_body(f"generation failed: {output.error}", SERVER_ERROR))
-                break
-            if not (output.text or output.finish_reason or output.logprobs):
-                continue  # tokens whose text is still held back (a partial character)
-            logprobs = None
-            if output.logprobs:
-                logprobs = completion_logprobs(serving, output.logprobs, len(echoes[index]))
-            yield sse_event({**header, "choices": [
-                {"index": index, "text": output.text, "logprobs": logprobs,
-                 "finish_reason": output.finish_reason or None}], **extra})
-        if include_usage:
-            yield sse_event({**header, "choices": [],
-                             "usage": usage([len(p.token_ids) for p in prompts], generations)})
-        yield SSE_DONE
-    finally:
-        close_all(generations)

@@ -6,7 +6,7 @@ go through the same Serving rules as HTTP (tokenizer, chat template, context lim
 strings); each running generation streams GenerationChunks back. A client that has gone
 (the ROUTER cannot route to it any more) gets its generations aborted.
 Owns: client sessions (identity, request id) -> generation. Does not own: request rules
-(serving.py), text state (generation.py), the client library (justapi/client.py).
+(prompts.py, request_sampling.py), text state (generation.py), the client library.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from pydantic import ValidationError
 from justapi.frontend.errors import ApiError, from_validation_errors
 from justapi.frontend.generation import Generation, GenerationOutput
 from justapi.frontend.openai_models import ChatMessage
-from justapi.frontend.serving import Prompt, Serving
+from justapi.frontend.prompts import Prompt
+from justapi.frontend.serving import Serving
 from justapi.frontend.serving_chat import message_dicts
 from justapi.wire import transport
 from justapi.wire.codec import ProtocolError, decode, encode
@@ -120,29 +121,30 @@ class ZmqServer:
 
     def _start(self, submit: SubmitGeneration) -> Generation:
         serving = self._serving
+        rules = serving.sampling_rules
         token_ids = self._prompt_ids(submit)
-        sampling = serving.check_sampling(submit.sampling)
-        serving.max_tokens_for(sampling.max_tokens, len(token_ids))  # the context rule
-        stop = serving.stop_strings([str(s) for s in submit.stop])
+        sampling = rules.check_sampling(submit.sampling)
+        serving.prompts.max_tokens_for(sampling.max_tokens, len(token_ids))  # the context rule
+        stop = rules.stop_strings([str(s) for s in submit.stop])
         serving.check_available()
         serving.log_request("ZMQ", [Prompt(token_ids, submit.prompt or None)], sampling)
-        return serving.start(token_ids, sampling, serving.text_options(sampling, stop),
+        return serving.start(token_ids, sampling, rules.text_options(sampling, stop),
                              time.perf_counter())
 
     def _prompt_ids(self, submit: SubmitGeneration) -> list[int]:
-        serving = self._serving
+        prompts = self._serving.prompts
         given = [bool(submit.prompt), len(submit.prompt_token_ids) > 0, bool(submit.messages)]
         if sum(given) != 1:
             raise ApiError("give exactly one of prompt, prompt_token_ids and messages")
         if submit.prompt:
-            return serving.encode_text(submit.prompt, submit.add_special_tokens)
+            return prompts.encode_text(submit.prompt, submit.add_special_tokens)
         if len(submit.prompt_token_ids):
-            return serving.check_token_ids(submit.prompt_token_ids.tolist(), "prompt_token_ids")
+            return prompts.check_token_ids(submit.prompt_token_ids.tolist(), "prompt_token_ids")
         try:
             messages = [ChatMessage.model_validate(m) for m in submit.messages]
         except ValidationError as exc:
             raise from_validation_errors(exc.errors()) from None
-        return serving.chat_prompt(message_dicts(messages), True).token_ids
+        return prompts.chat_prompt(message_dicts(messages), True).token_ids
 
     async def _pump(self, key: SessionKey, generation: Generation) -> None:
         identity, client_request_id = key

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from justapi.frontend.openai_models import CompletionResponse
-from justapi.frontend.serving import derive_seed
+from justapi.frontend.request_sampling import derive_seed
 from justapi.wire.protocol import SubmitRequest
 from tests.support.api_fake_scheduler import fake_logprob
 from tests.support.api_stack import (

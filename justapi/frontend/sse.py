@@ -1,0 +1,63 @@
+"""The SSE response of a streamed completion or chat completion, written once for both.
+
+`stream_choices` runs the choices' outputs as server-sent events: opening chunks, one chunk
+per output in arrival order, an error event if a choice fails, the usage chunk when asked,
+then `[DONE]`; when the response ends early (client gone) every choice is aborted.
+Owns: event framing and that order. Does not own: chunk shapes (ChoiceChunks, per route).
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+import orjson
+
+from justapi.frontend.choices import close_all, fan_in, usage
+from justapi.frontend.errors import SERVER_ERROR, error_body
+from justapi.frontend.generation import Generation, GenerationOutput
+from justapi.wire.protocol import FINISH_ERROR
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ChoiceChunks(Protocol):
+    """What a route puts in a chunk's `choices` entry."""
+
+    def opening(self, index: int) -> dict | None:
+        """The choice's first chunk before any output (chat: the role), or None for none."""
+
+    def delta(self, index: int, output: GenerationOutput) -> dict:
+        """The choice's chunk for one output that shows text, logprobs or a finish reason."""
+
+
+def sse_event(payload: dict) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def stream_choices(generations: Sequence[Generation], chunks: ChoiceChunks, header: dict,
+                         prompt_lengths: Sequence[int],
+                         include_usage: bool) -> AsyncIterator[bytes]:
+    """Every chunk is `header` + one choice (+ `"usage": null` when the usage chunk follows)."""
+    extra = {"usage": None} if include_usage else {}
+
+    def event(choice: dict) -> bytes:
+        return sse_event({**header, "choices": [choice], **extra})
+
+    try:
+        for index in range(len(generations)):
+            opening = chunks.opening(index)
+            if opening is not None:
+                yield event(opening)
+        async for index, output in fan_in(generations):
+            if output.finish_reason == FINISH_ERROR:
+                yield sse_event(error_body(f"generation failed: {output.error}", SERVER_ERROR))
+                break
+            if not (output.text or output.finish_reason or output.logprobs):
+                continue  # tokens whose text is still held back (a partial character)
+            yield event(chunks.delta(index, output))
+        if include_usage:
+            yield sse_event({**header, "choices": [], "usage": usage(prompt_lengths, generations)})
+        yield SSE_DONE
+    finally:
+        close_all(generations)
