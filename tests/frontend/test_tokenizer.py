@@ -2,10 +2,12 @@
 GGUF, SentencePiece itself, and a Python re-statement of llama.cpp's pre-tokenizer splits)."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
-import time
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -225,10 +227,33 @@ def test_smollm_metadata(smol: Tokenizer, hf_smol) -> None:
         smol.encode(b"bytes")  # type: ignore[arg-type]
 
 
-def test_build_time_is_small(smol_gguf: GGUFFile) -> None:
-    start = time.perf_counter()
-    Tokenizer.from_gguf(smol_gguf)
-    print(f"Tokenizer.from_gguf(SmolLM2, 49152 tokens): {time.perf_counter() - start:.3f} s")
+BUILD_AND_ENCODE = """
+import json, sys
+from justapi.frontend.text.tokenizer import Tokenizer
+from justapi.model.gguf_file import GGUFFile, default_model_path
+tokenizer = Tokenizer.from_gguf(GGUFFile(default_model_path()))
+texts = json.load(sys.stdin)
+print(json.dumps({"eog": sorted(tokenizer.eog_token_ids),
+                  "ids": [tokenizer.encode(text) for text in texts]}))
+"""
+
+
+def test_every_process_builds_the_same_tokenizer(smol: Tokenizer) -> None:
+    """The frontend, the scheduler (for its end-of-generation ids) and the in-process engine
+    each build the tokenizer from the file in their own process: a build under another
+    string-hash seed must agree on every text's ids and on when generation ends. (Build time is
+    a benchmark figure, tools/, not a test.)"""
+    texts = VARIED_TEXTS + random_texts(100, seed=11)
+    our_seed = os.environ.get("PYTHONHASHSEED", "")  # unset or "random": a random seed
+    other_seed = str(int(our_seed) + 1) if our_seed.isdigit() else "1"
+    result = subprocess.run([sys.executable, "-c", BUILD_AND_ENCODE], input=json.dumps(texts),
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONHASHSEED": other_seed})
+    assert result.returncode == 0, result.stderr
+    theirs = json.loads(result.stdout)
+    assert theirs["eog"] == sorted(smol.eog_token_ids)
+    for text, their_ids in zip(texts, theirs["ids"], strict=True):
+        assert smol.encode(text) == their_ids, text
 
 
 # -- other gpt2 pre-tokenizers, on the SmolLM2 vocabulary ------------------------------------
