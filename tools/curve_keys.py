@@ -5,14 +5,14 @@ Writes the server's z85 secret key to SECRET_FILE (mode 0600; an existing file i
 overwritten) and its public key to SECRET_FILE.pub, then prints the public key. Start the
 server with `justapi serve --zmq tcp://0.0.0.0:5555 --zmq-curve-secret-key SECRET_FILE` and
 give clients the public key: `Client("tcp://host:5555", server_public_key=b"...")`.
-Owns: this command line. Does not own: the key format (justapi/wire/curve_keys.py).
+Owns: this command line. Does not own: the key format (justapi/wire/auth.py).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from justapi.wire.curve_keys import write_key_pair
+from justapi.wire.auth import write_key_pair
 
 PROG = "curve_keys.py"
 

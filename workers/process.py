@@ -4,10 +4,13 @@ CPU workers map the launcher's shared-memory pool (all CPU workers share one poo
 --pd-separate-pools one per side); a GPU worker allocates its own pool on its device and
 exports a CUDA IPC handle in its Ready. A PD decode worker also executes CopyBlocks orders.
 A heartbeat thread (own socket) reports every HEARTBEAT_INTERVAL_S with process figures.
+Where it runs is a link passed in (link.py): a process the launcher started here
+(LocalLink, this module's main) or a Ray actor on some host (RayLink).
 Owns: its model, its ModelRunner state, its sockets. Does not own: which blocks hold what.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import resource
@@ -21,23 +24,25 @@ import torch
 import zmq
 
 from justapi.config.spec import SpecConfig
-from justapi.health.table import HEARTBEAT_INTERVAL_S
 from justapi.launch.child import ChildSpec, StopFlag, report, start_child
 from justapi.launch.shm_pool import available_memory_bytes
 from justapi.model.gguf_file import GGUFFile
 from justapi.wire import transport
+from justapi.wire.ids import HEARTBEAT_INTERVAL_S, heartbeat_identity, worker_identity
 from justapi.wire.protocol import (
     CopyBlocks,
     Heartbeat,
     PoolInfo,
+    ReadBlocks,
     Ready,
     Shutdown,
     StepPlan,
     StepResult,
+    WriteBlocks,
 )
-from workers.cpu_memory import keep_freed_memory
 from workers.kv.pool import KVPool, PoolShape
 from workers.kv.transfer import BlockCopier
+from workers.link import LocalLink, WorkerLink
 from workers.model.attention import make_backend, require_cuda
 from workers.model.forward import LlamaModel
 from workers.runner import ModelRunner
@@ -48,22 +53,6 @@ from workers.weights.paths import load_model
 logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_MS = 200
-
-
-def worker_identity(worker_id: int) -> bytes:
-    return f"worker-{worker_id}".encode()
-
-
-def device_of(spec: ChildSpec) -> str:
-    return f"cuda:{spec.index}" if spec.config.model.device == "cuda" else "cpu"
-
-
-def set_cpu_threads(spec: ChildSpec) -> int:
-    """Each CPU worker gets its share of the cores (ServeConfig.cpu_worker_threads)."""
-    num_workers = int(spec.extra.get("num_workers", spec.config.server.workers))
-    threads = spec.config.cpu_worker_threads(spec.index, num_workers, os.cpu_count() or 1)
-    torch.set_num_threads(threads)
-    return threads
 
 
 def open_pool(spec: ChildSpec, model: LlamaModel, device: str) -> KVPool:
@@ -88,10 +77,12 @@ def open_pool(spec: ChildSpec, model: LlamaModel, device: str) -> KVPool:
 
 
 class Worker:
-    def __init__(self, spec: ChildSpec, stop: StopFlag) -> None:
+    def __init__(self, spec: ChildSpec, stop: StopFlag,
+                 link: WorkerLink | None = None) -> None:
         self.spec = spec
         self.stop = stop
-        self.device = self.claim_device(spec)
+        self.link: WorkerLink = link if link is not None else LocalLink()
+        self.device = self.link.claim_device(spec)
         gguf = GGUFFile(spec.model_path)
         dtype = torch.bfloat16 if self.device != "cpu" else torch.float32
         self.model = load_model(gguf, self.device, dtype, spec.config.model.weights, progress=False)
@@ -109,36 +100,20 @@ class Worker:
         self.runner = ModelRunner(self.model, self.pool, make_backend(self.device, block_size),
                                   Sampler(), worker_id=spec.index, draft=draft)
         self.copier = BlockCopier(self.pool, spec.index)  # PD: KV hand-offs into our pool
+        self.wire = self.link.wire_copies(self.pool, spec.index)  # copies between hosts (Ray)
         self.context = zmq.Context()
-        self.sock = self.connect(worker_identity(spec.index))
+        self.sock = self.link.connect(self.context, spec.endpoints.workers,
+                                      worker_identity(spec.index))
         self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True)
-
-    def claim_device(self, spec: ChildSpec) -> str:
-        """The device this worker computes on; on CPU also its share of the cores."""
-        device = device_of(spec)
-        if device != "cpu":
-            require_cuda(device)
-        else:
-            set_cpu_threads(spec)
-            keep_freed_memory()
-        return device
-
-    def connect(self, identity: bytes) -> zmq.Socket:
-        """A DEALER to the scheduler's worker socket (workers/ray_worker.py: tcp with CURVE)."""
-        return transport.make_socket(self.context, zmq.DEALER, self.spec.endpoints.workers,
-                                     bind=False, identity=identity)
-
-    def handle_other(self, message: Any) -> None:
-        """A message the loop does not know (workers/ray_worker.py: KV copies between hosts)."""
-        logger.warning("ignored unexpected %s", type(message).__name__)
 
     def ready_message(self) -> Ready:
         p = self.model.params
         max_context = min(p.max_context, self.spec.config.model.max_context or p.max_context)
         if self.runner.draft is not None:  # the draft computes every position the target does
             max_context = min(max_context, self.runner.draft.model.params.max_context)
+        pool = dataclasses.replace(self.pool.info(), host=self.link.host)  # where it lives
         return Ready(worker_id=self.spec.index, pid=os.getpid(), model_name=self.model_name,
-                     vocab_size=p.vocab_size, max_context=max_context, pool=self.pool.info())
+                     vocab_size=p.vocab_size, max_context=max_context, pool=pool)
 
     def run(self) -> None:
         transport.send(self.sock, self.ready_message())
@@ -150,14 +125,20 @@ class Worker:
                 if not poller.poll(POLL_TIMEOUT_MS):
                     continue
                 for _, message in transport.drain(self.sock):
-                    if isinstance(message, Shutdown):
-                        self.stop.set()
-                    elif isinstance(message, StepPlan):
-                        transport.send(self.sock, self.execute(message))
-                    elif isinstance(message, CopyBlocks):
-                        transport.send(self.sock, self.copier.execute(message))
-                    else:
-                        self.handle_other(message)
+                    self._on_message(message)
+
+    def _on_message(self, message: Any) -> None:
+        if isinstance(message, Shutdown):
+            self.stop.set()
+        elif isinstance(message, StepPlan):
+            transport.send(self.sock, self.execute(message))
+        elif isinstance(message, CopyBlocks):
+            transport.send(self.sock, self.copier.execute(message))
+        elif isinstance(message, (ReadBlocks, WriteBlocks)) and self.wire is not None:
+            for reply in self.wire.handle(message):  # a relayed copy, chunk by chunk
+                transport.send(self.sock, reply)
+        else:
+            logger.warning("ignored unexpected %s", type(message).__name__)
 
     def execute(self, plan: StepPlan) -> StepResult:
         try:
@@ -170,7 +151,8 @@ class Worker:
                               error=f"{type(exc).__name__}: {exc}")
 
     def _heartbeat_loop(self) -> None:
-        sock = self.connect(worker_identity(self.spec.index) + b"-heartbeat")
+        sock = self.link.connect(self.context, self.spec.endpoints.workers,
+                                 heartbeat_identity(self.spec.index))
         try:
             while not self.stop.is_set:
                 transport.send(sock, self.heartbeat())

@@ -12,10 +12,10 @@ the key is authorized) loads the model, maps the pool, connects and runs the wor
 thread. HostPoolActor: creates its host's shared-memory KV segment, which every CPU worker on
 that host maps; close() unlinks it, and if its process dies first Python's resource tracker
 does (workers that mapped it keep their mapping).
-This module imports no torch; the data plane (workers.ray_worker) is imported inside the
-actor's process, in start().
-Owns: the actors' lifecycles. Does not own: placement (justapi/cluster/launcher.py), the worker
-loop (workers/), the segment's layout (justapi/launch/shm_pool.py).
+This module imports no torch; the data plane (workers.process's Worker with a RayLink,
+workers/link.py) is imported inside the actor's process, in start().
+Owns: the actors' lifecycles. Does not own: placement (justapi/cluster/placement.py), the
+worker loop (workers/), the segment's layout (justapi/launch/shm_pool.py).
 """
 from __future__ import annotations
 
@@ -74,13 +74,14 @@ class WorkerActor:
     def start(self, pool: dict[str, Any]) -> dict[str, Any]:
         """Load, map `pool` (the host's segment; {} on a GPU), connect, run. Returns what the
         launcher shows; raises (one line) if the worker cannot start."""
-        from workers.ray_worker import RayWorker, WorkerLink  # the data plane, in this process
+        from workers.link import RayLink  # the data plane, in this process
+        from workers.process import Worker
 
         spec = ChildSpec(role="worker", index=self._spec.index, config=self._spec.config,
                          endpoints=self._spec.endpoints, model_path=self._spec.model_path,
                          pool=pool, extra=self._spec.extra)
-        link = WorkerLink(self.host, self._secret_key, self._server_public_key, self._num_threads)
-        self._worker = RayWorker(spec, self._stop, link)
+        link = RayLink(self.host, self._secret_key, self._server_public_key, self._num_threads)
+        self._worker = Worker(spec, self._stop, link)
         threading.Thread(target=self._run, name="justapi-worker", daemon=True).start()
         return {"pid": os.getpid(), "host": self.host, "device": self._worker.device,
                 "pool_id": self._worker.pool.pool_id,

@@ -10,7 +10,7 @@ pool (another host's memory): the bytes travel source worker -> scheduler -> des
 Every worker connects only to the scheduler (one CURVE endpoint, no mesh), at the price of
 the bytes crossing the scheduler's host twice (docs/scale-out.md has the figures).
 Owns: relayed copies in flight and their counters. Does not own: which blocks to copy or
-when (the scheduler core), sockets (justapi/scheduler/cluster_process.py).
+when (the scheduler core), sockets (the scheduler process, through justapi/cluster/links.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from justapi.wire.protocol import BlockData, CopyBlocks, PoolInfo, ReadBlocks, WriteBlocks
+from justapi.wire.protocol import (
+    BlockData,
+    CopyBlocks,
+    PoolInfo,
+    ReadBlocks,
+    WriteBlocks,
+)
 
 MAX_CHUNK_BYTES = 32 << 20  # well under transport.MAX_MESSAGE_BYTES; keeps sends interleaved
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)

@@ -11,7 +11,7 @@ Ray restarts the process (max_restarts); this only re-admits the new process. Th
 has already re-queued the dead worker's requests (missed heartbeats). A fence order from the
 scheduler (FenceWorker) kills the actor's process if it is still the one the verdict named.
 Owns: the slots and their transitions. Does not own: placement or Ray start-up
-(justapi/cluster/launcher.py), the actors (justapi/cluster/actors.py).
+(justapi/cluster/placement.py), the actors (justapi/cluster/actors.py).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class WorkerSlot:
 
 
 class RayWorkerSupervisor:
-    """Duck-types the launcher's WorkerSupervisor (check(children)) for Ray actor workers."""
+    """The Ray actor workers' slots, polled by the launcher through RayPlacement.check()."""
 
     def __init__(self, ray: Any, authorize: Callable[[int, str], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -63,7 +63,7 @@ class RayWorkerSupervisor:
         slot.pending = slot.actor.identity.remote()
         self.slots.append(slot)
 
-    def check(self, children: object = None, *, starting: bool = False) -> None:
+    def check(self, *, starting: bool = False) -> None:
         """Advance every slot whose call returned. Starting: a failure raises WorkerStartError."""
         for slot in self.slots:
             if slot.pending is None:

@@ -3,8 +3,8 @@ endpoint, placement, and what moving KV between hosts costs the router.
 
 Keys are flat like every serve key (`address`, `node-ip`, `worker-port`, `cpus-per-worker`,
 `placement`, `cross-host-copy-cost`); docs/scale-out.md says what each one changes.
-Owns: those fields and their validation. Does not own: Ray (justapi/cluster/launcher.py), the
-wire (justapi/wire/worker_auth.py, justapi/cluster/kv_relay.py) or routing (justapi/scheduler/).
+Owns: those fields and their validation. Does not own: Ray (justapi/cluster/placement.py), the
+wire (justapi/wire/auth.py, justapi/cluster/kv_relay.py) or routing (justapi/scheduler/).
 """
 from __future__ import annotations
 

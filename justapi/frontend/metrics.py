@@ -106,7 +106,7 @@ SPEC_METRICS = (
     StatMetric(PREFIX + "spec_decode_draft_acceptance_rate", "Accepted / verified draft tokens.",
                "spec_decode_draft_acceptance_rate"),
 )
-# Workers on several hosts (--launcher ray; justapi/scheduler/cluster/scheduler.py).
+# Workers on several hosts (--launcher ray; justapi/scheduler/cluster/imports.py).
 CLUSTER_METRICS = (
     StatMetric(PREFIX + "kv_imports", "Cached prefixes copied in from another host's pool "
                "instead of recomputed.", "kv_imports", is_counter=True),

@@ -22,7 +22,7 @@ from justapi.frontend.lifecycle import drain, watch_scheduler
 from justapi.frontend.server import FrontendServer, FrontendSettings, build_serving
 from justapi.launch.child import ChildSpec, report, start_child
 from justapi.model.gguf_file import GGUFFile
-from justapi.wire.curve_keys import read_secret_key
+from justapi.wire.auth import read_secret_key
 
 logger = logging.getLogger(__name__)
 

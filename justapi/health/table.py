@@ -1,12 +1,12 @@
 """Worker health table kept by the scheduler process: heartbeats, steps in flight, verdicts.
 
-Workers send a Heartbeat every HEARTBEAT_INTERVAL_S; one silent for the heartbeat timeout
-is unhealthy (so a dead or stopped worker is caught within 2 s), as is one whose step has
-been in flight longer than the step timeout while it still beats (a hung step), and one with
-a fatal report (its process exited, it became unreachable, its GPU failed: the caller says
-why). Pure logic with times passed in, testable without processes.
+Workers send a Heartbeat every HEARTBEAT_INTERVAL_S (justapi/wire/ids.py); one silent for
+the heartbeat timeout is unhealthy (so a dead or stopped worker is caught within 2 s), as is
+one whose step has been in flight longer than the step timeout while it still beats (a hung
+step), and one with a fatal report (its process exited, it became unreachable, its GPU
+failed: the caller says why). Pure logic with times passed in, testable without processes.
 Owns: the health table and the wording of its verdicts. Does not own: reading NVML or
-/proc (health_watch.py), what happens to an unhealthy worker's requests (scheduler core).
+/proc (watch.py), what happens to an unhealthy worker's requests (scheduler core).
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from typing import Any
 
 from justapi.wire.protocol import Heartbeat
 
-HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 1.5
 STEP_TIMEOUT_S = 120.0
 

@@ -5,8 +5,9 @@ NVML for the GPUs the workers use (through an injectable reader; CPU figures onl
 is none), and turns the table into verdicts: which workers to retire now, and the problems
 (503) and warnings that /health, /metrics and the admin tools show. Retiring a worker fences
 it first (SIGKILL): a stopped or hung worker must never write KV again into blocks the core
-hands to other requests.
-Owns: clocks, /proc and signals for health. Does not own: the table's rules (health.py),
+hands to other requests. Where the workers run is a HostTable passed in: OneHost (all on this
+host, the default) or HostHealth (several hosts: cluster.py).
+Owns: clocks, /proc and signals for health. Does not own: the table's rules (table.py),
 what is fatal on a GPU (gpu_faults.py), the requests of a retired worker (scheduler core).
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from justapi.config.ops import OpsConfig
 from justapi.health.gpu_faults import GpuFaults
@@ -44,11 +45,42 @@ class HealthSnapshot:
     uptime_s: float
 
 
+class HostTable(Protocol):
+    """Where each worker runs, as far as health needs to know: whose process this host's /proc
+    and signals reach, how to fence the others, and what the snapshot says about hosts."""
+
+    def on_ready(self, ready: Ready) -> None: ...
+
+    def is_local(self, worker_id: int) -> bool: ...
+
+    def fence_remote(self, worker_id: int, pid: int, reason: str) -> bool: ...
+
+    def annotate(self, snapshot: HealthSnapshot) -> HealthSnapshot: ...
+
+
+class OneHost:
+    """Every worker runs on this host (launcher = "local"): /proc sees it, SIGKILL fences it."""
+
+    def on_ready(self, ready: Ready) -> None:
+        pass
+
+    def is_local(self, worker_id: int) -> bool:
+        return True
+
+    def fence_remote(self, worker_id: int, pid: int, reason: str) -> bool:
+        return False
+
+    def annotate(self, snapshot: HealthSnapshot) -> HealthSnapshot:
+        return snapshot
+
+
 class HealthWatch:
-    def __init__(self, config: OpsConfig, *, launcher_pid: int | None = None,
+    def __init__(self, config: OpsConfig, *, hosts: HostTable | None = None,
+                 launcher_pid: int | None = None,
                  gpu_opener: Callable[[list[int]], tuple[GpuReader | None, str]] = open_gpu_reader,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.hosts: HostTable = hosts if hosts is not None else OneHost()
         self.monitor = HealthMonitor(config.heartbeat_timeout_s, config.step_timeout_s)
         self.faults = GpuFaults(config.thermal_hold_s)
         self.launcher_pid = os.getppid() if launcher_pid is None else launcher_pid
@@ -72,6 +104,7 @@ class HealthWatch:
         cuda_index = cuda_index_of(ready.pool.device)
         if cuda_index is not None:
             self._devices[ready.worker_id] = (cuda_index, "")
+        self.hosts.on_ready(ready)
 
     def on_heartbeat(self, beat: Heartbeat) -> None:
         self.monitor.on_heartbeat(beat, self._clock())
@@ -103,8 +136,9 @@ class HealthWatch:
         return self.monitor.newly_unhealthy(now)
 
     def _check_processes(self) -> None:
+        """Only this host's workers have their pid in this host's /proc."""
         for worker in self.monitor.workers.values():
-            if worker.is_healthy and worker.pid > 0:
+            if worker.is_healthy and worker.pid > 0 and self.hosts.is_local(worker.worker_id):
                 state = process_state(worker.pid)
                 if state is None or state in "ZX":
                     self.monitor.report_fatal(worker.worker_id, f"process {worker.pid} exited")
@@ -163,13 +197,21 @@ class HealthWatch:
         return deltas
 
     def fence(self, worker_id: int) -> bool:
-        """SIGKILL the worker's process if it is still the launcher's child (so a pid the
-        system reused is never hit). True when a signal was sent."""
+        """SIGKILL the worker's process if it is on this host and still the launcher's child
+        (so a pid the system reused is never hit); any other goes to the host table (on
+        several hosts: an order to the launcher). True when a signal or an order went out."""
         worker = self.monitor.workers.get(worker_id)
-        if worker is None or worker.pid <= 0 or parent_pid(worker.pid) != self.launcher_pid:
+        if worker is None or worker.pid <= 0:
+            return False
+        if self.hosts.is_local(worker_id) and self._kill_child(worker.pid):
+            return True
+        return self.hosts.fence_remote(worker_id, worker.pid, worker.reason or "unhealthy")
+
+    def _kill_child(self, pid: int) -> bool:
+        if parent_pid(pid) != self.launcher_pid:
             return False
         try:
-            os.kill(worker.pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             return False
         return True
@@ -195,10 +237,10 @@ class HealthWatch:
             problems.append(stall)
         warnings = self.monitor.warnings() + [f"worker {row['worker_id']} is draining"
                                               for row in workers if row["draining"]]
-        return HealthSnapshot(healthy=not problems, problems=problems, warnings=warnings,
-                              stats=stats, workers=workers,
-                              gpus=[self.gpus[i] for i in sorted(self.gpus)],
-                              nvml=self.nvml_status, uptime_s=now - self.started_s)
+        return self.hosts.annotate(HealthSnapshot(
+            healthy=not problems, problems=problems, warnings=warnings, stats=stats,
+            workers=workers, gpus=[self.gpus[i] for i in sorted(self.gpus)],
+            nvml=self.nvml_status, uptime_s=now - self.started_s))
 
     def _draining_problems(self, pool_ids: list[int], workers: list[dict]) -> list[str]:
         out = []

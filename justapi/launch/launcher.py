@@ -1,14 +1,16 @@
 """Start the process pool, wait for every Ready, and stop it in order with nothing left behind.
 
-The launcher sizes and creates the shared CPU KV pool (so it alone unlinks it, even when a
-worker is SIGKILLed), starts frontend, scheduler and workers as `python -m` children with a
-JSON spec, and waits for each one's ProcessReady on a control socket. On SIGINT/SIGTERM it
-stops frontend (which first lets in-flight requests finish, shutdown-grace-s), then
-scheduler, then workers; stragglers are killed; the runtime dir goes.
-A worker that dies while serving goes to the supervisor (justapi/launch/supervisor.py), which logs
+Where the workers run is a Placement passed in (placement.py): local processes (the
+default; their CPU KV pool created before and unlinked after them) or Ray actors
+(justapi/cluster/placement.py). The launcher starts the scheduler, the local workers and the
+frontend as `python -m` children with a JSON spec, and waits for each one's ProcessReady on
+a control socket. On SIGINT/SIGTERM it stops frontend (which first lets in-flight requests
+finish, shutdown-grace-s), then scheduler, then workers; stragglers are killed; then the
+placement closes (pools, remote workers) and the runtime dir goes.
+A local worker that dies while serving goes to the supervisor (supervisor.py), which logs
 it and, with --restart-workers, starts a replacement.
-Owns: child processes, the runtime dir, the CPU shared-memory pool's lifetime.
-Does not own: what the children do.
+Owns: child processes, the runtime dir, the control socket. Does not own: what the children
+do, where the workers run (the placement).
 """
 from __future__ import annotations
 
@@ -25,11 +27,11 @@ import zmq
 
 from justapi.config.serve import API_KEY_ENV, ServeConfig
 from justapi.launch.child import ChildSpec, Endpoints
-from justapi.launch.shm_pool import PoolSegments, plan_cpu_pool
+from justapi.launch.placement import LocalPlacement, Placement
 from justapi.launch.supervisor import WorkerSupervisor
 from justapi.model.info import ModelInfo
 from justapi.wire import transport
-from justapi.wire.protocol import ProcessFailed, ProcessReady
+from justapi.wire.protocol import FenceWorker, ProcessFailed, ProcessReady
 
 logger = logging.getLogger(__name__)
 
@@ -71,27 +73,32 @@ class Deployment:
 
 
 class Launcher:
-    role_modules = ROLE_MODULES  # justapi/cluster/launcher.py runs another scheduler module
-
-    def __init__(self, config: ServeConfig, model: ModelInfo, *, api_key: str = "") -> None:
-        """api_key: the HTTP API key, handed to the frontend in its environment only."""
+    def __init__(self, config: ServeConfig, model: ModelInfo, placement: Placement | None = None,
+                 *, api_key: str = "") -> None:
+        """placement: where the workers run (default: local processes); api_key: the HTTP
+        API key, handed to the frontend in its environment only."""
         self.config = config
         self.model = model
+        self.placement = placement if placement is not None else LocalPlacement(config, model)
         self._api_key = api_key
         self.runtime_dir = transport.make_runtime_dir()
         self.endpoints = Endpoints.in_dir(self.runtime_dir, config.server.zmq, config.ops.admin)
         self.children: list[Child] = []
-        self.segment: PoolSegments | None = None
         self.pool: dict[str, Any] = {}
         self.supervisor = WorkerSupervisor(config.ops, self._respawn)
         self._context = zmq.Context()
         self._control = transport.make_socket(self._context, zmq.PULL, self.endpoints.control,
                                               bind=True)
+        try:
+            self.endpoints = self.placement.open(self.endpoints)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def start(self) -> Deployment:
         """Start every process and wait for its Ready; on any failure stop all and raise."""
         try:
-            pool = self.pool = self._make_pool()
+            pool = self.pool = self.placement.place_workers()
             for role, index in self._roles():
                 self._spawn(role, index, pool)
             self._wait_ready(self.config.server.ready_timeout_s)
@@ -105,26 +112,21 @@ class Launcher:
                           info.get("zmq", self.endpoints.client), pool, self.children)
 
     def _roles(self) -> list[tuple[str, int]]:
-        workers = [("worker", i) for i in range(self.config.server.workers)]
+        workers = [("worker", i) for i in self.placement.local_workers()]
         return [("scheduler", 0), *workers, ("frontend", 0)]
 
-    def _make_pool(self) -> dict[str, Any]:
-        if self.config.model.device != "cpu":
-            return {}
-        plan = plan_cpu_pool(self.model, self.config.cache, self.config.scheduler)
-        self.segment = PoolSegments.create(plan, self.config.pd)  # one, or one per PD side
-        return self.segment.describe()
-
     def _spawn(self, role: str, index: int, pool: dict[str, Any]) -> None:
-        if role == "worker" and self.segment is not None:
-            pool = self.segment.for_worker(index)  # --pd-separate-pools: its side's segment
-        extra: dict[str, Any] = {"num_workers": self.config.server.workers, **self.extra_for(role)}
+        if role == "worker":
+            pool = self.placement.worker_pool(index)
+        extra: dict[str, Any] = {"num_workers": self.config.server.workers}
+        if role == "scheduler":  # how it reaches the workers (Ray: tcp + CURVE, its host)
+            extra.update(self.placement.scheduler_extra())
         if role == "frontend":  # it watches the scheduler's process (a SIGKILL -> 503s at once)
             extra["scheduler_pid"] = next((c.process.pid for c in self.children
                                            if c.role == "scheduler"), 0)
         spec = ChildSpec(role=role, index=index, config=self.config, endpoints=self.endpoints,
                          model_path=self.model.path, pool=pool, extra=extra)
-        process = subprocess.Popen([sys.executable, "-m", self.role_modules[role], spec.to_json()],
+        process = subprocess.Popen([sys.executable, "-m", ROLE_MODULES[role], spec.to_json()],
                                    env=self.child_env(role), stdin=subprocess.DEVNULL,
                                    start_new_session=True)
         self.children.append(Child(role, index, process))
@@ -149,10 +151,6 @@ class Launcher:
             env[API_KEY_ENV] = self._api_key
         return env
 
-    def extra_for(self, role: str) -> dict[str, Any]:
-        """What a role's ChildSpec.extra carries beyond the worker count (nothing here)."""
-        return {}
-
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         poller = zmq.Poller()
@@ -168,7 +166,9 @@ class Launcher:
                     self._on_control(message)
 
     def _on_control(self, message: Any) -> None:
-        if isinstance(message, ProcessFailed):
+        if isinstance(message, FenceWorker):  # a worker the scheduler cannot signal (Ray)
+            self.placement.fence(message)
+        elif isinstance(message, ProcessFailed):
             who = message.role if message.role != "worker" else f"worker {message.index}"
             raise LaunchError(f"{who} failed to start: {message.error}")
         if isinstance(message, ProcessReady):
@@ -177,6 +177,8 @@ class Launcher:
                     child.ready = message
 
     def _check_exits(self, *, starting: bool) -> Child | None:
+        if starting:  # a worker outside the launcher's children failed to start: LaunchError
+            self.placement.check(starting=True)
         for child in self.children:
             code = child.process.poll()
             if code is not None:
@@ -188,12 +190,14 @@ class Launcher:
 
     def wait(self, stop_requested: Any) -> str:
         """Block until stop_requested() or a frontend/scheduler dies; return why. A dead
-        worker is the supervisor's (restart or not), and the scheduler's (fence, re-queue)."""
+        worker is the supervisor's or the placement's (restart or not), and the scheduler's
+        (fence, re-queue)."""
         while not stop_requested():
             for child in self.children:
                 if child.role != "worker" and child.process.poll() is not None:
                     return f"{child.name} exited with code {child.process.returncode}"
             self.supervisor.check(self.children)
+            self.placement.check(starting=False)
             for _, message in transport.drain(self._control):
                 if isinstance(message, ProcessFailed):
                     logger.error("%s %d failed: %s", message.role, message.index, message.error)
@@ -207,7 +211,8 @@ class Launcher:
         self._spawn(child.role, child.index, self.pool)
 
     def shutdown(self) -> None:
-        """Stop children in order (SIGTERM, grace, SIGKILL); unlink the pool; remove the dir."""
+        """Stop children in order (SIGTERM, grace, SIGKILL); close the placement (the CPU
+        pool, Ray's workers); remove the dir."""
         for role in STOP_ORDER:
             group = [c for c in self.children if c.role == role and c.process.poll() is None]
             for child in group:
@@ -223,9 +228,7 @@ class Launcher:
                     logger.warning("%s did not stop in %.0fs; killing it", child.name, grace_s)
                     _signal(child.process, signal.SIGKILL)
                     child.process.wait()
-        if self.segment is not None:
-            self.segment.unlink()
-            self.segment = None
+        self.placement.close()
         self._control.close(0)
         self._context.term()
         transport.remove_runtime_dir(self.runtime_dir)

@@ -20,7 +20,7 @@ from justapi.launch.launcher import Deployment, Launcher, LaunchError
 from justapi.model.check import check_draft_model, check_model_file
 from justapi.model.gguf_file import GGUFError, GGUFFile
 from justapi.model.info import ModelInfo, resolve_model
-from justapi.wire.curve_keys import public_key_of, read_secret_key
+from justapi.wire.auth import public_key_of, read_secret_key
 
 
 def _flags(fn: Any) -> Any:
@@ -153,10 +153,11 @@ def run_server(config: ServeConfig, model: ModelInfo, *, api_key: str = "") -> i
 
 
 def make_launcher(config: ServeConfig, model: ModelInfo, api_key: str) -> Launcher:
+    """The Launcher with the placement `launcher` names: local processes, or Ray actors."""
     if config.server.launcher == "ray":
-        from justapi.cluster.launcher import RayLauncher  # Ray is an optional extra
+        from justapi.cluster.placement import RayPlacement  # Ray is an optional extra
 
-        return RayLauncher(config, model, api_key=api_key)
+        return Launcher(config, model, RayPlacement(config, model), api_key=api_key)
     return Launcher(config, model, api_key=api_key)
 
 

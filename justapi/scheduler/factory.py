@@ -3,7 +3,9 @@ workers' Ready messages (pools, block sizes, context lengths).
 
 End-of-generation ids come from `extra["eos_token_ids"]` when the launcher passes them,
 else from the GGUF tokenizer at `extra["model_path"]` (or the configured model).
-Owns: that translation and its validation. Does not own: the shell (scheduler_process.py).
+With workers on several hosts (launcher = "ray", colocated) the Scheduler gets a HostMap:
+its router then weighs copy costs between pools and imports cached prefixes.
+Owns: that translation and its validation. Does not own: the shell (process.py).
 """
 from __future__ import annotations
 
@@ -14,18 +16,23 @@ from typing import Any
 from justapi.config.serve import ServeConfig
 from justapi.model.gguf_file import GGUFFile, resolve_model_path
 from justapi.scheduler.cluster.hosts import HostMap
-from justapi.scheduler.cluster.scheduler import ClusterScheduler
 from justapi.scheduler.pd.scheduler import PdScheduler
 from justapi.scheduler.scheduler import Scheduler
-from justapi.scheduler.topology import ROLE_MIXED, ModelLimits, PoolSpec, Topology, WorkerSpec
+from justapi.scheduler.topology import (
+    ROLE_MIXED,
+    ModelLimits,
+    PoolSpec,
+    Topology,
+    WorkerSpec,
+)
 from justapi.wire.protocol import Ready
 
 logger = logging.getLogger(__name__)
 
 
 def build_scheduler(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, Any]) -> Scheduler:
-    """Scheduler, or PdScheduler with `pd` set (roles by worker index, pool handles from Ready),
-    or ClusterScheduler for workers on several hosts (launcher = "ray", pools per host)."""
+    """Scheduler, or PdScheduler with `pd` set (roles by worker index, pool handles from Ready);
+    for workers on several hosts (launcher = "ray", pools per host) a Scheduler with hosts."""
     if not readies:
         raise ValueError("cannot build a scheduler without a ready worker")
     pd = config.pd
@@ -34,8 +41,8 @@ def build_scheduler(config: ServeConfig, readies: Sequence[Ready], extra: dict[s
     limits = limits_of(config, readies, extra)
     if not pd.is_enabled and config.server.launcher == "ray":
         hosts = HostMap((r.pool for r in readies), config.cluster.cross_host_copy_cost)
-        return ClusterScheduler(config.scheduler, config.cache, topology, limits, hosts,
-                                config.speculative)
+        return Scheduler(config.scheduler, config.cache, topology, limits, config.speculative,
+                         hosts=hosts)
     if not pd.is_enabled:
         return Scheduler(config.scheduler, config.cache, topology, limits, config.speculative)
     core = PdScheduler(config.scheduler, config.cache, topology, limits, pd.pd_lease_s)
@@ -73,7 +80,9 @@ def limits_of(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, An
 
 def eos_token_ids(model: str) -> tuple[int, ...]:
     """End-of-generation ids of a GGUF model (EOS, EOT, EOM and llama.cpp's end-of-turn list)."""
-    from justapi.frontend.text.tokenizer import Tokenizer  # tokenizers is heavy: only when needed
+    from justapi.frontend.text.tokenizer import (
+        Tokenizer,  # tokenizers is heavy: only when needed
+    )
 
     if model.startswith("synthetic:"):
         logger.warning("model %r: no tokenizer path given, EOS is not enforced", model)

@@ -2,10 +2,12 @@
 
 Reads SubmitRequest/AbortRequest from the frontend and Ready/StepResult/Heartbeat from the
 workers, asks the core for step plans, and pushes coalesced TokenDeltas and periodic
-SchedulerStats back to the frontend; answers the admin socket between steps (justapi/scheduler/admin.py).
+SchedulerStats back to the frontend; answers the admin socket between steps (admin.py).
+How it reaches the workers is chosen from its spec (worker_links.py): on this host, or on
+other hosts (launcher = "ray": CURVE, KV copies relayed, fences through the launcher).
 Never busy-polls: it blocks on its sockets, and every change of state arrives as a message.
-Owns: sockets, clocks, the worker identity table. Does not own: scheduling decisions
-(justapi/scheduler/), health verdicts and fencing (justapi/health/watch.py), tokens-to-text.
+Owns: sockets, clocks, the workers' Ready table. Does not own: scheduling decisions
+(the core), health verdicts and fencing (justapi/health/watch.py), tokens-to-text.
 """
 from __future__ import annotations
 
@@ -21,12 +23,14 @@ from justapi.health.watch import HealthWatch
 from justapi.launch.child import ChildSpec, StopFlag, report, start_child
 from justapi.scheduler.admin import AdminServer
 from justapi.scheduler.factory import build_scheduler
+from justapi.scheduler.worker_links import open_links
 from justapi.wire import transport
+from justapi.wire.ids import heartbeat_identity, worker_identity
 from justapi.wire.protocol import (
     FINISH_ERROR,
     AbortRequest,
+    BlockData,
     BlocksCopied,
-    CopyBlocks,
     Heartbeat,
     Ready,
     SchedulerStats,
@@ -43,10 +47,6 @@ POLL_TIMEOUT_MS = 100
 STATS_INTERVAL_S = 0.5
 
 
-def worker_identity(worker_id: int) -> bytes:
-    return f"worker-{worker_id}".encode()
-
-
 class SchedulerProcess:
     def __init__(self, spec: ChildSpec, stop: StopFlag) -> None:
         self.spec = spec
@@ -56,22 +56,18 @@ class SchedulerProcess:
         self.context = ctx
         self.inbox = transport.make_socket(ctx, zmq.PULL, spec.endpoints.scheduler_in, bind=True)
         self.outbox = transport.make_socket(ctx, zmq.PUSH, spec.endpoints.frontend_in, bind=False)
-        self.workers = self.open_worker_socket(ctx)
+        self.readies: dict[int, Ready] = {}
+        self.links = open_links(ctx, spec, self.readies, self._is_healthy)
+        self.workers = self.links.socket
         self.workers.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
         self.admin = AdminServer(ctx, spec.endpoints.admin)
         self.poller = zmq.Poller()
         self.poller.register(self.inbox, zmq.POLLIN)
         self.poller.register(self.workers, zmq.POLLIN)
         self.poller.register(self.admin.socket, zmq.POLLIN)
-        self.readies: dict[int, Ready] = {}
-        self.health = HealthWatch(spec.config.ops)
+        self.health = HealthWatch(spec.config.ops, hosts=self.links.hosts)
         self.core: Any = None
         self._last_stats_s = 0.0
-
-    def open_worker_socket(self, context: zmq.Context) -> zmq.Socket:
-        """The ROUTER the workers connect to: ipc in the runtime dir (justapi/scheduler/cluster_process.py
-        binds tcp with CURVE for workers on other hosts)."""
-        return transport.make_socket(context, zmq.ROUTER, self.spec.endpoints.workers, bind=True)
 
     # ---------------------------------------------------------------- start-up
     def wait_for_workers(self, timeout_s: float) -> None:
@@ -95,14 +91,18 @@ class SchedulerProcess:
             for _, message in transport.drain(self.inbox):
                 self._on_frontend(message)
             for sender, message in transport.drain(self.workers, routed=True):
-                self._on_worker(sender, message)
-            self.admin.serve(self.core, self.health)
-            self._check_health()
-            self._send_deltas(self.core.tick(time.monotonic()))  # PD: hand-off leases
-            for worker_id, plan in self.core.schedule():
-                self._send_plan(worker_id, plan)
+                self._on_worker(sender, message)  # update: results -> deltas
+            self._between_steps()
+            for worker_id, order in self.core.schedule():  # schedule
+                self._execute(worker_id, order)  # execute: plans and copy orders out
             self._maybe_push_stats()
         self._stop_workers()
+
+    def _between_steps(self) -> None:
+        """The admin socket, health verdicts (retire, fence), the core's clock (PD leases)."""
+        self.admin.serve(self.core, self.health)
+        self._check_health()
+        self._send_deltas(self.core.tick(time.monotonic()))
 
     def _on_frontend(self, message: Any) -> None:
         if isinstance(message, SubmitRequest):
@@ -126,13 +126,7 @@ class SchedulerProcess:
                              f"is not in the vocabulary [0, {vocab_size})")
 
     def _on_worker(self, sender: bytes | None, message: Any) -> None:
-        worker_id = getattr(message, "worker_id", None)
-        suffix = b"-heartbeat" if isinstance(message, Heartbeat) else b""
-        if not isinstance(worker_id, int) or sender != worker_identity(worker_id) + suffix:
-            # Only worker N's own socket may speak for worker N (a stray or hostile peer on
-            # the workers socket cannot forge results, heartbeats or a Ready).
-            logger.warning("dropped %s from %r: not that worker's socket",
-                           type(message).__name__, sender)
+        if not self._is_own(sender, message):
             return
         if isinstance(message, StepResult):
             self.health.on_step_result(message.worker_id)
@@ -140,15 +134,32 @@ class SchedulerProcess:
                 logger.error("worker %d step %d failed: %s", message.worker_id, message.step_id,
                              message.error)
             self._send_deltas(self.core.update(message))
-        elif isinstance(message, BlocksCopied):  # PD: a KV hand-off copy is in place
+        elif isinstance(message, BlocksCopied):  # a KV copy (PD hand-off, import) is in place
             self._send_deltas(self.core.copy_done(message))
         elif isinstance(message, Heartbeat):
             self.health.on_heartbeat(message)
+        elif isinstance(message, BlockData):  # a relayed copy's chunk (workers on other hosts)
+            self._send_all(self.links.forward(message))
         elif isinstance(message, Ready):
             self.readies[message.worker_id] = message
             self._send_deltas(self.health.rejoin(self.core, message))
         else:
             logger.warning("ignored unexpected %s from %r", type(message).__name__, sender)
+
+    def _is_own(self, sender: bytes | None, message: Any) -> bool:
+        """Only worker N's own socket may speak for worker N (a stray or hostile peer on the
+        workers socket cannot forge results, heartbeats or a Ready)."""
+        worker_id = getattr(message, "worker_id", None)
+        if isinstance(worker_id, int):
+            own = heartbeat_identity if isinstance(message, Heartbeat) else worker_identity
+            if sender == own(worker_id):
+                return True
+        logger.warning("dropped %s from %r: not that worker's socket", type(message).__name__,
+                       sender)
+        return False
+
+    def _is_healthy(self, worker_id: int) -> bool:
+        return self.health.monitor.is_healthy(worker_id)
 
     def _send_deltas(self, deltas: TokenDeltas | None) -> None:
         if deltas is not None and deltas.request_ids:
@@ -160,20 +171,29 @@ class SchedulerProcess:
             token_ids=np.zeros(0, np.int32), finish_reasons=[FINISH_ERROR],
             errors={request_id: error}))
 
-    def _send_plan(self, worker_id: int, plan: StepPlan | CopyBlocks) -> None:
+    def _execute(self, worker_id: int, order: Any) -> None:
+        """Send a core order the way the links route it (a copy between hosts: relayed)."""
+        self._send_all(self.links.route(worker_id, order))
+
+    def _send_all(self, sends: list[tuple[int, Any]]) -> None:
+        for worker_id, message in sends:
+            self._send(worker_id, message)
+
+    def _send(self, worker_id: int, message: Any) -> None:
         try:
-            transport.send(self.workers, plan, to=worker_identity(worker_id))
+            transport.send(self.workers, message, to=worker_identity(worker_id))
         except zmq.ZMQError as exc:  # its process is gone: retired at the next health check
             self.health.on_unreachable(worker_id, str(exc))
             return
-        if isinstance(plan, StepPlan):  # (a PD copy order is not a step)
-            self.health.on_step_sent(worker_id, plan.step_id)
+        if isinstance(message, StepPlan):  # (a copy order or relayed chunk is not a step)
+            self.health.on_step_sent(worker_id, message.step_id)
 
     def _check_health(self) -> None:
         for worker_id, reason in self.health.poll():
             logger.error("worker %d is unhealthy: %s; fencing it, re-queueing its requests",
                          worker_id, reason)
             self._send_deltas(self.health.retire(self.core, worker_id))
+            self._send_all(self.links.on_worker_lost(worker_id))
 
     def _maybe_push_stats(self) -> None:
         now = time.monotonic()
@@ -196,18 +216,24 @@ class SchedulerProcess:
     def close(self) -> None:
         self.health.close()
         self.admin.close()
-        for sock in (self.inbox, self.outbox, self.workers):
+        self.links.close()
+        for sock in (self.inbox, self.outbox):
             sock.close(0)
         self.context.term()
 
 
 def main() -> None:
     spec, stop = start_child()
-    process = SchedulerProcess(spec, stop)
+    try:
+        process = SchedulerProcess(spec, stop)
+    except Exception as exc:  # e.g. the worker address is taken: one line, then exit
+        report(spec, error=f"{type(exc).__name__}: {exc}")
+        raise SystemExit(1) from None
     try:
         process.wait_for_workers(spec.config.server.ready_timeout_s)
     except Exception as exc:  # report any start-up failure as one line, then exit
         report(spec, error=str(exc))
+        process.close()
         raise SystemExit(1) from None
     report(spec, info={"num_workers": len(process.readies)})
     gc.freeze()  # start-up objects never die: keep full collections short in the loop

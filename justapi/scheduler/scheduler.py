@@ -6,8 +6,10 @@
 A worker has at most one step in flight; its requests are not rescheduled until the result
 is back, and an abort of an in-flight request is deferred to that result (the worker may
 still be writing its blocks). No clocks, sockets or threads: times arrive in messages.
+With pools on several hosts (a HostMap passed in) the router weighs prefixes cached on other
+hosts and a request's prefix may be copied in first (cluster/imports.py).
 Owns: the public API and step dispatch. Does not own: step choice (planner.py), results
-(results.py), routing (router.py), state and transitions (state.py).
+(results.py), routing (router.py), state and transitions (state.py), imports (cluster/).
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ import numpy as np
 from justapi.config.sections import CacheConfig, SchedulerConfig
 from justapi.config.spec import SpecConfig
 from justapi.scheduler.batch import StepBatch
+from justapi.scheduler.cluster.hosts import HostMap
+from justapi.scheduler.cluster.imports import NoImports, PrefixImports
 from justapi.scheduler.deltas import DeltaBuilder
 from justapi.scheduler.invariants import check_state
 from justapi.scheduler.planner import StepPlanner
@@ -36,6 +40,7 @@ from justapi.scheduler.worker_state import InFlightStep, WorkerState
 from justapi.wire.protocol import (
     FINISH_ABORT,
     FINISH_ERROR,
+    BlocksCopied,
     CopyBlocks,
     Ready,
     StepPlan,
@@ -45,20 +50,25 @@ from justapi.wire.protocol import (
 )
 
 NOT_A_STEP = -1  # step_id of deltas that no step produced (aborts, ill health)
-WorkerOrder = Union[StepPlan, CopyBlocks]  # what schedule() sends to a worker (copies: PD only)
+WorkerOrder = Union[StepPlan, CopyBlocks]  # what schedule() sends to a worker (copies: PD, imports)
 
 
 class Scheduler:
     """Continuous batching (or static batching) over one or more workers and pools."""
 
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, topology: Topology,
-                 limits: ModelLimits, spec: SpecConfig | None = None) -> None:
+                 limits: ModelLimits, spec: SpecConfig | None = None,
+                 hosts: HostMap | None = None) -> None:
+        """hosts: the pools' hosts and copy costs when they are on several (launcher =
+        "ray"): routing weighs prefixes cached elsewhere and imports them."""
         self.state = SchedulerState(config, cache, topology, limits)
         if spec is not None and spec.is_enabled:
             self.state.spec = Speculation(spec)
         self.planner = StepPlanner(self.state)
         self.results = ResultApplier(self.state)
-        self.router = Router(self.state)
+        self.router = Router(self.state, hosts)
+        self.imports: PrefixImports | NoImports = (
+            NoImports() if hosts is None else PrefixImports(self.state, self.router, hosts))
 
     # ------------------------------------------------------------------ frontend side
     def add_request(self, request: SubmitRequest) -> None:
@@ -86,6 +96,7 @@ class Scheduler:
         state.requests[rid] = req
         state.enqueue(req)
         state.counters.num_requests += 1
+        self.imports.on_added(req)
 
     def _why_unplaceable(self, rid: str, num_tokens: int) -> str:
         pools = [p for p in self.state.queues if self.state.healthy_workers(p)]
@@ -100,6 +111,7 @@ class Scheduler:
         """Finish a request with "abort", freeing all it holds. Returns the final delta now,
         or None when the request is unknown/finished or in flight (then the delta comes
         from update() once the worker is done with its blocks)."""
+        self.imports.on_abort(request_id)
         req = self.state.requests.get(request_id)
         if req is None:
             return None
@@ -134,10 +146,11 @@ class Scheduler:
     # ------------------------------------------------------------------ worker side
     def schedule(self) -> list[tuple[int, WorkerOrder]]:
         """Plans for every healthy worker with no step in flight that has something to do;
-        the least loaded is planned first, so it takes the next waiting request."""
+        the least loaded is planned first, so it takes the next waiting request. Import
+        copies go first (they may go to busy workers: they run after the step)."""
         idle = sorted((w for w in self.state.workers.values() if w.is_idle),
                       key=lambda w: (len(w.running), w.worker_id))
-        out: list[tuple[int, WorkerOrder]] = []
+        out: list[tuple[int, WorkerOrder]] = list(self.imports.take_orders())
         for worker in idle:
             batch = self._plan(worker)
             if len(batch) or batch.new_requests or worker.pending_drops:
@@ -174,6 +187,12 @@ class Scheduler:
         """Apply a worker's result; returns the step's coalesced deltas (maybe empty)."""
         return self.results.apply(result)
 
+    def copy_done(self, ack: BlocksCopied) -> TokenDeltas:
+        """A worker's answer to a CopyBlocks order (an import's: its request queues again)."""
+        deltas = DeltaBuilder(NOT_A_STEP)
+        self.imports.on_copied(ack, deltas)
+        return deltas.build()
+
     def mark_worker_unhealthy(self, worker_id: int) -> TokenDeltas:
         """Stop using a worker (the process shell has killed it or it died): its step in
         flight is discarded, its requests are re-queued for recompute (their tokens are
@@ -207,6 +226,7 @@ class Scheduler:
         worker.pending_drops.clear()
         if not state.healthy_workers(worker.pool_id):
             self._evacuate(worker.pool_id, deltas)
+        self.imports.on_worker_lost(worker, deltas)
 
     def _evacuate(self, pool_id: int, deltas: DeltaBuilder) -> None:
         state = self.state
@@ -238,6 +258,7 @@ class Scheduler:
             raise ValueError(f"worker {ready.worker_id} moved from pool {worker.pool_id} to {pool_id}")
         else:
             worker.is_healthy = True
+        self.imports.add_pool(ready.pool)
 
     def set_draining(self, worker_id: int, is_draining: bool = True) -> int:
         """Drain (admit nothing new; running requests finish) or undrain a worker. Waiting
@@ -260,20 +281,23 @@ class Scheduler:
         return len(worker.running)
 
     def tick(self, now_s: float) -> TokenDeltas | None:
-        """The shell's clock, once per loop turn (PdScheduler's leases); nothing to do here."""
+        """The shell's clock, once per loop turn (PdScheduler's leases, imports' times)."""
+        self.imports.on_tick(now_s)
         return None
 
     # ------------------------------------------------------------------ introspection
     def has_work(self) -> bool:
         """Unfinished requests, or drops a worker has not been told about yet."""
-        return bool(self.state.requests) or any(
+        return bool(self.state.requests) or self.imports.has_work() or any(
             w.pending_drops for w in self.state.workers.values() if w.is_healthy)
 
     def pool_ids(self) -> list[int]:
         return self.state.pool.pool_ids
 
     def stats(self) -> dict[str, float]:
-        return collect_stats(self.state)
+        out = collect_stats(self.state)
+        out.update(self.imports.stats())
+        return out
 
     def worker_roles(self) -> dict[int, str]:
         """worker id -> mixed | prefill | decode (the health table shows it)."""

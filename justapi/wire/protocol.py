@@ -271,7 +271,7 @@ class BlocksCopied:
 @register("Heartbeat")
 @dataclass(frozen=True)
 class Heartbeat:
-    """Sent by a worker's heartbeat thread every HEARTBEAT_INTERVAL_S (justapi/health/table.py):
+    """Sent by a worker's heartbeat thread every HEARTBEAT_INTERVAL_S (justapi/wire/ids.py):
     process figures, the worker's own GPU figures (torch allocator; {} on CPU, or
     {"fatal": why} for a condition the worker found fatal) and its KV pool's state
     (kind, handle, num_blocks, num_bytes, is_mapped; for shm also is_linked)."""

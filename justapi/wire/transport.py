@@ -52,7 +52,7 @@ def make_socket(context: zmq.Context, kind: int, endpoint: str, *, bind: bool,
 
     CURVE (remote tcp:// clients): a server passes its secret key (z85); a client passes
     the server's public key (and its own secret key, or a fresh pair is made).
-    socket_class: a zmq.Socket subclass (justapi/wire/worker_auth.py checks senders' keys)."""
+    socket_class: a zmq.Socket subclass (justapi/wire/auth.py checks senders' keys)."""
     sock = context.socket(kind, socket_class=socket_class)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)

@@ -1,11 +1,13 @@
 """Pieces of the scale-out path without Ray, over real sockets and real KV pools: the worker
 endpoint's CURVE + ZAP (authorized keys in, others refused, the file re-read), KV blocks
 between two pools through the relay as codec frames (chunked, byte-exact), the relay's
-failures (a lost source, out-of-order chunks, bad ids, a dtype mismatch), host-aware health
-(no /proc checks of other hosts' pids, fencing through the launcher, a lost host), and the
-cluster config."""
+failures (a lost source, out-of-order chunks, bad ids, a dtype mismatch), the scheduler's
+links (which copies go through the relay, from which worker; fence orders to the launcher),
+host-aware health (no /proc checks of other hosts' pids, fencing through the launcher, a lost
+host), and the cluster config."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import stat
@@ -20,21 +22,34 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from justapi.cluster.kv_relay import KvRelay, needs_relay
+from justapi.cluster.links import ClusterLinks
 from justapi.config.ops import OpsConfig
 from justapi.config.sections import ConfigError
-from justapi.config.serve import build_config
+from justapi.config.serve import ServeConfig, build_config
 from justapi.frontend.api_server import _health_details
 from justapi.frontend.metrics import FrontendMetrics
-from justapi.health.cluster import ClusterHealthWatch
+from justapi.health.cluster import HostHealth
+from justapi.health.watch import HealthWatch
+from justapi.launch.child import ChildSpec, Endpoints
 from justapi.scheduler.sim.harness import Harness, build_scheduler
 from justapi.wire import codec, transport
-from justapi.wire.protocol import BlockData, CopyBlocks, Heartbeat, PoolInfo, Ready, SchedulerStats
-from justapi.wire.worker_auth import (
+from justapi.wire.auth import (
     bind_worker_socket,
     connect_worker_socket,
     read_authorized_keys,
     write_authorized_keys,
     write_secret_key,
+)
+from justapi.wire.protocol import (
+    BlockData,
+    CopyBlocks,
+    FenceWorker,
+    Heartbeat,
+    PoolInfo,
+    ReadBlocks,
+    Ready,
+    SchedulerStats,
+    WriteBlocks,
 )
 from tests.support.serve_harness import free_port
 from workers.kv.pool import KVPool, PoolShape
@@ -84,7 +99,7 @@ def test_an_admitted_key_speaks_only_for_its_own_worker(endpoint, caplog):
     write_authorized_keys(keys, {"worker-3": public})
     impostor = connect_worker_socket(context, address, b"worker-4", secret, server_public)
     beats = connect_worker_socket(context, address, b"worker-3-heartbeat", secret, server_public)
-    with caplog.at_level(logging.WARNING, logger="justapi.wire.worker_auth"):
+    with caplog.at_level(logging.WARNING, logger="justapi.wire.auth"):
         transport.send(impostor, Heartbeat(4, 1.0))
         time.sleep(0.5)
         transport.send(beats, Heartbeat(3, 2.0))
@@ -100,7 +115,7 @@ def test_an_admitted_key_speaks_only_for_its_own_worker(endpoint, caplog):
 def test_an_unknown_key_is_refused_and_logged(endpoint, caplog):
     context, server, address, server_public, keys = endpoint
     public, secret = zmq.curve_keypair()
-    with caplog.at_level(logging.WARNING, logger="justapi.wire.worker_auth"):
+    with caplog.at_level(logging.WARNING, logger="justapi.wire.auth"):
         client = connect_worker_socket(context, address, b"worker-0", secret, server_public)
         transport.send(client, Heartbeat(0, 1.0))
         assert received(server, 1500) == []
@@ -263,6 +278,64 @@ def test_the_writer_refuses_another_dtype_or_size_and_acks_once():
     assert torch.equal(dst.tensor, pool(2, 1).tensor)  # nothing written
 
 
+# ---------------------------------------------------------------------- the scheduler's links
+@pytest.fixture
+def links(tmp_path):
+    """ClusterLinks as the scheduler opens them from a ray launcher's spec (host "a"), with
+    the launcher's control socket listening; workers 0, 1 on host a (pool 0), 2 on b (pool 1)."""
+    context = zmq.Context()
+    endpoints = dataclasses.replace(Endpoints.in_dir(str(tmp_path)),
+                                    workers=f"tcp://127.0.0.1:{free_port()}")
+    _, secret = zmq.curve_keypair()
+    write_secret_key(str(tmp_path / "server.key"), secret)
+    write_authorized_keys(str(tmp_path / "workers.keys"), {})
+    spec = ChildSpec("scheduler", 0, ServeConfig(), endpoints, "", extra={
+        "host": "a", "worker_curve": {"secret_key_file": str(tmp_path / "server.key"),
+                                      "authorized_keys_file": str(tmp_path / "workers.keys")}})
+    control = transport.make_socket(context, zmq.PULL, endpoints.control, bind=True)
+    readies = {0: remote_ready(0, 10, "a"), 1: remote_ready(1, 11, "a"),
+               2: remote_ready(2, 12, "b", pool_id=1)}
+    healthy = {0, 1, 2}
+    opened = ClusterLinks(context, spec, readies, healthy.__contains__)
+    yield opened, healthy, control
+    opened.close()
+    control.close(0)
+    context.term()
+
+
+def copy_order(copy_id: int, src_pool: int, host: str) -> CopyBlocks:
+    ids = np.arange(3, dtype=np.int32)
+    return CopyBlocks(copy_id, src_pool, ids, ids + 3,
+                      src=remote_ready(9, 0, host, pool_id=src_pool).pool)
+
+
+def test_a_copy_from_another_host_is_read_by_a_healthy_worker_there(links):
+    opened, healthy, _ = links
+    plan = object()  # a StepPlan, or anything that is not a copy: as it is
+    assert opened.route(0, plan) == [(0, plan)]
+    same_host = copy_order(1, 0, "a")
+    assert opened.route(1, same_host) == [(1, same_host)]  # it maps host a's segment itself
+    healthy.discard(0)
+    [(source, read)] = opened.route(2, copy_order(2, 0, "a"))
+    assert source == 1 and isinstance(read, ReadBlocks) and read.copy_id == 2
+    [(dst, failed)] = opened.on_worker_lost(1)
+    assert dst == 2 and isinstance(failed, WriteBlocks) and "worker 1" in failed.error
+    healthy.discard(1)
+    [(dst, failed)] = opened.route(2, copy_order(3, 0, "a"))
+    assert dst == 2 and failed.is_last and "no healthy worker on the host of pool 0" in failed.error
+
+
+def test_a_worker_on_another_host_is_fenced_by_an_order_to_the_launcher(links):
+    opened, _, control = links
+    watch = HealthWatch(OpsConfig(), hosts=opened.hosts, gpu_opener=lambda indices: (None, "x"))
+    watch.on_ready(remote_ready(2, 12, "b", pool_id=1))
+    watch.monitor.mark_unhealthy(2, "no heartbeat for 1.6s")
+    assert watch.fence(2)
+    assert control.poll(3000)
+    [(_, order)] = list(transport.drain(control))
+    assert order == FenceWorker(2, 12, "no heartbeat for 1.6s")
+
+
 # ---------------------------------------------------------------------- health by host
 def remote_ready(worker_id: int, pid: int, host: str, pool_id: int = 0) -> Ready:
     return Ready(worker_id, pid, "m", 64, 1024,
@@ -271,8 +344,8 @@ def remote_ready(worker_id: int, pid: int, host: str, pool_id: int = 0) -> Ready
 
 def test_other_hosts_pids_are_not_looked_up_here_and_fences_go_to_the_launcher():
     fenced: list[tuple[int, int, str]] = []
-    watch = ClusterHealthWatch(OpsConfig(), "10.0.0.1", lambda *a: fenced.append(a),
-                               gpu_opener=lambda indices: (None, "x"))
+    watch = HealthWatch(OpsConfig(), hosts=HostHealth("10.0.0.1", lambda *a: fenced.append(a)),
+                        gpu_opener=lambda indices: (None, "x"))
     dead_pid = 2**22 + 12345  # no such process here
     watch.on_ready(remote_ready(0, dead_pid, "10.0.0.2"))
     watch.on_ready(remote_ready(1, dead_pid, "10.0.0.1", pool_id=1))
@@ -283,8 +356,8 @@ def test_other_hosts_pids_are_not_looked_up_here_and_fences_go_to_the_launcher()
 
 
 def test_a_host_whose_workers_are_all_down_is_reported_lost():
-    watch = ClusterHealthWatch(OpsConfig(), "10.0.0.1", lambda *a: None,
-                               gpu_opener=lambda indices: (None, "x"))
+    watch = HealthWatch(OpsConfig(), hosts=HostHealth("10.0.0.1", lambda *a: None),
+                        gpu_opener=lambda indices: (None, "x"))
     h = Harness(build_scheduler(pool_blocks=64, num_workers=2, shared_pool=False))
     watch.on_ready(remote_ready(0, 11, "10.0.0.2", pool_id=0))
     watch.on_ready(remote_ready(1, 12, "10.0.0.3", pool_id=1))
@@ -321,8 +394,8 @@ def test_cluster_keys_need_the_ray_launcher():
 
 
 def test_with_every_host_lost_the_server_is_unhealthy():
-    watch = ClusterHealthWatch(OpsConfig(), "10.0.0.1", lambda *a: None,
-                               gpu_opener=lambda indices: (None, "x"))
+    watch = HealthWatch(OpsConfig(), hosts=HostHealth("10.0.0.1", lambda *a: None),
+                        gpu_opener=lambda indices: (None, "x"))
     h = Harness(build_scheduler(pool_blocks=64, num_workers=1))
     watch.on_ready(remote_ready(0, 11, "10.0.0.2"))
     watch.monitor.mark_unhealthy(0, "no heartbeat for 1.6s")
@@ -334,8 +407,8 @@ def test_with_every_host_lost_the_server_is_unhealthy():
 
 def test_the_control_plane_imports_neither_torch_nor_ray():
     """Ray is an optional extra (imported when the ray launcher runs), torch the data plane's."""
-    code = ("import sys, justapi.launch.serve, justapi.cluster.launcher, justapi.cluster.actors, "
-            "justapi.scheduler.cluster_process, justapi.scheduler.factory; "
+    code = ("import sys, justapi.launch.serve, justapi.cluster.placement, justapi.cluster.actors, "
+            "justapi.cluster.links, justapi.scheduler.process, justapi.scheduler.factory; "
             "found = [m for m in ('torch', 'ray', 'workers') if m in sys.modules]; "
             "assert not found, found")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

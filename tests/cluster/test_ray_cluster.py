@@ -26,8 +26,8 @@ import zmq
 
 from justapi.ops.admin_client import AdminClient
 from justapi.wire import transport
+from justapi.wire.auth import SERVER_KEY_FILE, read_key_file
 from justapi.wire.protocol import Heartbeat, PoolInfo, Ready
-from justapi.wire.worker_auth import SERVER_KEY_FILE, read_key_file
 from tests.support.serve_harness import TINY_MODEL, ServedPool
 
 TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"

@@ -17,7 +17,7 @@ import zmq
 
 from justapi.client import Client
 from justapi.wire.codec import encode
-from justapi.wire.curve_keys import write_key_pair
+from justapi.wire.auth import write_key_pair
 from justapi.wire.protocol import QueryStats
 from tests.support.serve_harness import TINY_MODEL, ServedPool, free_port
 

@@ -9,7 +9,7 @@ import pytest
 
 from justapi.config.sections import CacheConfig, SchedulerConfig
 from justapi.scheduler.cluster.hosts import HostMap
-from justapi.scheduler.cluster.scheduler import ClusterScheduler
+from justapi.scheduler.scheduler import Scheduler
 from justapi.scheduler.sim.fake_model import ReferenceModel
 from justapi.scheduler.sim.harness import Harness
 from justapi.scheduler.topology import ModelLimits, PoolSpec, Topology, WorkerSpec
@@ -30,14 +30,14 @@ def info(pool_id: int, host: str) -> PoolInfo:
 
 
 def build(hosts: dict[int, str], workers: dict[int, int], cost: float = 0.2,
-          **options: object) -> ClusterScheduler:
+          **options: object) -> Scheduler:
     """Pools on hosts ({pool: host}) and workers ({worker: pool})."""
     topology = Topology(tuple(PoolSpec(p, 64) for p in sorted(hosts)),
                         tuple(WorkerSpec(w, p) for w, p in sorted(workers.items())))
     host_map = HostMap((info(p, h) for p, h in hosts.items()), cross_host_copy_cost=cost)
     config = SchedulerConfig(**options)  # type: ignore[arg-type]
-    return ClusterScheduler(config, CacheConfig(block_size=BLOCK), topology,
-                            ModelLimits(1024, (1,)), host_map)
+    return Scheduler(config, CacheConfig(block_size=BLOCK), topology, ModelLimits(1024, (1,)),
+                     hosts=host_map)
 
 
 def two_hosts(cost: float = 0.2) -> Harness:

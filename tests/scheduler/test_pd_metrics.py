@@ -6,7 +6,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from justapi.frontend.metrics import FrontendMetrics
 from justapi.scheduler.sim.harness import Harness, build_pd_scheduler, build_scheduler
-from justapi.wire.protocol import SchedulerStats
+from justapi.wire.protocol import PoolInfo, SchedulerStats
+
+BLOCK_BYTES = 2 * 2 * 4 * 1 * 8 * 4  # layers x (K, V) x block_size x kv_heads x head_dim x fp32
 
 
 def samples(stats: dict) -> dict[tuple[str, tuple], float]:
@@ -21,7 +23,11 @@ def key(name: str, **labels: str) -> tuple[str, tuple]:
 
 
 def test_pd_snapshot_becomes_counters_gauges_and_a_histogram():
-    h = Harness(build_pd_scheduler(pool_blocks=64, separate_pools=True))
+    core = build_pd_scheduler(pool_blocks=64, separate_pools=True)
+    for pool_id in core.pool_ids():  # what the workers' Ready messages tell the factory
+        core.set_pool_info(PoolInfo(pool_id, "shm", f"seg-{pool_id}", "cpu", "float32", 2, 64,
+                                    4, 1, 8))
+    h = Harness(core)
     h.tick(10.0)
     for i in range(3):
         h.submit(f"r{i}", [2 + i + j for j in range(9)], max_tokens=5, ignore_eos=True)
@@ -34,8 +40,9 @@ def test_pd_snapshot_becomes_counters_gauges_and_a_histogram():
     h.tick(10.02)
     h.run()
     out = samples(h.scheduler.stats())
-    assert out[key("justapi:pd_copied_blocks_total")] == 9
-    assert out[key("justapi:pd_handoff_bytes_total")] == 0  # no PoolInfo: sizes unknown
+    assert out[key("justapi:pd_copied_blocks_total")] == 9  # 3 prompts of 9 tokens: 3 blocks
+    assert out[key("justapi:pd_handoff_bytes_total")] == 9 * BLOCK_BYTES
+    assert out[key("justapi:pd_copied_bytes_total")] == 9 * BLOCK_BYTES
     assert out[key("justapi:pd_handoff_latency_seconds_count")] == 3
     assert out[key("justapi:pd_handoff_latency_seconds_bucket", le="0.01")] == 0
     assert out[key("justapi:pd_handoff_latency_seconds_bucket", le="0.025")] == 3

@@ -4,15 +4,15 @@ from __future__ import annotations
 import pytest
 
 from justapi.config.sections import CacheConfig, ModelConfig
-from justapi.config.serve import ServeConfig
+from justapi.config.serve import ServeConfig, build_config
 from justapi.model.gguf_file import GGUFError, default_model_path
 from justapi.scheduler.factory import build_scheduler
 from justapi.wire.protocol import PoolInfo, Ready
 
 
 def ready(worker_id: int, pool_id: int, num_blocks: int = 64, block_size: int = 16,
-          max_context: int = 2048) -> Ready:
-    pool = PoolInfo(pool_id, "shm", "", "cpu", "float32", 2, num_blocks, block_size, 1, 8)
+          max_context: int = 2048, host: str = "") -> Ready:
+    pool = PoolInfo(pool_id, "shm", "", "cpu", "float32", 2, num_blocks, block_size, 1, 8, host)
     return Ready(worker_id, 100 + worker_id, "m", 100, max_context, pool)
 
 
@@ -25,6 +25,21 @@ def test_builds_pools_workers_and_limits():
     assert sched.state.limits.max_context == 900
     assert sched.state.limits.eos_token_ids == (2, 0)
     assert sched.stats()["kv_blocks_total"] == 64
+
+
+def test_workers_on_several_hosts_get_host_aware_routing_and_imports():
+    """launcher = "ray": the router weighs copies between the hosts' pools at the configured
+    cost and prefixes are imported; on one host neither (the same Scheduler class)."""
+    config = build_config({"launcher": "ray", "cross-host-copy-cost": 0.5, "block-size": 16},
+                          {"workers": 2})
+    sched = build_scheduler(config, [ready(0, 0, host="10.0.0.1"), ready(1, 1, host="10.0.0.2")],
+                            {"eos_token_ids": []})
+    hosts = sched.router.hosts
+    assert hosts is not None and hosts.copy_cost(0, 1) == 0.5
+    assert sched.stats()["num_hosts"] == 2 and sched.stats()["kv_imports"] == 0
+    local = build_scheduler(ServeConfig(), [ready(0, 0), ready(1, 1)], {"eos_token_ids": []})
+    assert type(local) is type(sched) and local.router.hosts is None
+    assert "num_hosts" not in local.stats() and "kv_imports" not in local.stats()
 
 
 def test_rejects_inconsistent_workers():

@@ -60,14 +60,14 @@ def test_own_pool_copy_and_errors():
 def test_cpu_threads_favour_prefill_workers(monkeypatch):
     from justapi.config.serve import build_config
     from justapi.launch.child import ChildSpec, Endpoints
-    from workers import process
+    from workers import link
 
-    monkeypatch.setattr(process.os, "cpu_count", lambda: 8)
-    monkeypatch.setattr(process.torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(link.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(link.torch, "set_num_threads", lambda n: None)
 
     def threads(values: dict, index: int) -> int:
         spec = ChildSpec("worker", index, build_config(values, {}), Endpoints.in_dir("/tmp/x"), "")
-        return process.set_cpu_threads(spec)
+        return link.set_cpu_threads(spec)
 
     assert [threads({"workers": 2}, i) for i in range(2)] == [4, 4]
     assert [threads({"pd": "2:1"}, i) for i in range(3)] == [4, 4, 1]  # decode: one thread

@@ -4,11 +4,13 @@
                                    at most max_chunk_bytes (at least one block)
     WriteBlocks -> BlockWriter     each chunk into the listed blocks; after the last chunk one
                                    BlocksCopied (with the first error, if any chunk failed)
+    WireCopies                     both, for one worker's pool: what to send back for each
 
 The bytes are the pool's own layout, [layers, 2, n, block_size, kv_heads, head_dim] in the
 pool's dtype, so both ends must have the same block shape and dtype (checked, never cast).
 Nothing here decides which blocks: the scheduler orders every copy and holds its blocks.
-Owns: the byte layout of blocks on the wire. Does not own: sockets (workers/ray_worker.py).
+Owns: the byte layout of blocks on the wire. Does not own: sockets (workers/process.py,
+workers/link.py).
 """
 from __future__ import annotations
 
@@ -103,6 +105,24 @@ class BlockWriter:
         raw = chunk.data if chunk.data.flags.writeable else chunk.data.copy()  # (zmq frames are)
         data = torch.from_numpy(raw).view(pool.tensor.dtype).view(dims)  # [L, 2, n, bs, kvh, hd]
         pool.tensor.index_copy_(2, ids.to(pool.tensor.device), data.to(pool.tensor.device))
+
+
+class WireCopies:
+    """A worker's answers to relayed copy orders (workers on several hosts)."""
+
+    def __init__(self, pool: KVPool, worker_id: int) -> None:
+        self.pool = pool
+        self.worker_id = worker_id
+        self.writer = BlockWriter(pool, worker_id)
+
+    def handle(self, order: ReadBlocks | WriteBlocks) -> Iterator[BlockData | BlocksCopied]:
+        """ReadBlocks: its chunks, one at a time; WriteBlocks: the copy's ack after its last."""
+        if isinstance(order, ReadBlocks):
+            yield from read_blocks(self.pool, order, self.worker_id)
+            return
+        ack = self.writer.write(order)
+        if ack is not None:
+            yield ack
 
 
 def _block_ids(ids: np.ndarray, num_blocks: int) -> torch.Tensor:

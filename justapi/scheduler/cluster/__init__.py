@@ -1,1 +1,1 @@
-"""The scheduler core over pools on several hosts: host costs, cost-aware routing, prefix imports."""
+"""The scheduler core's pieces for pools on several hosts: host costs, prefix imports."""

@@ -14,7 +14,7 @@ An import is a HandOff record with no request (PD's orphan shape, handoff.py), k
 state's hand-off table, so the holdings count in the block invariants like PD copies do.
 While it is in flight its request is held back from the queue (not in `state.requests`).
 Owns: the pending imports and their counters. Does not own: the routing choice
-(cluster_router.py) or when these run (cluster_scheduler.py).
+(justapi/scheduler/router.py) or when these run (imports.py).
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from justapi.scheduler.cluster.hosts import HostMap
-from justapi.scheduler.cluster.router import PrefixSource
 from justapi.scheduler.pd.handoff_table import HandOff
 from justapi.scheduler.request import Request
+from justapi.scheduler.router import PrefixSource
 from justapi.scheduler.state import SchedulerState
 from justapi.scheduler.worker_state import WorkerState
 from justapi.wire.protocol import BlocksCopied, CopyBlocks

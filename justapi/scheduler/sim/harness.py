@@ -61,7 +61,7 @@ class Harness:
         worker = self.workers[worker_id]
         if isinstance(plan, CopyBlocks):
             ack = worker.copy_blocks(plan, self.stores[plan.src_pool])
-            deltas = self.scheduler.copy_done(ack)  # type: ignore[attr-defined]
+            deltas = self.scheduler.copy_done(ack)
         else:
             deltas = self.scheduler.update(worker.execute(plan))
         self.record(deltas)

@@ -1,34 +1,45 @@
-"""CURVE on the scheduler's worker endpoint (launcher = "ray"): workers on other hosts connect
-over tcp://, encrypted, and only keys the launcher authorized get in.
+"""CURVE on the two tcp:// endpoints: the client endpoint's key files, and the scheduler's
+worker endpoint (launcher = "ray"), where only keys the launcher authorized get in.
 
-Keys are made per deployment and secret keys never travel: the launcher makes the
-scheduler's pair (secret key in a 0600 file in the 0700 runtime dir, read by the scheduler on
-the same host; the public key goes to the workers), and each worker makes its own pair where
-it runs and hands out only the public key, which the launcher writes to the authorized-keys
-file. The scheduler's ZAP handler (pyzmq's ThreadAuthenticator) checks every new connection
-against that file (re-read when it changes): an unknown key is refused, and logged, before
-any message of it is read; an admitted key speaks only for the worker it was admitted as.
-The same protocol as ipc travels inside: codec frames, no pickle.
-Owns: the key files, the authenticator, both ends' socket set-up. Does not own: messages.
+Client endpoint (`--zmq tcp://0.0.0.0:5555 --zmq-curve-secret-key FILE`): the server's z85
+secret key lives in a file only its owner may read (`write_key_pair` makes one per
+deployment, tools/curve_keys.py); it travels to the frontend as the file's path, never as a
+value on a command line. Clients get the matching public key.
+
+Worker endpoint: keys are made per deployment and secret keys never travel. The launcher
+makes the scheduler's pair (secret key in a 0600 file in the 0700 runtime dir, read by the
+scheduler on the same host; the public key goes to the workers); each worker makes its own
+pair where it runs and hands out only the public key, which the launcher writes to the
+authorized-keys file. The scheduler's ZAP handler (pyzmq's ThreadAuthenticator) checks every
+new connection against that file (re-read when it changes): an unknown key is refused, and
+logged, before any message of it is read; an admitted key speaks only for the worker it was
+admitted as (ids.py names it). The same codec frames travel inside, no pickle.
+Owns: the key files and their checks, the authenticator, both ends' socket set-up.
+Does not own: messages (protocol.py, codec.py), sockets in general (transport.py).
 """
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 from typing import Any
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from justapi.config.sections import ConfigError
 from justapi.wire import transport
+from justapi.wire.ids import HEARTBEAT_SUFFIX
 
 logger = logging.getLogger(__name__)
 
+Z85_KEY_CHARS = 40
 SERVER_KEY_FILE = "workers-server.key"
 AUTHORIZED_KEYS_FILE = "workers.keys"
 
 
+# ---------------------------------------------------------------------- key files
 def write_secret_key(path: str, secret_key: bytes) -> None:
     """A z85 secret key in a new file only its owner can read (refused if it exists)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -36,6 +47,45 @@ def write_secret_key(path: str, secret_key: bytes) -> None:
         handle.write(secret_key + b"\n")
 
 
+# ---------------------------------------------------------------------- client endpoint
+def write_key_pair(secret_path: str) -> tuple[str, str]:
+    """A fresh key pair: the secret key in `secret_path` (mode 0600, refused if it exists),
+    the public key in `secret_path + '.pub'`. Returns both paths."""
+    public, secret = zmq.curve_keypair()
+    write_secret_key(secret_path, secret)
+    public_path = secret_path + ".pub"
+    with open(public_path, "wb") as handle:
+        handle.write(public + b"\n")
+    return secret_path, public_path
+
+
+def read_secret_key(path: str) -> bytes:
+    """The z85 secret key in `path`; ConfigError (one line naming the file) if it is missing,
+    readable by others, or not a key."""
+    try:
+        info = os.stat(path)
+        with open(path, "rb") as handle:
+            key = handle.read(4 * Z85_KEY_CHARS).strip()
+    except OSError as exc:
+        raise ConfigError(f"zmq-curve-secret-key {path}: cannot read ({exc.strerror})") from None
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"zmq-curve-secret-key {path}: mode {stat.S_IMODE(info.st_mode):o} "
+                          "lets other users read the secret key (chmod 600 it)")
+    if len(key) != Z85_KEY_CHARS:
+        raise ConfigError(f"zmq-curve-secret-key {path}: not a z85 CURVE secret key "
+                          f"({Z85_KEY_CHARS} characters expected, found {len(key)})")
+    try:
+        zmq.curve_public(key)
+    except (ValueError, zmq.ZMQError):
+        raise ConfigError(f"zmq-curve-secret-key {path}: not a z85 CURVE secret key") from None
+    return key
+
+
+def public_key_of(secret_key: bytes) -> bytes:
+    return zmq.curve_public(secret_key)
+
+
+# ---------------------------------------------------------------------- worker endpoint
 def read_key_file(path: str) -> bytes:
     with open(path, "rb") as handle:
         return handle.read().strip()
@@ -61,7 +111,7 @@ def read_authorized_keys(path: str) -> dict[bytes, str]:
     out: dict[bytes, str] = {}
     for line in lines:
         name, _, key = line.strip().partition(" ")
-        if name and len(key) == 40:
+        if name and len(key) == Z85_KEY_CHARS:
             out[key.encode()] = name
     return out
 
@@ -113,7 +163,7 @@ class WorkerRouter(zmq.Socket):
 def _is_own(frames: list[zmq.Frame]) -> bool:
     if len(frames) < 2:
         return True  # malformed: the codec drops it
-    identity = frames[0].bytes.decode(errors="replace").removesuffix("-heartbeat")
+    identity = frames[0].bytes.decode(errors="replace").removesuffix(HEARTBEAT_SUFFIX)
     try:
         user = frames[1].get("User-Id")
     except zmq.ZMQError:

@@ -1,16 +1,18 @@
-"""`justapi serve --launcher ray --address HOST:PORT --workers N`: frontend and scheduler run
-here as local processes (Launcher); the workers are Ray actors on the cluster's nodes.
+"""`justapi serve --launcher ray --address HOST:PORT --workers N`: the Launcher's placement
+when the workers are Ray actors on the cluster's nodes (frontend and scheduler still run here
+as the launcher's children).
 
-Start-up: join the Ray cluster; reserve one bundle per worker (a CPU share, or one GPU) in a
-placement group, so Ray chooses the nodes (`placement`: spread by default); make one KV pool
-owner per CPU host (a HostPoolActor pinned to that node, its shared-memory segment mapped by
-every worker there); bind the scheduler's worker endpoint on this node's cluster address
-(tcp, CURVE, ZAP: justapi/wire/worker_auth.py); create the worker actors and admit each one's
-public key before it connects (justapi/cluster/supervisor.py). Ray restarts a worker whose
-process dies (Ray's max_restarts: `max-restarts` with `restart-workers`, else none).
+open(): join the Ray cluster; bind the scheduler's worker endpoint on this node's cluster
+address (tcp, CURVE, ZAP: justapi/wire/auth.py) and make its key pair. place_workers():
+reserve one bundle per worker (a CPU share, or one GPU) in a placement group, so Ray chooses
+the nodes (`placement`: spread by default); make one KV pool owner per CPU host (a
+HostPoolActor pinned to that node, its shared-memory segment mapped by every worker there);
+create the worker actors and admit each one's public key before it connects
+(justapi/cluster/supervisor.py). Ray restarts a worker whose process dies (Ray's
+max_restarts: `max-restarts` with `restart-workers`, else none).
 Ray is an optional extra (`pip install -e '.[ray]'`), imported only here and in the actors.
 Owns: Ray start-up and shutdown, placement, the pool owners, the CURVE key files.
-Does not own: the local processes (Launcher), the workers' lifecycles (ray_supervisor.py).
+Does not own: the local processes (Launcher), the workers' lifecycles (supervisor.py).
 """
 from __future__ import annotations
 
@@ -26,15 +28,17 @@ import zmq
 from justapi.cluster.actors import HostPoolActor, WorkerActor
 from justapi.cluster.supervisor import RayWorkerSupervisor, WorkerSlot, WorkerStartError
 from justapi.config.serve import ServeConfig
-from justapi.launch.launcher import ROLE_MODULES, Launcher, LaunchError
+from justapi.launch.child import ChildSpec, Endpoints
+from justapi.launch.launcher import LaunchError
 from justapi.model.info import ModelInfo
-from justapi.wire.protocol import FenceWorker
-from justapi.wire.worker_auth import (
+from justapi.wire.auth import (
     AUTHORIZED_KEYS_FILE,
     SERVER_KEY_FILE,
     write_authorized_keys,
     write_secret_key,
 )
+from justapi.wire.ids import worker_name
+from justapi.wire.protocol import FenceWorker
 
 logger = logging.getLogger(__name__)
 
@@ -42,29 +46,31 @@ STOP_TIMEOUT_S = 10.0
 ACTOR_CONCURRENCY = 4  # start() may load for minutes while wait_stopped()/stop() are called
 
 
-class RayLauncher(Launcher):
-    role_modules = {**ROLE_MODULES, "scheduler": "justapi.scheduler.cluster_process"}
-
-    def __init__(self, config: ServeConfig, model: ModelInfo, *, api_key: str = "") -> None:
+class RayPlacement:
+    def __init__(self, config: ServeConfig, model: ModelInfo) -> None:
         try:
             import ray
         except ImportError:
             raise LaunchError("launcher ray needs Ray: pip install -e '.[ray]'") from None
         self._ray = ray
-        super().__init__(config, model, api_key=api_key)
+        self.config = config
+        self.model = model
+        self.endpoints: Endpoints | None = None
         self.placement: Any = None
         self.owners: dict[str, Any] = {}  # node id -> HostPoolActor handle
         self._keys: dict[str, bytes] = {}
-        try:
-            self.node_ip = self._join_cluster()
-            self._make_keys()
-        except BaseException:
-            self.shutdown()
-            raise
-        self.ray_workers = RayWorkerSupervisor(ray, self._authorize)
-        self.supervisor = self.ray_workers  # type: ignore[assignment]  # Launcher.wait polls it
+        self.node_ip = ""
+        self.workers = RayWorkerSupervisor(ray, self._authorize)
 
     # ---------------------------------------------------------------- start-up
+    def open(self, endpoints: Endpoints) -> Endpoints:
+        """Join the cluster; the workers' endpoint on this node's address; the key pair."""
+        self.node_ip = self._join_cluster()
+        port = self.config.cluster.worker_port or _free_port(self.node_ip)
+        self.endpoints = dataclasses.replace(endpoints, workers=f"tcp://{self.node_ip}:{port}")
+        self._make_keys(endpoints.runtime_dir)
+        return self.endpoints
+
     def _join_cluster(self) -> str:
         cluster = self.config.cluster
         address = cluster.address or "auto"
@@ -78,42 +84,40 @@ class RayLauncher(Launcher):
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
-        node_ip = cluster.node_ip or self._ray.util.get_node_ip_address()
-        port = cluster.worker_port or _free_port(node_ip)
-        self.endpoints = dataclasses.replace(self.endpoints, workers=f"tcp://{node_ip}:{port}")
-        return node_ip
+        return cluster.node_ip or self._ray.util.get_node_ip_address()
 
-    def _make_keys(self) -> None:
+    def _make_keys(self, runtime_dir: str) -> None:
         """The scheduler's CURVE pair (its secret stays in this host's 0700 runtime dir)."""
         public, secret = zmq.curve_keypair()
         self.server_public_key = public.decode()
-        self.server_key_path = os.path.join(self.runtime_dir, SERVER_KEY_FILE)
-        self.keys_path = os.path.join(self.runtime_dir, AUTHORIZED_KEYS_FILE)
+        self.server_key_path = os.path.join(runtime_dir, SERVER_KEY_FILE)
+        self.keys_path = os.path.join(runtime_dir, AUTHORIZED_KEYS_FILE)
         write_secret_key(self.server_key_path, secret)
         write_authorized_keys(self.keys_path, {})
 
     def _authorize(self, index: int, public_key: str) -> None:
         """Let worker `index`'s (new) key in; its previous process's key goes out."""
-        self._keys[f"worker-{index}"] = public_key.encode()
+        self._keys[worker_name(index)] = public_key.encode()
         write_authorized_keys(self.keys_path, self._keys)
 
-    def extra_for(self, role: str) -> dict[str, Any]:
-        if role != "scheduler":
-            return {}
+    def scheduler_extra(self) -> dict[str, Any]:
         return {"host": self.node_ip, "worker_curve": {
             "secret_key_file": self.server_key_path, "authorized_keys_file": self.keys_path}}
 
-    def _roles(self) -> list[tuple[str, int]]:
-        return [("scheduler", 0), ("frontend", 0)]  # the workers are Ray's
+    def local_workers(self) -> list[int]:
+        return []  # the workers are Ray's
 
-    def _make_pool(self) -> dict[str, Any]:
+    def worker_pool(self, index: int) -> dict[str, Any]:
+        return {}  # (no local workers)
+
+    def place_workers(self) -> dict[str, Any]:
         """Place the workers, give each CPU host its pool, create and admit the workers."""
         nodes = self._place()
         pools = self._host_pools(nodes) if self.config.model.device == "cpu" else {}
         addresses = self._node_addresses()
         for index, node_id in enumerate(nodes):
-            self.ray_workers.add(self._worker_slot(index, node_id, addresses.get(node_id, "?"),
-                                                  pools.get(node_id, {})))
+            self.workers.add(self._worker_slot(index, node_id, addresses.get(node_id, "?"),
+                                               pools.get(node_id, {})))
         return {"kind": "hosts", "hosts": _describe_hosts(nodes, addresses, pools)}
 
     def _place(self) -> list[str]:
@@ -163,9 +167,8 @@ class RayLauncher(Launcher):
     def _worker_slot(self, index: int, node_id: str, host: str, pool: dict[str, Any]) -> WorkerSlot:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from justapi.launch.child import ChildSpec
-
         config, ops = self.config, self.config.ops
+        assert self.endpoints is not None, "place_workers() before open()"
         spec = ChildSpec(role="worker", index=index, config=config, endpoints=self.endpoints,
                          model_path=self.model.path, extra={"num_workers": config.server.workers})
         is_gpu = config.model.device == "cuda"
@@ -179,32 +182,24 @@ class RayLauncher(Launcher):
         ).remote(spec.to_json(), node_id, self.server_public_key, max(1, int(cpus)))
         return WorkerSlot(index, actor, node_id, host, pool)
 
-    def _check_exits(self, *, starting: bool) -> Any:
-        """Local children as Launcher; while starting, also a worker that failed to start."""
-        if starting:
-            try:
-                self.ray_workers.check(starting=True)
-            except WorkerStartError as exc:
-                raise LaunchError(str(exc)) from None
-        return super()._check_exits(starting=starting)
-
     # ---------------------------------------------------------------- serving
-    def _on_control(self, message: Any) -> None:
-        if isinstance(message, FenceWorker):
-            self.ray_workers.fence(message, self.config.ops.restart_workers)
-        else:
-            super()._on_control(message)
+    def check(self, *, starting: bool) -> None:
+        """Advance the workers' lifecycles; while starting, one that failed is a LaunchError."""
+        try:
+            self.workers.check(starting=starting)
+        except WorkerStartError as exc:
+            raise LaunchError(str(exc)) from None
+
+    def fence(self, order: FenceWorker) -> None:
+        self.workers.fence(order, self.config.ops.restart_workers)
 
     # ---------------------------------------------------------------- shutdown
-    def shutdown(self) -> None:
-        """Local processes first (the scheduler tells the workers to stop), then the actors,
+    def close(self) -> None:
+        """After the local processes (the scheduler told the workers to stop): the actors,
         the pool owners (they unlink the segments), the placement group, the Ray driver."""
-        super().shutdown()
         if not self._ray.is_initialized():
             return
-        ray_workers = getattr(self, "ray_workers", None)
-        if ray_workers is not None:
-            ray_workers.stop_all(STOP_TIMEOUT_S)
+        self.workers.stop_all(STOP_TIMEOUT_S)
         self._close_owners()
         if self.placement is not None:
             from ray.util.placement_group import remove_placement_group
