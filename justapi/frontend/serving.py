@@ -3,7 +3,8 @@
 Shared by the OpenAI routes (serving_completions.py, serving_chat.py) and the ZMQ endpoint:
 tokenizes prompts (the scheduler sees only ids), renders chat messages with the model's
 template, checks the model name and the context length, maps OpenAI fields onto
-SamplingParams (deriving distinct per-choice seeds for n > 1), submits one scheduler
+SamplingParams (fields a request leaves out take the server's sampling defaults; distinct
+per-choice seeds are derived for n > 1), submits one scheduler
 request per choice, and fans their outputs back in. Owns: the serving settings and request
 ids. Does not own: response shapes, text state (generation.py), the scheduler link.
 """
@@ -14,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import orjson
@@ -27,7 +28,7 @@ from justapi.frontend.metrics import FrontendMetrics
 from justapi.frontend.openai_models import GenerationFields
 from justapi.frontend.text.detokenizer import StopStringMatcher
 from justapi.frontend.text.tokenizer import Tokenizer
-from justapi.sampling import SamplingParams
+from justapi.sampling import SamplingDefaults, SamplingParams
 from justapi.wire.protocol import FINISH_ERROR, SubmitRequest
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class ServingConfig:
     """Most scheduler requests in flight at once (running + queued); past it 429. 0: no bound."""
     log_requests: bool = False
     """Log each request's prompt and parameters (off: prompts never reach the logs)."""
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults.resolve)
+    """What the sampling fields a request leaves out get (default: llama-server's)."""
 
 
 def derive_seed(seed: int, choice_index: int) -> int:
@@ -195,7 +198,7 @@ class Serving:
             if value is not None:
                 fields[name] = value
         try:
-            sampling = SamplingParams(**fields)
+            sampling = SamplingParams(**self.config.sampling_defaults.fill(fields))
         except ValueError as exc:
             raise sampling_error(exc, (*SAMPLING_FIELDS, "seed", "stop_token_ids",
                                        "max_tokens", "logprobs", "logit_bias")) from None

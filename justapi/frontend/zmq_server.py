@@ -121,7 +121,8 @@ class ZmqServer:
     def _start(self, submit: SubmitGeneration) -> Generation:
         serving = self._serving
         token_ids = self._prompt_ids(submit)
-        sampling = serving.check_sampling(submit.sampling)
+        defaults = serving.config.sampling_defaults
+        sampling = serving.check_sampling(defaults.apply(submit.sampling, submit.unset_sampling))
         serving.max_tokens_for(sampling.max_tokens, len(token_ids))  # the context rule
         stop = serving.stop_strings([str(s) for s in submit.stop])
         serving.check_available()
