@@ -19,7 +19,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from justapi.sampling import SamplingParams
+from justapi.sampling import BUILTIN_SAMPLING_DEFAULTS, SamplingParams
 from justapi.wire import transport
 from justapi.wire.codec import ProtocolError, decode, encode
 from justapi.wire.protocol import (
@@ -55,12 +55,16 @@ class GenerationError(RuntimeError):
 
 def make_submit(prompt: str | Sequence[int] | None, messages: list[dict] | None,
                 sampling: SamplingParams | None, options: dict[str, Any]) -> SubmitGeneration:
-    """Build the wire request; sampling keyword arguments are validated here, at the edge."""
+    """Build the wire request; sampling keyword arguments are validated here, at the edge.
+    Sampling fields the keywords leave out take the server's defaults (as over HTTP); a
+    `sampling` object is sent as it is."""
     request_id = options.pop("request_id", None) or uuid.uuid4().hex
     stop = options.pop("stop", None) or []
     add_special_tokens = options.pop("add_special_tokens", True)
+    unset: list[str] = []
     if sampling is None:
         sampling = SamplingParams(**options)
+        unset = [name for name in BUILTIN_SAMPLING_DEFAULTS if name not in options]
     elif options:
         raise ValueError(f"pass sampling parameters either as `sampling` or as keywords, "
                          f"not both (got {sorted(options)})")
@@ -74,7 +78,7 @@ def make_submit(prompt: str | Sequence[int] | None, messages: list[dict] | None,
     return SubmitGeneration(client_request_id=request_id, sampling=sampling, prompt=text,
                             prompt_token_ids=token_ids, messages=list(messages or []),
                             stop=[stop] if isinstance(stop, str) else list(stop),
-                            add_special_tokens=add_special_tokens)
+                            add_special_tokens=add_special_tokens, unset_sampling=unset)
 
 
 def gather(request_id: str, chunks: Sequence[GenerationChunk]) -> Completion:
@@ -143,7 +147,8 @@ class Client:
                  messages: list[dict] | None = None, sampling: SamplingParams | None = None,
                  **options: Any) -> Stream:
         """Start a generation; iterate the result for chunks (the last has finish_reason).
-        Options: stop, add_special_tokens, request_id, and SamplingParams fields."""
+        Options: stop, add_special_tokens, request_id, and SamplingParams fields (those
+        left out take the server's defaults)."""
         submit = make_submit(prompt, messages, sampling, options)
         request_id = submit.client_request_id
         if request_id in self._pending:

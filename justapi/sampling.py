@@ -1,11 +1,15 @@
-"""Sampling parameters of one request: validated once, at the edge, then trusted.
+"""Sampling parameters of one request: validated once, at the edge, then trusted; and the
+server's defaults for the fields a request leaves out (config, else the model's, else
+llama-server's).
 
-Owns: the parameter set and its validation (ValueError naming the bad value).
-Does not own: the sampler itself (workers/sampler.py) or OpenAI field mapping (frontend).
+Owns: the parameter set, its validation (ValueError naming the bad value) and the defaults'
+precedence. Does not own: the sampler (workers/sampler.py), OpenAI field mapping (frontend) or
+reading the model's defaults from its GGUF (justapi/model/info.py).
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +22,19 @@ MAX_LOGIT_BIAS = 1024
 MAX_BIAS = 100.0
 """|bias| limit (OpenAI's): -100 in effect bans a token, +100 all but forces it."""
 MAX_INT32 = 2**31 - 1  # token ids and counts travel as int32
+BUILTIN_SAMPLING_DEFAULTS: dict[str, float] = {
+    "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0}
+"""llama-server's defaults: what a request that leaves a field out gets when neither the
+server's config nor the model's GGUF names one. The fields listed here are the defaulted ones."""
+SOURCE_CONFIG, SOURCE_GGUF, SOURCE_BUILTIN = "config", "gguf", "builtin"
 
 
 @register("SamplingParams")
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token and when to stop. Defaults are greedy-free sampling at T=1."""
+    """How to pick each next token and when to stop. The class defaults are the OpenAI API's
+    (T=1, no truncation); the frontend gives the fields a request leaves out the server's
+    defaults (SamplingDefaults) before it builds one."""
 
     max_tokens: int = 16
     """Most tokens to generate (the prompt is not counted)."""
@@ -107,6 +118,62 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {sorted(unknown)}")
         return cls(**data)
+
+
+@dataclass(frozen=True)
+class SamplingDefault:
+    name: str
+    """A SamplingParams field name (one of BUILTIN_SAMPLING_DEFAULTS)."""
+    value: float
+    source: str
+    """Where the value comes from: SOURCE_CONFIG (a flag or TOML key), SOURCE_GGUF (the model's
+    general.sampling.* metadata) or SOURCE_BUILTIN (llama-server's)."""
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """The sampling defaults in force on a server, one per defaulted field."""
+
+    entries: tuple[SamplingDefault, ...]
+
+    @classmethod
+    def resolve(cls, configured: Mapping[str, float] | None = None,
+                from_model: Mapping[str, float] | None = None) -> SamplingDefaults:
+        """Per field: the configured value, else the model's, else the builtin one."""
+        configured, from_model = configured or {}, from_model or {}
+        entries = []
+        for name, builtin in BUILTIN_SAMPLING_DEFAULTS.items():
+            if name in configured:
+                entries.append(SamplingDefault(name, configured[name], SOURCE_CONFIG))
+            elif name in from_model:
+                entries.append(SamplingDefault(name, from_model[name], SOURCE_GGUF))
+            else:
+                entries.append(SamplingDefault(name, builtin, SOURCE_BUILTIN))
+        return cls(tuple(entries))
+
+    @property
+    def values(self) -> dict[str, float]:
+        return {entry.name: entry.value for entry in self.entries}
+
+    @property
+    def sources(self) -> dict[str, str]:
+        return {entry.name: entry.source for entry in self.entries}
+
+    def fill(self, fields: Mapping[str, Any]) -> dict[str, Any]:
+        """SamplingParams keyword arguments, plus a default for each defaulted field they lack."""
+        return {**self.values, **fields}
+
+    def apply(self, sampling: SamplingParams, unset: Iterable[str]) -> SamplingParams:
+        """`sampling` with the fields named in `unset` (those its client left out) set to the
+        defaults; names without a default keep the value sent."""
+        values = self.values
+        changes: dict[str, Any] = {name: values[name] for name in unset if name in values}
+        return dataclasses.replace(sampling, **changes) if changes else sampling
+
+    def describe(self) -> str:
+        """'temperature 0.8 (builtin), top-k 40 (builtin), ...' for logs and the banner."""
+        return ", ".join(f"{entry.name.replace('_', '-')} {entry.value:g} ({entry.source})"
+                         for entry in self.entries)
 
 
 def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:

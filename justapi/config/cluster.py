@@ -11,49 +11,40 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from justapi.config.sections import _require
+from justapi.config.fields import check_choice, check_number, option, require
 
 PLACEMENTS = ("spread", "pack", "strict_spread", "strict_pack")
-
-
-def _number_in(value: object, low: float, high: float, key: str) -> None:
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    _require(is_number and low <= value <= high,  # type: ignore[operator]
-             f"{key} must be a number in [{low:g}, {high:g}], got {value!r}")
 
 
 @dataclass(frozen=True)
 class ClusterConfig:
     """Workers on other hosts (launcher = "ray")."""
 
-    address: str = ""
-    """Ray cluster address HOST:PORT ("" = Ray's own discovery: RAY_ADDRESS or a local cluster)."""
-    node_ip: str = ""
-    """This host's address in the cluster: the scheduler's worker endpoint binds it ("" = the
-    address Ray detects)."""
-    worker_port: int = 0
-    """TCP port of the scheduler's worker endpoint (0 picks a free one)."""
-    cpus_per_worker: float = 1.0
-    """CPUs Ray reserves for each CPU worker (its torch threads); GPU workers take one GPU."""
-    placement: str = "spread"
-    """Ray placement-group strategy for the workers: spread | pack | strict_spread | strict_pack."""
-    cross_host_copy_cost: float = 0.2
-    """Cost of copying one token's KV from another host, as a fraction of computing it: the
-    router imports a cached prefix from another host when this is below 1, never at 1 or above."""
+    address: str = option("", "Ray cluster address HOST:PORT (none: Ray's own discovery, "
+                              "RAY_ADDRESS or a local cluster); --launcher ray.")
+    node_ip: str = option("", "This host's address in the Ray cluster: the scheduler's worker "
+                              "endpoint binds it (none: the address Ray detects).")
+    worker_port: int = option(0, "TCP port of the scheduler's worker endpoint (0 picks a free "
+                                 "one); --launcher ray.")
+    cpus_per_worker: float = option(1.0, "CPUs Ray reserves for each CPU worker (its torch "
+                                         "threads); GPU workers take one GPU.")
+    placement: str = option("spread", "Ray placement-group strategy for the workers.",
+                            choices=PLACEMENTS)
+    cross_host_copy_cost: float = option(0.2, "Cost of copying one token's KV from another "
+                                              "host, as a fraction of computing it: the router "
+                                              "imports a cached prefix from another host when "
+                                              "this is below 1, never at 1 or above.")
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.address, str)
-                 and (not self.address or _is_host_port(self.address)),
-                 f"address must be HOST:PORT (the Ray cluster), got {self.address!r}")
-        _require(isinstance(self.node_ip, str) and (not self.node_ip or _is_ip(self.node_ip)),
-                 f"node-ip must be an IP address, got {self.node_ip!r}")
-        _require(isinstance(self.worker_port, int) and not isinstance(self.worker_port, bool)
-                 and 0 <= self.worker_port <= 65535,
-                 f"worker-port must be in [0, 65535], got {self.worker_port!r}")
-        _number_in(self.cpus_per_worker, 0.01, 1024, "cpus-per-worker")
-        _require(self.placement in PLACEMENTS,
-                 f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        _number_in(self.cross_host_copy_cost, 0.0, 1e6, "cross-host-copy-cost")
+        require(isinstance(self.address, str)
+                and (not self.address or _is_host_port(self.address)),
+                f"address must be HOST:PORT (the Ray cluster), got {self.address!r}")
+        require(isinstance(self.node_ip, str) and (not self.node_ip or _is_ip(self.node_ip)),
+                f"node-ip must be an IP address, got {self.node_ip!r}")
+        check_number(self.worker_port, "worker-port", low=0, high=65535, integer=True)
+        check_number(self.cpus_per_worker, "cpus-per-worker", low=0.01, high=1024)
+        check_choice(self.placement, "placement", PLACEMENTS)
+        check_number(self.cross_host_copy_cost, "cross-host-copy-cost", low=0.0, high=1e6)
 
 
 def _is_ip(text: str) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from justapi.config.sections import _require
+from justapi.config.fields import check_bool, check_number, option, require
 from justapi.scheduler.topology import ROLE_DECODE, ROLE_PREFILL
 
 MAX_PER_SIDE = 32
@@ -23,28 +23,28 @@ _PD_RE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
 class PdConfig:
     """Prefill/decode disaggregation."""
 
-    pd: str = ""
-    """"P:D": P prefill and D decode workers; "" serves colocated (every worker does both)."""
-    pd_separate_pools: bool = False
-    """CPU: a KV segment per side, so the hand-off copies blocks (as between GPUs)."""
-    pd_lease_s: float = 30.0
-    """A hand-off not claimed by a decode worker in this time is taken back (recompute)."""
+    pd: str = option("", "Prefill/decode disaggregation: P prefill and D decode workers, e.g. "
+                         "1:1 (sets workers to P + D); none: colocated (every worker does both).")
+    pd_separate_pools: bool = option(False, "CPU: a KV segment per PD side, so the hand-off "
+                                            "copies blocks (as between GPUs); else one shared "
+                                            "segment (zero-copy hand-off).",
+                                     decls=("--pd-separate-pools/--pd-shared-pool",))
+    pd_lease_s: float = option(30.0, "A hand-off not claimed by a decode worker in this time is "
+                                     "taken back (recompute).")
 
     def __post_init__(self) -> None:
-        _require(isinstance(self.pd, str), f"pd must be a string like '1:1', got {self.pd!r}")
+        require(isinstance(self.pd, str), f"pd must be a string like '1:1', got {self.pd!r}")
         if self.pd:
             match = _PD_RE.match(self.pd)
-            _require(match is not None, f"pd must look like P:D (e.g. 1:1), got {self.pd!r}")
+            require(match is not None, f"pd must look like P:D (e.g. 1:1), got {self.pd!r}")
             assert match is not None
             counts = int(match.group(1)), int(match.group(2))
-            _require(all(1 <= n <= MAX_PER_SIDE for n in counts),
-                     f"pd needs 1..{MAX_PER_SIDE} workers per side, got {self.pd!r}")
-        _require(isinstance(self.pd_separate_pools, bool),
-                 f"pd-separate-pools must be true or false, got {self.pd_separate_pools!r}")
-        _require(not self.pd_separate_pools or bool(self.pd),
-                 "pd-separate-pools needs pd (e.g. --pd 1:1)")
-        _require(isinstance(self.pd_lease_s, (int, float)) and not isinstance(self.pd_lease_s, bool)
-                 and self.pd_lease_s > 0, f"pd-lease-s must be a number > 0, got {self.pd_lease_s!r}")
+            require(all(1 <= n <= MAX_PER_SIDE for n in counts),
+                    f"pd needs 1..{MAX_PER_SIDE} workers per side, got {self.pd!r}")
+        check_bool(self.pd_separate_pools, "pd-separate-pools")
+        require(not self.pd_separate_pools or bool(self.pd),
+                "pd-separate-pools needs pd (e.g. --pd 1:1)")
+        check_number(self.pd_lease_s, "pd-lease-s", above=0.0)
 
     @property
     def is_enabled(self) -> bool:

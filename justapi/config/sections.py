@@ -1,110 +1,192 @@
-"""Configuration: frozen dataclasses, one per concern, validated in __post_init__.
+"""The core sections of `justapi serve`'s configuration: frozen dataclasses, one per concern,
+validated in __post_init__; each field's one default and help text are in its `option()`.
 
 Each component receives only its slice. Values found at run time (how many blocks a worker
 could allocate) travel in messages, never by mutating these objects.
-Owns: field names, defaults and validation. Does not own: TOML/CLI loading (justapi/cli.py).
+Owns: these sections' fields, defaults and validation. Does not own: the other sections (ops.py,
+pd.py, spec.py, cluster.py), loading (serve.py) or the flags (flags.py).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
+
+from justapi.config.fields import ConfigError as ConfigError
+from justapi.config.fields import check_bool, check_choice, check_number, option, require
+from justapi.model.info import GGUF_SAMPLING_KEYS
+from justapi.sampling import BUILTIN_SAMPLING_DEFAULTS, SamplingParams
+from justapi.wire import transport
 
 POLICIES = ("fcfs", "priority", "lpm")
 DEVICES = ("cpu", "cuda")
 WEIGHT_MODES = ("fp32", "bf16", "q4", "auto")
-
-
-class ConfigError(ValueError):
-    """A configuration value that is out of range or unknown; the message names the key."""
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-def _positive(owner: object, *names: str) -> None:
-    for name in names:
-        value = getattr(owner, name)
-        _require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                 f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+LAUNCHERS = ("local", "ray")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """KV memory: how the pool is cut into blocks."""
 
-    block_size: int = 16
-    """Tokens per KV block."""
-    pool_blocks: int = 0
-    """Blocks per device pool; 0 sizes the pool from available memory."""
-    kv_memory_fraction: float = 0.25
-    """With pool_blocks=0: fraction of free memory (RAM on CPU, GPU memory on CUDA) for KV."""
-    enable_prefix_cache: bool = True
-    """Share full blocks of identical prefixes between requests (radix tree)."""
+    block_size: int = option(16, "Tokens per KV block (a power of two).")
+    pool_blocks: int = option(0, "KV blocks per device pool; 0 sizes the pool from available "
+                                 "memory (kv-memory-fraction).")
+    kv_memory_fraction: float = option(0.25, "With pool-blocks 0: the fraction of free memory "
+                                             "(RAM on CPU, GPU memory on CUDA) the KV pool takes.")
+    enable_prefix_cache: bool = option(
+        True, "Share the cached KV blocks of identical prompt prefixes between requests "
+              "(radix tree).", decls=("--prefix-cache/--no-prefix-cache",))
 
     def __post_init__(self) -> None:
-        _positive(self, "block_size")
-        _require(self.block_size <= 1024 and self.block_size & (self.block_size - 1) == 0,
-                 f"block-size must be a power of two <= 1024, got {self.block_size!r}")
-        _require(isinstance(self.pool_blocks, int) and self.pool_blocks >= 0,
-                 f"pool-blocks must be an integer >= 0, got {self.pool_blocks!r}")
-        _require(0.0 < self.kv_memory_fraction <= 0.95,
-                 f"kv-memory-fraction must be in (0, 0.95], got {self.kv_memory_fraction!r}")
+        check_number(self.block_size, "block-size", low=1, integer=True)
+        require(self.block_size <= 1024 and self.block_size & (self.block_size - 1) == 0,
+                f"block-size must be a power of two <= 1024, got {self.block_size!r}")
+        check_number(self.pool_blocks, "pool-blocks", low=0, integer=True)
+        check_number(self.kv_memory_fraction, "kv-memory-fraction", above=0.0, high=0.95)
+        check_bool(self.enable_prefix_cache, "enable-prefix-cache")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Batching budgets and policy of the scheduler core."""
 
-    max_seqs: int = 32
-    """Most requests in one step."""
-    max_prefill: int = 4
-    """Most requests mid-prefill in one step."""
-    max_decode: int = 32
-    """Most decoding requests in one step."""
-    chunk_size: int = 512
-    """Most prompt tokens computed for one request in one step (chunked prefill)."""
-    max_batched_tokens: int = 2048
-    """Token budget of one step (all sequences' chunks together)."""
-    policy: str = "fcfs"
-    """Waiting-queue order: fcfs | priority | lpm (longest cached prefix first)."""
-    scheduled: bool = True
-    """True: continuous batching; False: static batching (the benchmark baseline)."""
-    lpm_max_waiting: int = 128
-    """lpm orders by cached prefix only while at most this many requests wait; above, FCFS."""
-    lpm_max_wait_steps: int = 256
-    """lpm: a request waiting more steps than this is admitted first (FCFS), so none starves."""
-    route_balance_abs: int = 8
-    """Routing: the longest-cached-prefix pool is skipped when its load exceeds the lightest
-    pool's by more than this many requests per worker..."""
-    route_balance_rel: float = 1.5
-    """...and by more than this factor (SGLang's cache_aware balance thresholds)."""
+    max_seqs: int = option(32, "Most requests in one step.")
+    max_prefill: int = option(4, "Most requests mid-prefill in one step.")
+    max_decode: int = option(32, "Most decoding requests in one step.")
+    chunk_size: int = option(512, "Most prompt tokens computed for one request in one step "
+                                  "(chunked prefill).")
+    max_batched_tokens: int = option(2048, "Token budget of one step (all requests' chunks "
+                                           "together).")
+    policy: str = option("fcfs", "Waiting-queue order: fcfs, priority, or lpm (longest cached "
+                                 "prefix first).", choices=POLICIES)
+    scheduled: bool = option(True, "Continuous batching; --no-scheduled: static batching (a "
+                                   "batch runs until all of it finishes; the benchmark baseline).")
+    lpm_max_waiting: int = option(128, "lpm orders by cached prefix only while at most this many "
+                                       "requests wait; above, FCFS.")
+    lpm_max_wait_steps: int = option(256, "lpm: a request waiting more steps than this is "
+                                          "admitted first (FCFS), so none starves.")
+    route_balance_abs: int = option(8, "Routing: the pool with the longest cached prefix is "
+                                       "skipped when its load exceeds the lightest pool's by more "
+                                       "than this many requests per worker (and by "
+                                       "route-balance-rel).")
+    route_balance_rel: float = option(1.5, "...and by more than this factor (SGLang's "
+                                           "cache-aware balance thresholds).")
 
     def __post_init__(self) -> None:
-        _positive(self, "max_seqs", "max_prefill", "max_decode", "chunk_size", "max_batched_tokens",
-                  "lpm_max_waiting", "lpm_max_wait_steps", "route_balance_abs")
-        _require(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
-        _require(isinstance(self.route_balance_rel, (int, float))
-                 and not isinstance(self.route_balance_rel, bool) and self.route_balance_rel >= 1.0,
-                 f"route-balance-rel must be a number >= 1, got {self.route_balance_rel!r}")
+        for name in ("max_seqs", "max_prefill", "max_decode", "chunk_size", "max_batched_tokens",
+                     "lpm_max_waiting", "lpm_max_wait_steps", "route_balance_abs"):
+            check_number(getattr(self, name), name.replace("_", "-"), low=1, integer=True)
+        check_choice(self.policy, "policy", POLICIES)
+        check_bool(self.scheduled, "scheduled")
+        check_number(self.route_balance_rel, "route-balance-rel", low=1.0)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model and how the worker holds it."""
 
-    model: str = ""
-    """Path to a GGUF file; "" for the embedded default; "synthetic:..." for random weights."""
-    device: str = "cpu"
-    """cpu | cuda."""
-    weights: str = "fp32"
-    """fp32 | q4 | auto: how quantized GGUF tensors are held and computed."""
-    max_context: int = 0
-    """Context length cap; 0 takes the model's own."""
+    model: str = option("", "GGUF file (none: the embedded SmolLM2-135M-Instruct), or "
+                            "synthetic:layers=2,hidden=64,... for random weights.")
+    device: str = option("cpu", 'Run the workers on CUDA GPUs, one per GPU (TOML: device = '
+                                '"cuda").',
+                         decls=("--gpu",), flag_value="cuda", choices=DEVICES)
+    weights: str = option("fp32", "fp32: dequantize at load; bf16: the same, multiplied in bf16 "
+                                  "on CPUs with AVX512-BF16/AMX; q4: keep Q4_0/Q4_1/Q8_0 weights "
+                                  "4-bit (int4 kernels); auto: both, 4-bit for small steps.",
+                          choices=WEIGHT_MODES)
+    max_context: int = option(0, "Cap on the model's context length; 0 takes the model's own.")
 
     def __post_init__(self) -> None:
-        _require(self.device in DEVICES, f"device must be one of {DEVICES}, got {self.device!r}")
-        _require(self.weights in WEIGHT_MODES,
-                 f"weights must be one of {WEIGHT_MODES}, got {self.weights!r}")
-        _require(isinstance(self.max_context, int) and self.max_context >= 0,
-                 f"max-context must be an integer >= 0, got {self.max_context!r}")
+        check_choice(self.device, "device", DEVICES)
+        check_choice(self.weights, "weights", WEIGHT_MODES)
+        check_number(self.max_context, "max-context", low=0, integer=True)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The process pool and its endpoints."""
+
+    host: str = option("127.0.0.1", "HTTP bind address (loopback unless told otherwise).")
+    port: int = option(8000, "HTTP port; 0 picks a free one.")
+    zmq: str = option("", "Endpoint of the ZMQ client API, e.g. tcp://127.0.0.1:5555 (none: an "
+                          "ipc socket in the runtime dir).")
+    workers: int = option(1, "Worker processes (one per GPU with --gpu; CPU workers share the "
+                             "cores).")
+    threads: int = option(0, "torch threads of each CPU worker; 0: the cores divided among the "
+                             "workers (with --pd: all of them for prefill, one per decode worker).")
+    cpu_spin: int = option(-1, "CPU workers: GOMP_SPINCOUNT of an OpenMP thread waiting at a "
+                               "barrier (10000 is about 0.1-0.3 ms); 0: it sleeps at once; -1 "
+                               "(auto): 10000, or 0 for tiny models and where the workers' "
+                               "threads outnumber the cores.")
+    served_model_name: str = option("", "Model id shown by /v1/models (none: the GGUF's name).")
+    ready_timeout_s: float = option(120.0, "How long start-up waits for each process's Ready.")
+    launcher: str = option("local", "Where workers run: local processes, or Ray actors on the "
+                                    "nodes of a Ray cluster (docs/scale-out.md).",
+                           choices=LAUNCHERS)
+    log_level: str = option("info", "Log level of every process.", choices=LOG_LEVELS)
+    max_request_bytes: int = option(4 << 20, "HTTP request bodies larger than this get 413.")
+    max_queue: int = option(1024, "Requests admitted beyond what the workers run at once "
+                                  "(max-seqs x workers); past that new requests get 429 with "
+                                  "Retry-After.")
+    shutdown_grace_s: float = option(30.0, "On SIGTERM, requests in flight get this long to "
+                                           "finish (new ones get 503).")
+    log_requests: bool = option(False, "Log each request's prompt and parameters (off: prompt "
+                                       "text never reaches the logs).")
+    zmq_curve_secret_key: str = option(
+        "", "File with the z85 CURVE secret key of the ZMQ client endpoint (needed for tcp "
+            "beyond loopback; `tools/curve_keys.py` makes one).", is_path=True)
+
+    def __post_init__(self) -> None:
+        check_number(self.port, "port", low=0, high=65535, integer=True)
+        check_number(self.workers, "workers", low=1, high=64, integer=True)
+        check_number(self.threads, "threads", low=0, high=1024, integer=True)
+        check_number(self.cpu_spin, "cpu-spin", low=-1, high=10**9, integer=True)
+        check_number(self.ready_timeout_s, "ready-timeout-s", above=0.0)
+        check_choice(self.launcher, "launcher", LAUNCHERS)
+        check_choice(self.log_level, "log-level", LOG_LEVELS)
+        check_number(self.max_request_bytes, "max-request-bytes", low=1024, integer=True)
+        check_number(self.max_queue, "max-queue", low=0, integer=True)
+        check_number(self.shutdown_grace_s, "shutdown-grace-s", low=0.0)
+        check_bool(self.log_requests, "log-requests")
+        require(not self.zmq.startswith("tcp://") or transport.is_loopback_endpoint(self.zmq)
+                or bool(self.zmq_curve_secret_key),
+                f"zmq {self.zmq} is reachable beyond this host: it needs CURVE encryption, "
+                "give --zmq-curve-secret-key FILE (make a pair with tools/curve_keys.py)")
+
+
+def _sampling_help(name: str, what: str) -> str:
+    return (f"{what} of requests that leave it out; a request's own value wins. Default: the "
+            f"GGUF's {GGUF_SAMPLING_KEYS[name]}, else {BUILTIN_SAMPLING_DEFAULTS[name]:g} "
+            "(llama-server's).")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """The server's sampling defaults: what a request that leaves a field out gets. None here:
+    the model's own (its GGUF's general.sampling.*), else llama-server's (justapi/sampling.py)."""
+
+    temperature: float | None = option(None, _sampling_help("temperature", "Temperature (0: "
+                                                            "greedy)"),
+                                       decls=("--temperature", "--temp"))
+    top_k: int | None = option(None, _sampling_help("top_k", "top-k (0: off)"))
+    top_p: float | None = option(None, _sampling_help("top_p", "top-p"))
+    min_p: float | None = option(None, _sampling_help("min_p", "min-p (0: off)"))
+    repetition_penalty: float | None = option(
+        None, _sampling_help("repetition_penalty", "Repetition penalty (1: off)"),
+        decls=("--repetition-penalty", "--repeat-penalty"))
+
+    def __post_init__(self) -> None:
+        given: dict[str, Any] = self.given()
+        try:
+            SamplingParams(**given)  # the one place that knows each field's range
+        except ValueError as exc:
+            message = str(exc)
+            for name in given:
+                message = message.replace(f"{name} must", f"{name.replace('_', '-')} must")
+            raise ConfigError(message) from None
+
+    def given(self) -> dict[str, float]:
+        """The defaults set here (flag or TOML), by SamplingParams field name."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}

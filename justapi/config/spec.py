@@ -10,17 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from justapi.config.sections import _require
+from justapi.config.fields import check_bool, check_choice, check_number, option, require
 
 PROPOSERS = ("", "ngram", "draft")
 MAX_GAMMA = 32
 MAX_BRANCH = 16
 MAX_NODES = 128
-
-
-def _int_in(value: object, low: int, high: int, key: str) -> None:
-    _require(isinstance(value, int) and not isinstance(value, bool) and low <= value <= high,
-             f"{key} must be an integer in [{low}, {high}], got {value!r}")
 
 
 def parse_tree(text: str) -> tuple[int, ...]:
@@ -29,9 +24,9 @@ def parse_tree(text: str) -> tuple[int, ...]:
         widths = tuple(int(part) for part in text.split(","))
     except ValueError:
         widths = ()
-    _require(0 < len(widths) <= MAX_GAMMA and all(1 <= w <= MAX_BRANCH for w in widths),
-             f"spec-tree must be 1..{MAX_GAMMA} comma-separated widths in [1, {MAX_BRANCH}] "
-             f"(children per node at each depth), got {text!r}")
+    require(0 < len(widths) <= MAX_GAMMA and all(1 <= w <= MAX_BRANCH for w in widths),
+            f"spec-tree must be 1..{MAX_GAMMA} comma-separated widths in [1, {MAX_BRANCH}] "
+            f"(children per node at each depth), got {text!r}")
     return widths
 
 
@@ -39,53 +34,51 @@ def parse_tree(text: str) -> tuple[int, ...]:
 class SpecConfig:
     """Speculative decoding (off unless `spec` or `draft_model` is set)."""
 
-    spec: str = ""
-    """Proposer: "" (off), "ngram" (prompt lookup, no extra model) or "draft" (draft_model)."""
-    draft_model: str = ""
-    """GGUF of a draft model with the target's vocabulary; setting it selects spec = "draft"."""
-    gamma: int = 4
-    """Tokens proposed along one path per step: the depth of the token tree."""
-    branch: int = 1
-    """Children per node of the token tree (1: a chain of gamma tokens)."""
-    spec_tree: str = ""
-    """Explicit tree shape, children per node at each depth, e.g. "3,2,1,1" (overrides
-    gamma and branch)."""
-    spec_budget: int = 0
-    """Most draft tokens (tree nodes) verified per request per step; 0: gamma * widest level."""
-    spec_adaptive: bool = True
-    """Propose fewer (or no) tokens when acceptance is poor or the batch is large (the cost
-    rule in justapi/scheduler/spec/budget.py); off: always the full tree."""
-    spec_fixed_cost_tokens: float = 16.0
-    """The cost model of the adaptive rule: a step of T rows costs (this + T) row-units
-    (measured ~16 on a 2-core CPU for SmolLM2; a GPU is in the hundreds)."""
-    spec_ngram_max: int = 4
-    """n-gram proposer: longest suffix (in tokens) looked up in the request's own tokens."""
-    spec_ngram_min: int = 1
-    """n-gram proposer: shortest suffix that may match."""
+    spec: str = option("", "Speculative decoding proposer: ngram (prompt lookup, no extra "
+                           "model) or draft (draft-model); none: off.", choices=PROPOSERS)
+    draft_model: str = option("", "GGUF of a draft model with the target's vocabulary, proposing "
+                                  "tokens the model verifies; implies spec = draft.")
+    gamma: int = option(4, "Tokens proposed along one path per step: the depth of the token "
+                           "tree.")
+    branch: int = option(1, "Children per node of the token tree (1: a chain of gamma tokens).")
+    spec_tree: str = option("", "Explicit tree shape, children per node at each depth, e.g. "
+                                "3,2,1,1 (overrides gamma and branch).")
+    spec_budget: int = option(0, "Most draft tokens (tree nodes) verified per request per step; "
+                                 "0: gamma x the widest level.")
+    spec_adaptive: bool = option(True, "Propose fewer (or no) tokens when acceptance is poor or "
+                                       "the batch is large (the cost rule in "
+                                       "justapi/scheduler/spec/budget.py); off: always the full "
+                                       "tree.")
+    spec_fixed_cost_tokens: float = option(16.0, "The adaptive rule's cost model: a step of T "
+                                                 "rows costs (this + T) row-units (about 16 on a "
+                                                 "2-core CPU for SmolLM2; hundreds on a GPU).")
+    spec_ngram_max: int = option(4, "n-gram proposer: longest suffix (in tokens) looked up in "
+                                    "the request's own tokens.")
+    spec_ngram_min: int = option(1, "n-gram proposer: shortest suffix that may match.")
 
     def __post_init__(self) -> None:
-        _require(self.spec in PROPOSERS, f"spec must be one of {PROPOSERS}, got {self.spec!r}")
-        _require(isinstance(self.draft_model, str), f"draft-model must be a path, got {self.draft_model!r}")
+        check_choice(self.spec, "spec", PROPOSERS)
+        require(isinstance(self.draft_model, str),
+                f"draft-model must be a path, got {self.draft_model!r}")
         if self.draft_model and not self.spec:
             object.__setattr__(self, "spec", "draft")
-        _require(self.spec != "draft" or bool(self.draft_model),
-                 "spec = 'draft' needs draft-model (a GGUF file)")
-        _require(self.spec != "ngram" or not self.draft_model,
-                 f"give either spec = 'ngram' or draft-model, not both (draft-model {self.draft_model!r})")
-        _int_in(self.gamma, 1, MAX_GAMMA, "gamma")
-        _int_in(self.branch, 1, MAX_BRANCH, "branch")
-        _require(isinstance(self.spec_tree, str), f"spec-tree must be a string, got {self.spec_tree!r}")
+        require(self.spec != "draft" or bool(self.draft_model),
+                "spec = 'draft' needs draft-model (a GGUF file)")
+        require(self.spec != "ngram" or not self.draft_model,
+                "give either spec = 'ngram' or draft-model, not both (draft-model "
+                f"{self.draft_model!r})")
+        check_number(self.gamma, "gamma", low=1, high=MAX_GAMMA, integer=True)
+        check_number(self.branch, "branch", low=1, high=MAX_BRANCH, integer=True)
+        require(isinstance(self.spec_tree, str),
+                f"spec-tree must be a string, got {self.spec_tree!r}")
         if self.spec_tree:
             parse_tree(self.spec_tree)
-        _int_in(self.spec_budget, 0, MAX_NODES, "spec-budget")
-        _require(isinstance(self.spec_adaptive, bool),
-                 f"spec-adaptive must be true or false, got {self.spec_adaptive!r}")
-        _require(isinstance(self.spec_fixed_cost_tokens, (int, float))
-                 and not isinstance(self.spec_fixed_cost_tokens, bool)
-                 and 0 <= self.spec_fixed_cost_tokens <= 1e6,
-                 f"spec-fixed-cost-tokens must be a number in [0, 1e6], got {self.spec_fixed_cost_tokens!r}")
-        _int_in(self.spec_ngram_max, 1, 64, "spec-ngram-max")
-        _int_in(self.spec_ngram_min, 1, self.spec_ngram_max, "spec-ngram-min")
+        check_number(self.spec_budget, "spec-budget", low=0, high=MAX_NODES, integer=True)
+        check_bool(self.spec_adaptive, "spec-adaptive")
+        check_number(self.spec_fixed_cost_tokens, "spec-fixed-cost-tokens", low=0.0, high=1e6)
+        check_number(self.spec_ngram_max, "spec-ngram-max", low=1, high=64, integer=True)
+        check_number(self.spec_ngram_min, "spec-ngram-min", low=1, high=self.spec_ngram_max,
+                     integer=True)
 
     @property
     def is_enabled(self) -> bool:

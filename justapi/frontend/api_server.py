@@ -169,7 +169,9 @@ def _add_model_routes(app: FastAPI, serving: Serving) -> None:
     async def models() -> Response:
         card = {"id": config.model_name, "object": "model", "created": created,
                 "owned_by": "justapi", "root": config.model_name,
-                "max_model_len": config.max_context}
+                "max_model_len": config.max_context,
+                "sampling_defaults": {**config.sampling_defaults.values,
+                                      "source": config.sampling_defaults.sources}}
         return json_response({"object": "list", "data": [card]})
 
     @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **ERRORS})

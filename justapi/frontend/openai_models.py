@@ -213,6 +213,19 @@ class ChatCompletionChunk(ResponseModel):
     usage: Usage | None = None
 
 
+class SamplingDefaultsCard(ResponseModel):
+    """What the sampling fields a request leaves out get, and where each value comes from."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repetition_penalty: float
+    source: dict[str, Literal["config", "gguf", "builtin"]]
+    """Per field: config (a flag or TOML key), gguf (the model's general.sampling.*) or
+    builtin (llama-server's defaults)."""
+
+
 class ModelCard(ResponseModel):
     id: str
     object: Literal["model"]
@@ -220,6 +233,7 @@ class ModelCard(ResponseModel):
     owned_by: str
     root: str
     max_model_len: int
+    sampling_defaults: SamplingDefaultsCard
 
 
 class ModelList(ResponseModel):

@@ -45,7 +45,8 @@ def settings_of(spec: ChildSpec) -> FrontendSettings:
         api_key=os.environ.get(API_KEY_ENV, ""),
         max_request_bytes=server.max_request_bytes,
         max_in_flight=running_capacity + server.max_queue,
-        log_requests=server.log_requests)
+        log_requests=server.log_requests,
+        sampling_defaults=spec.config.sampling.given())
 
 
 async def serve(spec: ChildSpec) -> None:

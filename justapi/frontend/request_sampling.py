@@ -1,7 +1,7 @@
 """An API request's sampling fields -> SamplingParams, stop strings and TextOptions.
 
-Maps OpenAI fields onto SamplingParams (logit_bias keys parsed, biased tokens checked against
-the vocabulary), derives distinct per-choice seeds for n > 1 and checks stop strings. Owns:
+Maps OpenAI fields onto SamplingParams (fields a request leaves out take the server's sampling
+defaults; logit_bias keys parsed, biased tokens checked against the vocabulary), derives distinct per-choice seeds for n > 1 and checks stop strings. Owns:
 that mapping. Does not own: what SamplingParams accepts (justapi/sampling.py), prompts.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from justapi.frontend.openai_models import GenerationFields
 from justapi.frontend.prompts import check_token_ids
 from justapi.frontend.text.detokenizer import StopStringMatcher
 from justapi.frontend.text.tokenizer import Tokenizer
-from justapi.sampling import SamplingParams
+from justapi.sampling import SamplingDefaults, SamplingParams
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "frequency_penalty", "repetition_penalty")
@@ -34,8 +34,9 @@ def derive_seed(seed: int, choice_index: int) -> int:
 class SamplingRules:
     """Sampling as this model allows it (its vocabulary, its end-of-generation tokens)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, defaults: SamplingDefaults | None = None) -> None:
         self.tokenizer = tokenizer
+        self.defaults = defaults or SamplingDefaults.resolve()
 
     def sampling_for(self, request: GenerationFields, max_tokens: int, logprobs: int | None,
                      seed: int | None) -> SamplingParams:
@@ -48,7 +49,7 @@ class SamplingRules:
             if value is not None:
                 fields[name] = value
         try:
-            sampling = SamplingParams(**fields)
+            sampling = SamplingParams(**self.defaults.fill(fields))
         except ValueError as exc:
             raise sampling_error(exc, (*SAMPLING_FIELDS, "seed", "stop_token_ids",
                                        "max_tokens", "logprobs", "logit_bias")) from None

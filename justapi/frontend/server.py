@@ -1,8 +1,8 @@
 """The frontend's parts assembled in one event loop: engine link, HTTP server, ZMQ endpoint.
 
-`build_serving` reads the GGUF's tokenizer and chat template once; `FrontendServer` runs
-uvicorn (httptools) and the ZMQ client endpoint beside the EngineClient's reader, all in the
-caller's (uvloop) event loop, and reports where it listens. The process shell
+`build_serving` reads the GGUF's tokenizer, chat template and sampling defaults once;
+`FrontendServer` runs uvicorn (httptools) and the ZMQ client endpoint beside the
+EngineClient's reader, all in the caller's (uvloop) event loop, and reports where it listens. The process shell
 (justapi/frontend/process.py) owns signals, the launcher handshake and the loop itself.
 Owns: start and stop order of the frontend's servers. Does not own: what they serve.
 """
@@ -22,6 +22,8 @@ from justapi.frontend.text.chat_template import ChatTemplate
 from justapi.frontend.text.tokenizer import Tokenizer
 from justapi.frontend.zmq_server import ZmqServer
 from justapi.model.gguf_file import GGUFFile
+from justapi.model.info import model_sampling_defaults
+from justapi.sampling import SamplingDefaults
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ class FrontendSettings:
     """Most scheduler requests in flight (running capacity + max-queue); 0: no bound."""
     log_requests: bool = False
     """Log prompts and parameters of each request."""
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
+    """Sampling defaults set by flag or TOML (SamplingConfig.given()); the GGUF's, else
+    llama-server's, fill in the rest."""
 
 
 def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettings) -> Serving:
@@ -72,9 +77,11 @@ def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettin
     metrics = FrontendMetrics(name, lambda: engine.stats)
     path = Path(gguf.path)
     aliases = tuple(a for a in dict.fromkeys((gguf.name, path.name, path.stem, str(path))) if a != name)
+    defaults = SamplingDefaults.resolve(settings.sampling_defaults, model_sampling_defaults(gguf))
+    logger.info("sampling defaults for fields a request leaves out: %s", defaults.describe())
     config = ServingConfig(model_name=name, max_context=max_context, model_aliases=aliases,
                            max_in_flight=settings.max_in_flight,
-                           log_requests=settings.log_requests)
+                           log_requests=settings.log_requests, sampling_defaults=defaults)
     return Serving(engine, tokenizer, template.render, config, metrics)
 
 

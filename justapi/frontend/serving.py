@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from justapi.frontend.metrics import FrontendMetrics
 from justapi.frontend.prompts import ChatRenderer, Prompt, Prompts
 from justapi.frontend.request_sampling import SamplingRules
 from justapi.frontend.text.tokenizer import Tokenizer
-from justapi.sampling import SamplingParams
+from justapi.sampling import SamplingDefaults, SamplingParams
 from justapi.wire.protocol import SubmitRequest
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,8 @@ class ServingConfig:
     """Most scheduler requests in flight at once (running + queued); past it 429. 0: no bound."""
     log_requests: bool = False
     """Log each request's prompt and parameters (off: prompts never reach the logs)."""
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults.resolve)
+    """What the sampling fields a request leaves out get (default: llama-server's)."""
 
 
 class Serving:
@@ -58,7 +60,7 @@ class Serving:
         self.config = config
         self.metrics = metrics
         self.prompts = Prompts(tokenizer, render_chat, config.max_context)
-        self.sampling_rules = SamplingRules(tokenizer)
+        self.sampling_rules = SamplingRules(tokenizer, config.sampling_defaults)
         self._id_prefix = os.urandom(4).hex()
         self._next_id = 0
         self._token_texts: dict[int, str] = {}  # bounded by the vocabulary

@@ -123,7 +123,8 @@ class ZmqServer:
         serving = self._serving
         rules = serving.sampling_rules
         token_ids = self._prompt_ids(submit)
-        sampling = rules.check_sampling(submit.sampling)
+        filled = rules.defaults.apply(submit.sampling, submit.unset_sampling)
+        sampling = rules.check_sampling(filled)
         serving.prompts.max_tokens_for(sampling.max_tokens, len(token_ids))  # the context rule
         stop = rules.stop_strings([str(s) for s in submit.stop])
         serving.check_available()

@@ -1,7 +1,8 @@
 """The facts about a model that the control plane needs, read from GGUF metadata (torch-free).
 
-Shapes for sizing the KV pool, the context length for validation, and the name to serve.
-Owns: ModelInfo and model-path resolution (default model, file, `synthetic:` spec).
+Shapes for sizing the KV pool, the context length for validation, the name to serve, and the
+sampling defaults the model's authors wrote into it (llama.cpp's `general.sampling.*` keys).
+Owns: ModelInfo, those defaults and model-path resolution (default model, file, `synthetic:`).
 Does not own: weights (workers/) or the tokenizer (justapi/frontend/text/tokenizer.py).
 """
 from __future__ import annotations
@@ -11,9 +12,16 @@ import sys
 from dataclasses import dataclass
 
 from justapi.model.gguf_file import GGUFError, GGUFFile, resolve_model_path
+from justapi.sampling import SamplingParams
 
 SYNTHETIC_PREFIX = "synthetic:"
 SUPPORTED_ARCHITECTURES = ("llama",)
+GGUF_SAMPLING_KEYS = {
+    "temperature": "general.sampling.temp", "top_k": "general.sampling.top_k",
+    "top_p": "general.sampling.top_p", "min_p": "general.sampling.min_p",
+    "repetition_penalty": "general.sampling.penalty_repeat"}
+"""SamplingParams field -> the GGUF metadata key where a model may carry its default (the
+gguf package's Keys.General.SAMPLING_*, spelled out so `import justapi.config` stays light)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,22 @@ def _positive(gguf: GGUFFile, suffix: str) -> int:
         raise GGUFError(f"{gguf.path}: metadata {gguf.architecture}.{suffix} is missing or "
                         f"absurd ({value!r})")
     return value
+
+
+def model_sampling_defaults(gguf: GGUFFile) -> dict[str, float]:
+    """The sampling defaults the GGUF carries, by SamplingParams field name. A value that is
+    missing, or that a request could not carry (not a number, out of range), is left out."""
+    out: dict[str, float] = {}
+    for name, key in GGUF_SAMPLING_KEYS.items():
+        value = gguf.get(key)
+        if isinstance(value, float):
+            value = float(f"{value:.6g}")  # stored as float32: 0.7 reads 0.699999988
+        try:
+            SamplingParams(**{name: value})
+        except (TypeError, ValueError):
+            continue
+        out[name] = value
+    return out
 
 
 def resolve_model(model: str) -> str:

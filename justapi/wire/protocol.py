@@ -357,6 +357,10 @@ class SubmitGeneration:
     messages: list = field(default_factory=list)
     stop: list = field(default_factory=list)
     add_special_tokens: bool = True
+    unset_sampling: list[str] = field(default_factory=list)
+    """Sampling fields the client left out: the frontend gives them the server's defaults (as
+    for an HTTP request that omits them); `sampling` carries the others as set. Empty (a client
+    that sent a whole SamplingParams, or one older than this field): `sampling` as sent."""
 
 
 @register("AbortGeneration")

@@ -24,7 +24,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog"
 def pool():
     served = ServedPool("--model", TINY_MODEL, "--zmq", f"tcp://127.0.0.1:{free_port()}",
                         "--pool-blocks", "512",
-                        "--max-seqs", "64", "--max-decode", "64")
+                        "--max-seqs", "64", "--max-decode", "64", "--top-k", "20")
     yield served
     assert served.stop(signal.SIGTERM) == 0, served.log()
     assert served.leftovers() == []
@@ -99,6 +99,17 @@ def test_stop_string_is_honoured_and_not_leaked(oai, model_id):
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == text[:text.index(stop)]
     assert stop not in cut.choices[0].text
+
+
+def test_sampling_defaults_are_announced(pool):
+    """--top-k 20 (config); the synthetic GGUF carries none, so the rest are llama-server's."""
+    card = httpx.get(f"{pool.base_url}/v1/models").json()["data"][0]
+    assert card["sampling_defaults"] == {
+        "temperature": 0.8, "top_k": 20, "top_p": 0.95, "min_p": 0.05, "repetition_penalty": 1.0,
+        "source": {"temperature": "builtin", "top_k": "config", "top_p": "builtin",
+                   "min_p": "builtin", "repetition_penalty": "builtin"}}
+    assert ("justapi: sampling defaults for fields a request leaves out: temperature 0.8 "
+            "(builtin), top-k 20 (config), top-p 0.95 (builtin)") in pool.log()
 
 
 def test_seed_reproducible_and_n_choices(oai, model_id):

@@ -22,6 +22,7 @@ from justapi.frontend.serving import Serving, ServingConfig
 from justapi.frontend.text.chat_template import ChatTemplate
 from justapi.frontend.text.tokenizer import Tokenizer
 from justapi.model.gguf_file import GGUFFile, default_model_path
+from justapi.sampling import SamplingDefaults
 from justapi.wire import transport
 from justapi.wire.protocol import SubmitRequest
 from tests.support.api_fake_scheduler import FakeScheduler, Script
@@ -88,7 +89,8 @@ class Stack:
 @asynccontextmanager
 async def serving_stack(script: Script = seeded_script, *, max_context: int = 256,
                         tokens_per_step: int = 1, step_s: float = 0.001,
-                        tmp_dir: str | None = None) -> AsyncIterator[Stack]:
+                        tmp_dir: str | None = None,
+                        sampling_defaults: SamplingDefaults | None = None) -> AsyncIterator[Stack]:
     runtime_dir = tmp_dir or transport.make_runtime_dir("justapi-test-")
     fake = FakeScheduler(runtime_dir, script, eos_token_ids=tuple(tokenizer().eog_token_ids),
                          tokens_per_step=tokens_per_step, step_s=step_s).start()
@@ -96,8 +98,9 @@ async def serving_stack(script: Script = seeded_script, *, max_context: int = 25
     await engine.start()
     metrics = FrontendMetrics(MODEL, lambda: engine.stats)
     template = chat_template()
-    serving = Serving(engine, tokenizer(), template.render, ServingConfig(MODEL, max_context),
-                      metrics)
+    config = ServingConfig(MODEL, max_context,
+                           sampling_defaults=sampling_defaults or SamplingDefaults.resolve())
+    serving = Serving(engine, tokenizer(), template.render, config, metrics)
     app = build_app(serving)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
                              timeout=30)

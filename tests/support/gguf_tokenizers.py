@@ -109,6 +109,8 @@ def _add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
         writer.add_bool(key, value)
     elif isinstance(value, int):
         writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
     elif isinstance(value, str):
         writer.add_string(key, value)
     elif isinstance(value, Sequence) and value and isinstance(value[0], str):
