@@ -3,7 +3,7 @@
 A `tcp://` client endpoint that other hosts can reach must be encrypted and authenticated:
 `justapi serve --zmq tcp://0.0.0.0:5555 --zmq-curve-secret-key FILE` (the server's z85
 secret key, a file only its owner may read); clients get the matching public key.
-`write_key_pair` makes one per deployment (tools/curve_keys.py). The key travels to the
+`write_key_pair` makes one per deployment (`justapi keys`). The key travels to the
 frontend as the file's path, never as a value on a command line.
 Owns: the key file format and its checks. Does not own: sockets (transport.py).
 """

@@ -36,7 +36,7 @@ from justapi.wire.worker_auth import (
     write_authorized_keys,
     write_secret_key,
 )
-from tests.support.serve_harness import free_port
+from tools.harness import free_port
 from workers.kv.pool import KVPool, PoolShape
 from workers.kv.wire import BlockWriter, read_blocks
 
