@@ -1,4 +1,6 @@
-"""The `justapi` command line (click): `justapi generate` runs the in-process engine once.
+"""The `justapi` command line (click): `justapi generate` runs the in-process engine once;
+serve, the ops commands (status, health, drain, flush-cache, keys, inspect, perplexity) and
+`bench serve` are registered from their packages.
 
 Bad input (a missing or corrupt GGUF, a prompt longer than the context, no GPU for
 --device cuda) ends with exit status 1 and one readable line on stderr, never a traceback.
@@ -67,13 +69,23 @@ def _one_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
-def _register_serve() -> None:
+def _register_commands() -> None:
+    """`justapi serve`, the ops commands (justapi/ops/) and `justapi bench` (justapi/bench/)."""
+    from justapi.bench.command import bench
     from justapi.launch.serve import serve
+    from justapi.ops.drain import drain
+    from justapi.ops.flush_cache import flush_cache
+    from justapi.ops.health import health
+    from justapi.ops.inspect_gguf import inspect
+    from justapi.ops.keys import keys
+    from justapi.ops.perplexity import perplexity
+    from justapi.ops.status import status
 
-    main.add_command(serve)
+    for command in (serve, status, health, drain, flush_cache, keys, inspect, perplexity, bench):
+        main.add_command(command)
 
 
-_register_serve()
+_register_commands()
 
 if __name__ == "__main__":
     main()

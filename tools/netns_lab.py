@@ -1,8 +1,8 @@
 """A lab cluster on one machine: network namespaces as hosts, each a Ray node, reachable only
 through veth pairs - so `justapi serve --launcher ray` traffic really crosses a network
-boundary (tests/cluster/test_ray_cluster.py, tools/bench_cross_host.py). Needs root (`ip netns`).
+boundary (tests/cluster/test_ray_cluster.py, tools/bench/cross_host.py). Needs root (`ip netns`).
 
-    python tools/netns_lab.py --hosts 2      # prints the Ray address and node addresses,
+    python -m tools.netns_lab --hosts 2      # prints the Ray address and node addresses,
                                              # tears everything down on Ctrl-C
 
 Host i is namespace `jl<pid>n<i>` with a veth pair on the private /30 10.<o>.<i>.0/30: .1 on
@@ -206,13 +206,14 @@ def _free_port(host: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cli = argparse.ArgumentParser(prog="netns_lab.py", description=__doc__.split("\n\n")[0])
+    cli = argparse.ArgumentParser(prog="python -m tools.netns_lab",
+                                  description=__doc__.split("\n\n")[0])
     cli.add_argument("--hosts", type=int, default=2, help="namespaces (Ray nodes), default 2")
     cli.add_argument("--cpus", type=float, default=1.0, help="CPUs each node offers (1)")
     args = cli.parse_args(argv)
     why = netns_available()
     if why:
-        print(f"netns_lab.py: {why}", file=sys.stderr)
+        print(f"python -m tools.netns_lab: {why}", file=sys.stderr)
         return 2
     lab = NetnsLab(args.hosts, args.cpus).up()
     print(f"Ray address {lab.address} (head {lab.head_ip}); hosts "

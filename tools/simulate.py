@@ -4,12 +4,12 @@
 Capacity planning without a model: prints steps, batch occupancy, prefix-cache hit ratio,
 preemptions, and queue time / TTFT / TPOT per request in steps and modelled seconds.
 
-    python tools/simulate.py --generate 300 --rate 40 --prefix-groups 4 --prefix-len 256
-    python tools/simulate.py --trace trace.jsonl --workers 2 --pool-blocks 2048 --compare-static
+    python -m tools.simulate --generate 300 --rate 40 --prefix-groups 4 --prefix-len 256
+    python -m tools.simulate --trace trace.jsonl --workers 2 --pool-blocks 2048 --compare-static
 
 Trace lines (JSON): {"arrival_s": 0.1, "prompt_len": 300, "output_len": 64, "prefix_id": 2,
 "prefix_len": 256, "priority": 0, "abort_after_s": null} (see justapi/scheduler/sim/trace.py).
-Step time = a + b * tokens + c * context_reads (fit a, b, c from tools/bench.py runs).
+Step time = a + b * tokens + c * context_reads (fit a, b, c from `justapi bench serve` runs).
 """
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def span(text: str) -> tuple[int, int]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    p = argparse.ArgumentParser(prog="python -m tools.simulate",
+                                description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     _trace_args(p.add_argument_group("trace"))

@@ -135,7 +135,7 @@ class ServerConfig:
                                        "text never reaches the logs).")
     zmq_curve_secret_key: str = option(
         "", "File with the z85 CURVE secret key of the ZMQ client endpoint (needed for tcp "
-            "beyond loopback; `tools/curve_keys.py` makes one).", is_path=True)
+            "beyond loopback; `justapi keys` makes one).", is_path=True)
 
     def __post_init__(self) -> None:
         check_number(self.port, "port", low=0, high=65535, integer=True)
@@ -152,7 +152,7 @@ class ServerConfig:
         require(not self.zmq.startswith("tcp://") or transport.is_loopback_endpoint(self.zmq)
                 or bool(self.zmq_curve_secret_key),
                 f"zmq {self.zmq} is reachable beyond this host: it needs CURVE encryption, "
-                "give --zmq-curve-secret-key FILE (make a pair with tools/curve_keys.py)")
+                "give --zmq-curve-secret-key FILE (make a pair with `justapi keys`)")
 
 
 def _sampling_help(name: str, what: str) -> str:

@@ -123,8 +123,7 @@ def banner(config: ServeConfig, deployment: Deployment,
           if sampling else []),
         f"justapi: HTTP  {deployment.http_url}/v1 (OpenAI-compatible), /health, /metrics",
         f"justapi: ZMQ   {deployment.zmq_url} (justapi.client){_curve_text(config)}",
-        f"justapi: admin {deployment.endpoints.admin} (tools/status.py, drain.py, health.py, "
-        "flush_cache.py)",
+        f"justapi: admin {deployment.endpoints.admin} (justapi status, health, drain, flush-cache)",
     ]
     return "\n".join(lines)
 

@@ -1,1 +1,4 @@
-"""Operating a running server: the admin client and the ops commands."""
+"""The ops commands of `justapi` (status, health, drain, flush-cache: a running server's admin
+socket; keys, inspect, perplexity: no server needed), their shared plumbing (admin_cli.py) and
+the admin client (admin_client.py). justapi/cli.py registers the commands.
+"""

@@ -1,11 +1,11 @@
-"""Client side of the scheduler's admin socket, for tools/*.py and tests.
+"""Client side of the scheduler's admin socket, for the ops commands (justapi/ops/) and tests.
 
 One request, one reply: a DEALER socket sends a command (justapi/wire/protocol.py, admin section)
 and waits up to `timeout_s` for its StatusReply or AdminReply. With no endpoint given, the
 most recently started live server of this user is found through its state file
 (justapi/launch/discovery.py).
 Owns: the request/reply exchange and its errors. Does not own: the commands' meaning
-(justapi/scheduler/admin.py) or how tools print them.
+(justapi/scheduler/admin.py) or how the commands print them.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The scheduler's admin socket: status, drain/undrain, prefix-cache flush, invariant check.
 
 A ROUTER socket (ipc in the runtime dir unless `admin` names a loopback tcp endpoint);
-every request from tools/*.py (justapi/ops/admin_client.py) gets exactly one reply, a
+every request from the ops commands (justapi/ops/admin_client.py) gets exactly one reply, a
 StatusReply or an AdminReply, built between steps by the scheduler's own thread, so
 commands see and change the core's state without locks. Bad input (an unknown worker or
 pool) is an AdminReply with ok=False naming the value.

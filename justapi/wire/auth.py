@@ -3,7 +3,7 @@ worker endpoint (launcher = "ray"), where only keys the launcher authorized get 
 
 Client endpoint (`--zmq tcp://0.0.0.0:5555 --zmq-curve-secret-key FILE`): the server's z85
 secret key lives in a file only its owner may read (`write_key_pair` makes one per
-deployment, tools/curve_keys.py); it travels to the frontend as the file's path, never as a
+deployment, `justapi keys`); it travels to the frontend as the file's path, never as a
 value on a command line. Clients get the matching public key.
 
 Worker endpoint: keys are made per deployment and secret keys never travel. The launcher

@@ -531,7 +531,7 @@ class FenceWorker:
 
 
 # --------------------------------------------------------------------------------------
-# admin tools <-> scheduler (tools/*.py DEALER <-> the scheduler's admin ROUTER; see
+# ops commands <-> scheduler (justapi/ops/ DEALER <-> the scheduler's admin ROUTER; see
 # docs/operations.md). Every command gets exactly one reply: StatusReply or AdminReply.
 # --------------------------------------------------------------------------------------
 

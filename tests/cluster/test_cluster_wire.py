@@ -51,7 +51,7 @@ from justapi.wire.protocol import (
     SchedulerStats,
     WriteBlocks,
 )
-from tests.support.serve_harness import free_port
+from tools.harness import free_port
 from workers.kv.pool import KVPool, PoolShape
 from workers.kv.wire import BlockWriter, read_blocks
 

@@ -1,7 +1,7 @@
 """`justapi serve --launcher ray` on a local Ray cluster whose nodes are network namespaces
 (tools/netns_lab.py: veth pairs, private /30s), so the workers reach the scheduler only
 through the veths, over tcp with CURVE: the openai client's greedy outputs equal the
-single-host `--workers 2` run; traffic crosses the veths; /health and tools/status.py show
+single-host `--workers 2` run; traffic crosses the veths; /health and `justapi status` show
 the hosts; a connection with a key the launcher did not authorize is refused; a prefix cached
 on one host is copied to the other (KV over the wire) and not recomputed; a worker SIGKILLed
 mid-load loses no request and Ray restarts it; a host cut off the network mid-load loses no
@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -28,11 +27,8 @@ from justapi.ops.admin_client import AdminClient
 from justapi.wire import transport
 from justapi.wire.auth import SERVER_KEY_FILE, read_key_file
 from justapi.wire.protocol import Heartbeat, PoolInfo, Ready
-from tests.support.serve_harness import TINY_MODEL, ServedPool
-
-TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
-sys.path.insert(0, str(TOOLS_DIR))
-from netns_lab import NetnsLab, netns_available, process_tree, processes  # noqa: E402
+from tools.harness import TINY_MODEL, ServedPool
+from tools.netns_lab import NetnsLab, netns_available, process_tree, processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -159,7 +155,7 @@ def test_health_and_status_show_the_hosts(served, lab):
     assert body["status"] == "ok"
     assert sorted(h["host"] for h in body["hosts"]) == sorted(h.inside_ip for h in lab.hosts)
     assert all(h["num_workers"] == h["num_workers_healthy"] == 1 for h in body["hosts"])
-    result = subprocess.run([sys.executable, str(TOOLS_DIR / "status.py"), "--admin",
+    result = subprocess.run([sys.executable, "-m", "justapi.cli", "status", "--admin",
                              f"ipc://{pool.runtime_dir}/admin.sock"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -248,7 +244,7 @@ def test_a_host_cut_off_mid_load_loses_no_request_and_comes_back(served, lab):
         try:
             outputs = {p: f.result(timeout=WAIT_S * 2)[0] for p, f in futures.items()}
             body = wait_for(lambda: _degraded(pool, host.inside_ip), "/health to report the host")
-            table = subprocess.run([sys.executable, str(TOOLS_DIR / "status.py"), "--admin",
+            table = subprocess.run([sys.executable, "-m", "justapi.cli", "status", "--admin",
                                     f"ipc://{pool.runtime_dir}/admin.sock"],
                                    capture_output=True, text=True, timeout=60).stdout
         finally:

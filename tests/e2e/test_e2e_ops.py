@@ -1,11 +1,13 @@
 """End-to-end failure handling and operations on the real process pool (tiny synthetic model):
 SIGKILL a worker mid-load (every request completes, /health reports it, no block leaks, the
 replacement serves again), SIGSTOP a worker (caught by missed heartbeats), drain/undrain, each
-tool against the live server (found through its state file), and a pool left with no worker
+ops command (`justapi status`, `health`, `flush-cache`, `drain`) against the live server (found
+through its state file), `justapi bench serve` against it, and a pool left with no worker
 failing requests with a clear error instead of hanging."""
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import json
 import os
 import signal
@@ -18,7 +20,7 @@ import httpx
 import pytest
 
 from justapi.ops.admin_client import AdminClient
-from tests.support.serve_harness import TINY_MODEL, ServedPool, child_pids
+from tools.harness import TINY_MODEL, ServedPool, child_pids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -106,38 +108,72 @@ def assert_no_leaked_block() -> None:
         assert check.ok, check.message
 
 
-def tool(name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tools" / name), *args],
+def justapi(command: str, *args: str) -> subprocess.CompletedProcess:
+    """`justapi COMMAND ARGS` in a process of its own, as an operator runs it."""
+    return subprocess.run([sys.executable, "-m", "justapi.cli", command, *args],
                           capture_output=True, text=True, timeout=120)
 
 
-# ------------------------------------------------------------------------------ tools
-def test_each_tool_against_the_live_server(pool):
-    result = tool("status.py", "--json")
+# ------------------------------------------------------------------------------ commands
+def test_each_command_against_the_live_server(pool):
+    result = justapi("status", "--json")
     assert result.returncode == 0, result.stderr
     reply = json.loads(result.stdout)["status"]
     assert reply["healthy"] and [w["worker_id"] for w in reply["workers"]] == [0, 1]
     assert reply["stats"]["kv_blocks_total"] == 512
-    text = tool("status.py", "--check-invariants").stdout
+    text = justapi("status", "--check-invariants").stdout
     assert "workers" in text and "queues" in text and "prefix cache" in text
     assert "invariants: invariants hold (512 blocks" in text
-    result = tool("health.py", "--json")
+    result = justapi("health", "--json")
     health = json.loads(result.stdout)
     assert result.returncode == 0 and health["healthy"] and health["nvml"] == "not needed (CPU workers)"
     assert all(w["rss_bytes"] > 0 and w["pool"]["kind"] == "shm" and w["pool"]["is_linked"]
                for w in health["workers"])
-    assert "healthy; NVML: not needed (CPU workers)" in tool("health.py").stdout
+    assert "healthy; NVML: not needed (CPU workers)" in justapi("health").stdout
     complete(pool, 4)
     cached = status().stats["prefix_cache_blocks"]
     assert cached > 0
-    result = tool("flush_cache.py")
+    result = justapi("flush-cache")
     assert result.returncode == 0
     assert result.stdout.startswith(f"flushed {int(cached)} unreferenced prefix-cache block(s)")
     assert status().stats["prefix_cache_blocks"] == 0
-    assert tool("drain.py", "7").returncode == 1  # unknown worker: refused, named
-    assert tool("drain.py", "1", "--json").returncode == 0
+    refused = justapi("drain", "7")
+    assert refused.returncode == 1 and refused.stdout.startswith("unknown worker 7")
+    assert json.loads(justapi("drain", "1", "--json").stdout)["ok"]
     assert worker(status(), 1)["draining"]
-    assert tool("drain.py", "1", "--undrain").stdout.startswith("worker 1: accepting new requests")
+    assert justapi("drain", "1", "--undrain").stdout.startswith("worker 1: accepting new requests")
+
+
+def test_bench_serve_against_the_live_server(pool, tmp_path):
+    """The load generator on a real pool: every request completes with exactly its tokens, and
+    the figures it prints and writes agree with each other and with the server's counters."""
+    before = status().stats["num_generated_tokens"]
+    out_json, plot = tmp_path / "bench.json", tmp_path / "cdf.png"
+    args = ["--base-url", pool.base_url, "--workload", "batch", "--num-requests", "6",
+            "--concurrency", "3", "--max-tokens", "8", "--prompt-tokens", "16", "--ignore-eos",
+            "--json", str(out_json)]
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    result = justapi("bench", "serve", *args, *(["--plot", str(plot)] if has_matplotlib else []))
+    assert result.returncode == 0, result.stderr
+    assert "100%" in result.stderr and "6/6" in result.stderr  # the progress bar, on stderr
+    report = json.loads(out_json.read_text())
+    summary = report["summary"]
+    assert summary["num_ok"] == 6 and summary["num_failed"] == 0
+    assert summary["total_output_tokens"] == 6 * 8  # usage.completion_tokens, --ignore-eos
+    assert report["config"]["model"] == "synthetic-llama-2x64-f32"
+    records = report["requests"]
+    assert all(r["ok"] and r["output_tokens_source"] == "usage" for r in records)
+    assert all(r["ttft_s"] <= r["e2e_s"] and r["tpot_s"] > 0 for r in records)
+    lines = result.stdout.splitlines()
+    assert lines[0].strip("= ") == "batch / completions"
+    assert "Requests ok / failed:" in lines[1] and lines[1].split()[-3:] == ["6", "/", "0"]
+    assert lines[6].split()[-3:] == [str(6 * 8), "/", str(summary["total_prompt_tokens"])]
+    ttft_p50 = next(line for line in lines if line.startswith("TTFT")).split()[1]
+    assert ttft_p50 == f"{summary['ttft_ms']['p50']:.2f}"
+    wait_for(lambda: status().stats["num_generated_tokens"] >= before + 6 * 8,
+             "the server to count the generated tokens")
+    if has_matplotlib:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ------------------------------------------------------------------------------ drain
@@ -231,7 +267,7 @@ def test_a_pool_without_workers_fails_requests_clearly(state_dir):
             late = post(served, "hi", 2)
             assert late.status_code == 500 and "no healthy worker" in late.json()["error"]["message"]
             assert not client.status().healthy
-        assert tool("health.py", "--admin", endpoint).returncode == 1  # usable as a probe
+        assert justapi("health", "--admin", endpoint).returncode == 1  # usable as a probe
     finally:
         served.children = child_pids(served.proc.pid)
         served.stop(signal.SIGTERM)

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from justapi.client import AsyncClient, Client
-from tests.support.serve_harness import TINY_MODEL, ServedPool, free_port
+from tools.harness import TINY_MODEL, ServedPool, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

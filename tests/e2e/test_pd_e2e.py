@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from justapi.ops.admin_client import AdminClient
-from tests.support.serve_harness import TINY_MODEL, ServedPool, child_pids
+from tools.harness import TINY_MODEL, ServedPool, child_pids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.support.serve_harness import TINY_MODEL, ServedPool, pid_alive
+from tools.harness import TINY_MODEL, ServedPool, pid_alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from tests.support.serve_harness import TINY_MODEL, ServedPool
+from tools.harness import TINY_MODEL, ServedPool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

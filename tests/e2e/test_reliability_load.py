@@ -1,27 +1,21 @@
 """Load on a live pool (tiny synthetic model): the bounded queue (429 + Retry-After while the
 accepted requests complete), 1,000 concurrent streaming clients with correct greedy outputs,
 KV exhaustion (a tiny pool forces preemption; outputs equal the unpressured runs), and a
-scaled-down soak (tools/soak.py: disconnects and aborts, no leaked block, every request
+scaled-down soak (tools/bench/soak.py: disconnects and aborts, no leaked block, every request
 counted in /metrics)."""
 from __future__ import annotations
 
 import asyncio
 import resource
 import signal
-import sys
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.serve_harness import TINY_MODEL, ServedPool, free_port
-
-TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
-sys.path.insert(0, str(TOOLS_DIR))
-
-import soak  # noqa: E402  (tools/soak.py)
+from tools.bench import soak
+from tools.harness import TINY_MODEL, ServedPool, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -19,7 +19,7 @@ from justapi.client import Client
 from justapi.wire.codec import encode
 from justapi.wire.auth import write_key_pair
 from justapi.wire.protocol import QueryStats
-from tests.support.serve_harness import TINY_MODEL, ServedPool, free_port
+from tools.harness import TINY_MODEL, ServedPool, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -25,7 +25,7 @@ from justapi.wire.protocol import (
     StepResult,
     SubmitRequest,
 )
-from tests.support.serve_harness import TINY_MODEL, ServedPool, pid_alive
+from tools.harness import TINY_MODEL, ServedPool, pid_alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.serve_harness import TINY_MODEL, ServedPool
+from tools.harness import TINY_MODEL, ServedPool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 

@@ -14,7 +14,7 @@ import sys
 import httpx
 import pytest
 
-from tests.support.serve_harness import ServedPool
+from tools.harness import ServedPool
 from workers.weights.synthetic import CHAT_TEMPLATE, SyntheticSpec, write_synthetic_gguf
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

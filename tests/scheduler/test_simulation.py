@@ -208,7 +208,7 @@ def test_trace_round_trip_and_simulate_tool(tmp_path):
     path = tmp_path / "trace.jsonl"
     path.write_text(buffer.getvalue())
     done = subprocess.run(
-        [sys.executable, "tools/simulate.py", "--trace", str(path), "--pool-blocks", "64",
+        [sys.executable, "-m", "tools.simulate", "--trace", str(path), "--pool-blocks", "64",
          "--block-size", "4", "--workers", "2", "--compare-static", "--check-invariants",
          "--per-request", "3"], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
@@ -217,6 +217,6 @@ def test_trace_round_trip_and_simulate_tool(tmp_path):
     for needle in ("steps", "seqs/step", "prefix cache hit ratio", "preemptions", "TTFT s",
                    "TPOT st", "queue s", "req-0"):
         assert needle in out
-    bad = subprocess.run([sys.executable, "tools/simulate.py"], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, "-m", "tools.simulate"], capture_output=True, text=True,
                          timeout=60, check=False)
     assert bad.returncode == 2 and "--trace" in bad.stderr

@@ -1,4 +1,4 @@
-"""tools/bench.py against a tiny in-test OpenAI-compatible SSE server (uvicorn in a thread):
+"""`justapi bench serve` (justapi/bench/) against a tiny in-test OpenAI-compatible SSE server (uvicorn in a thread):
 token counting, TTFT/ITL/TPOT derivation, percentile math, JSON and plot output, seeded
 workloads, pacing, the unreachable-server error and Ctrl-C."""
 from __future__ import annotations
@@ -19,18 +19,18 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 import pytest
+import uvicorn
+from click.testing import CliRunner, Result
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
-TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
-sys.path.insert(0, str(TOOLS_DIR))
-
-import bench  # noqa: E402
-import bench_client  # noqa: E402
-import bench_workloads  # noqa: E402
-import uvicorn  # noqa: E402
-from starlette.applications import Starlette  # noqa: E402
-from starlette.requests import Request  # noqa: E402
-from starlette.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
-from starlette.routing import Route  # noqa: E402
+from justapi import cli
+from justapi.bench import client as bench_client
+from justapi.bench import command as bench
+from justapi.bench import report
+from justapi.bench import workloads as bench_workloads
 
 CHUNK_TEXTS = ["Hello", " wor", "ld", "!"]  # 4 text chunks ...
 USAGE_TOKENS = 6                              # ... carrying 6 tokens (some chunks hold 2)
@@ -184,7 +184,7 @@ def test_http_errors_are_recorded_per_request(fake: FakeServer) -> None:
     records = _run(bench_client.ClientConfig(fake.base_url), requests).records
     assert [r.ok for r in records] == [True, True, False]
     assert records[2].error == "HTTP 500: boom"
-    summary = bench.summarize(records, 1.0)
+    summary = report.summarize(records, 1.0)
     assert summary["num_ok"] == 2 and summary["num_failed"] == 1
 
 
@@ -215,19 +215,19 @@ def test_arrival_offsets_delay_launches(fake: FakeServer) -> None:
 
 # ---------------------------------------------------------------- statistics
 def test_percentile_on_known_samples() -> None:
-    assert bench.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert bench.percentile([1.0, 2.0, 3.0, 4.0], 0) == 1.0
-    assert bench.percentile([4.0, 1.0, 3.0, 2.0], 100) == 4.0
-    assert bench.percentile(list(range(1, 11)), 90) == pytest.approx(9.1)
-    assert bench.percentile([7.0], 99) == 7.0
+    assert report.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert report.percentile([1.0, 2.0, 3.0, 4.0], 0) == 1.0
+    assert report.percentile([4.0, 1.0, 3.0, 2.0], 100) == 4.0
+    assert report.percentile(list(range(1, 11)), 90) == pytest.approx(9.1)
+    assert report.percentile([7.0], 99) == 7.0
     np = pytest.importorskip("numpy")
     samples = [random.Random(5).random() for _ in range(101)]
     for q in (1, 50, 90, 99):
-        assert bench.percentile(samples, q) == pytest.approx(float(np.percentile(samples, q)))
+        assert report.percentile(samples, q) == pytest.approx(float(np.percentile(samples, q)))
     with pytest.raises(ValueError, match="empty"):
-        bench.percentile([], 50)
+        report.percentile([], 50)
     with pytest.raises(ValueError, match="101"):
-        bench.percentile([1.0], 101)
+        report.percentile([1.0], 101)
 
 
 def test_summary_figures_from_known_records() -> None:
@@ -235,7 +235,7 @@ def test_summary_figures_from_known_records() -> None:
                                           e2e_s=1.0, itl_s=[0.01, 0.03], output_tokens=10,
                                           prompt_tokens=5) for i in range(4)]
     records.append(bench_client.RequestRecord(4, "main", 0.0, error="HTTP 500: x"))
-    summary = bench.summarize(records, duration_s=2.0)
+    summary = report.summarize(records, duration_s=2.0)
     assert summary["num_ok"] == 4 and summary["num_failed"] == 1
     assert summary["request_throughput"] == 2.0
     assert summary["output_throughput"] == 20.0 and summary["total_token_throughput"] == 30.0
@@ -322,8 +322,12 @@ def test_tokenizer_sizer_with_the_default_gguf() -> None:
 
 
 # ---------------------------------------------------------------- the command line
-def test_main_writes_json_and_plot(fake: FakeServer, tmp_path: Path,
-                                   capsys: pytest.CaptureFixture[str]) -> None:
+def bench_serve(*args: str) -> Result:
+    """`justapi bench serve ARGS` through the `justapi` group (stdout and stderr apart)."""
+    return CliRunner().invoke(cli.main, ["bench", "serve", *args])
+
+
+def test_main_writes_json_and_plot(fake: FakeServer, tmp_path: Path) -> None:
     json_path, plot_path = tmp_path / "out.json", tmp_path / "cdf.png"
     argv = ["--base-url", fake.base_url, "--workload", "long-burst", "--num-requests", "5",
             "--decode-streams", "2", "--burst-size", "2", "--burst-interval-s", "0.05",
@@ -331,40 +335,45 @@ def test_main_writes_json_and_plot(fake: FakeServer, tmp_path: Path,
     has_matplotlib = _has_module("matplotlib")
     if has_matplotlib:
         argv += ["--plot", str(plot_path)]
-    assert bench.main(argv) == bench.EXIT_OK
-    out = capsys.readouterr().out
+    result = bench_serve(*argv)
+    assert result.exit_code == bench.EXIT_OK, result.output
+    out = result.stdout
     assert "Requests ok / failed:" in out and "group decode (2 ok)" in out
-    report = json.loads(json_path.read_text())
-    assert set(report) == {"config", "interrupted", "summary", "groups", "requests"}
-    assert report["config"]["model"] == "fake-model" and report["interrupted"] is False
-    assert set(report["groups"]) == {"decode", "burst"}
-    summary = report["summary"]
+    written = json.loads(json_path.read_text())
+    assert set(written) == {"config", "interrupted", "summary", "groups", "requests"}
+    assert written["config"]["model"] == "fake-model" and written["interrupted"] is False
+    assert written["config"]["num_requests"] == 5 and written["config"]["concurrency"] is None
+    assert "api_key" not in written["config"]
+    assert set(written["groups"]) == {"decode", "burst"}
+    summary = written["summary"]
     for key in ("num_ok", "num_failed", "duration_s", "request_throughput",
                 "output_throughput", "total_token_throughput", "ttft_ms", "tpot_ms",
                 "itl_ms", "e2e_ms"):
         assert key in summary
     assert summary["num_ok"] == 5 and summary["total_output_tokens"] == 5 * USAGE_TOKENS
     assert set(summary["itl_ms"]) == {"p50", "p90", "p99", "mean", "count"}
-    assert len(report["requests"]) == 5 and report["requests"][0]["itl_s"]
+    assert len(written["requests"]) == 5 and written["requests"][0]["itl_s"]
     assert fake.behaviour.bodies[0]["model"] == "fake-model"
     if has_matplotlib:
         assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_unreachable_server_fails_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_unreachable_server_fails_with_one_line() -> None:
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    code = bench.main(["--base-url", f"http://127.0.0.1:{port}", "--no-progress"])
-    err = capsys.readouterr().err
-    assert code == bench.EXIT_USAGE
-    assert err.count("\n") == 1 and err.startswith("bench: error: cannot reach server at")
+    result = bench_serve("--base-url", f"http://127.0.0.1:{port}", "--no-progress")
+    err = result.stderr
+    assert result.exit_code == bench.EXIT_USAGE and result.stdout == ""
+    assert err.count("\n") == 1
+    assert err.startswith("justapi bench serve: error: cannot reach server at")
 
 
 def test_length_dist_flag_reaches_the_mixed_workload() -> None:
     def lengths(*flags: str) -> list[int]:
-        args = bench.build_parser().parse_args(["--workload", "mixed", *flags])
-        return [r.max_tokens for r in bench.plan_run(args).requests]
+        context = bench.bench_serve.make_context("serve", ["--workload", "mixed", *flags])
+        options = bench.BenchOptions(**context.params)
+        return [r.max_tokens for r in bench.plan_run(options).requests]
     expected = bench_workloads.build_workload(
         bench_workloads.WorkloadOptions("mixed", length_dist="log-uniform"),
         bench_workloads.EstimateSizer())
@@ -372,38 +381,43 @@ def test_length_dist_flag_reaches_the_mixed_workload() -> None:
     assert lengths() != lengths("--length-dist", "log-uniform")
 
 
-def test_bad_flags_fail_with_a_message(capsys: pytest.CaptureFixture[str],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    assert bench.main(["--workload", "single", "--concurrency", "4"]) == bench.EXIT_USAGE
-    assert "single" in capsys.readouterr().err
-    assert bench.main(["--concurrency", "0"]) == bench.EXIT_USAGE
-    assert "--concurrency must be >= 1, got 0" in capsys.readouterr().err
-    assert bench.main(["--num-requests", "0"]) == bench.EXIT_USAGE
-    assert "num_requests must be >= 1, got 0" in capsys.readouterr().err
+def test_bad_flags_fail_with_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fails(*args: str) -> str:
+        result = bench_serve(*args)
+        assert result.exit_code == bench.EXIT_USAGE and result.stdout == ""
+        assert result.stderr.count("\n") == 1, result.stderr  # one line, no traceback
+        return result.stderr
+
+    assert "--workload single sends one stream at a time" in fails(
+        "--workload", "single", "--concurrency", "4")
+    assert "--concurrency must be >= 1, got 0" in fails("--concurrency", "0")
+    assert "num_requests must be >= 1, got 0" in fails("--num-requests", "0")
+    assert "drop --request-rate" in fails("--workload", "long-burst", "--request-rate", "2")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    assert bench.main(["--plot", "x.png"]) == bench.EXIT_USAGE
-    assert "--plot needs matplotlib" in capsys.readouterr().err
+    assert fails("--plot", "x.png") == "justapi bench serve: error: --plot needs matplotlib: " \
+        "pip install matplotlib (or pip install -e '.[bench]')\n"
+    unknown = bench_serve("--workload", "nope")  # click's own usage error, also exit 2
+    assert unknown.exit_code == bench.EXIT_USAGE and "'nope' is not one of" in unknown.stderr
 
 
-def test_unwritable_json_path_fails_with_a_message(fake: FakeServer, tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--base-url", fake.base_url, "--workload", "single", "--num-requests", "1",
-            "--no-progress", "--json", str(tmp_path)]  # a directory
-    assert bench.main(argv) == bench.EXIT_USAGE
-    assert "bench: error: cannot write output" in capsys.readouterr().err
+def test_unwritable_json_path_fails_with_a_message(fake: FakeServer, tmp_path: Path) -> None:
+    result = bench_serve("--base-url", fake.base_url, "--workload", "single", "--num-requests",
+                         "1", "--no-progress", "--json", str(tmp_path))  # a directory
+    assert result.exit_code == bench.EXIT_USAGE
+    assert "justapi bench serve: error: cannot write output" in result.stderr
 
 
-def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--help"])
-    assert exit_info.value.code == 0
-    assert "--request-rate" in capsys.readouterr().out
+def test_help_exits_zero() -> None:
+    result = bench_serve("--help")
+    assert result.exit_code == 0
+    assert "--request-rate" in result.stdout and "workload defaults" in result.stdout
+    assert "serve" in CliRunner().invoke(cli.main, ["bench", "--help"]).stdout
 
 
 def test_ctrl_c_prints_a_partial_summary(fake: FakeServer) -> None:
     fake.behaviour.gap_s = 0.3  # each request takes about a second
-    command = [sys.executable, str(TOOLS_DIR / "bench.py"), "--base-url", fake.base_url,
-               "--workload", "single", "--num-requests", "50", "--no-progress"]
+    command = [sys.executable, "-m", "justapi.cli", "bench", "serve", "--base-url",
+               fake.base_url, "--workload", "single", "--num-requests", "50", "--no-progress"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
     try:

@@ -1,25 +1,29 @@
-"""tools/status.py, health.py, drain.py, flush_cache.py and gguf_info.py without a server:
-their tables (GPU figures included), --help, one-line errors and exit codes when nothing runs,
-and what gguf_info finds in a tiny model and the default one."""
+"""`justapi status`, `health`, `drain`, `flush-cache`, `keys`, `inspect` and `perplexity`
+without a server: their tables (GPU figures included), --help and `justapi --help` listing
+them, one-line errors and exit codes when nothing runs, the key pair `keys` writes, and what
+`inspect` finds in a tiny model and the default one."""
 from __future__ import annotations
 
 import json
 import math
+import os
+import re
+import stat
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
-TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
-sys.path.insert(0, str(TOOLS_DIR))
+from justapi import cli
+from justapi.ops import admin_cli
+from justapi.ops.health import render as render_health
+from justapi.ops.status import render as render_status
+from justapi.wire.auth import read_secret_key
+from justapi.wire.protocol import StatusReply
 
-import gguf_info  # noqa: E402
-import ops_cli  # noqa: E402
-from health import render as render_health  # noqa: E402
-from status import render as render_status  # noqa: E402
-
-from justapi.wire.protocol import StatusReply  # noqa: E402
+OPS_COMMANDS = ("status", "health", "drain", "flush-cache", "keys", "inspect", "perplexity")
+ADMIN_COMMANDS = ("status", "health", "drain", "flush-cache")
 
 WORKERS = [
     {"worker_id": 0, "pool_id": 0, "pid": 101, "device": "cuda:0", "healthy": False,
@@ -75,40 +79,88 @@ def test_health_table_includes_nvml_figures():
 
 
 def test_table_aligns_numbers_right_and_shows_missing_as_dash():
-    assert ops_cli.table(["a", "bb"], [[1, None], [100, "x"]]).splitlines() == [
+    assert admin_cli.table(["a", "bb"], [[1, None], [100, "x"]]).splitlines() == [
         "  a  bb", "  1  -", "100  x"]
-    assert ops_cli.human_bytes(1536) == "1.5 KiB" and ops_cli.human_bytes(None) is None
-    assert ops_cli.seconds(59.94) == "59.9s" and ops_cli.seconds(61) == "1m01s"
+    assert admin_cli.human_bytes(1536) == "1.5 KiB" and admin_cli.human_bytes(None) is None
+    assert admin_cli.seconds(59.94) == "59.9s" and admin_cli.seconds(61) == "1m01s"
 
 
-@pytest.mark.parametrize("tool", ["status.py", "drain.py", "flush_cache.py", "health.py",
-                                  "gguf_info.py"])
-def test_every_tool_has_help(tool: str):
-    result = subprocess.run([sys.executable, str(TOOLS_DIR / tool), "--help"],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0 and "usage:" in result.stdout
-    if tool != "gguf_info.py":
-        assert "--admin ENDPOINT" in result.stdout and "--json" in result.stdout
+def justapi(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`justapi ARGS` as a user runs it: a process of its own, through the console script's
+    module."""
+    return subprocess.run([sys.executable, "-m", "justapi.cli", *args], capture_output=True,
+                          text=True, timeout=60, env=env)
 
 
-def test_no_server_is_one_line_and_exit_2(tmp_path, monkeypatch):
-    monkeypatch.setenv("JUSTAPI_STATE_DIR", str(tmp_path))
-    result = subprocess.run([sys.executable, str(TOOLS_DIR / "status.py")],
-                            capture_output=True, text=True, timeout=60)
+def test_justapi_help_lists_the_ops_commands():
+    result = justapi("--help")
+    assert result.returncode == 0
+    listed = [line.split()[0] for line in result.stdout.split("Commands:")[1].splitlines()
+              if line.strip()]
+    assert set(OPS_COMMANDS) | {"serve", "generate", "bench"} <= set(listed)
+
+
+@pytest.mark.parametrize("command", OPS_COMMANDS)
+def test_every_command_has_help(command: str):
+    result = CliRunner().invoke(cli.main, [command, "--help"])
+    assert result.exit_code == 0 and result.output.startswith("Usage: ")
+    if command in ADMIN_COMMANDS:
+        assert "--admin ENDPOINT" in result.output and "--json" in result.output
+        assert "--timeout SECONDS" in result.output
+
+
+def test_no_server_is_one_line_and_exit_2(tmp_path):
+    env = {**os.environ, "JUSTAPI_STATE_DIR": str(tmp_path)}
+    result = justapi("status", env=env)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"status.py: error: no running justapi server found in {tmp_path} (start one with "
+        f"justapi status: error: no running justapi server found in {tmp_path} (start one with "
         "`justapi serve`, or pass --admin ENDPOINT)"]
-    result = subprocess.run([sys.executable, str(TOOLS_DIR / "drain.py"), "0", "--admin",
-                             f"ipc://{tmp_path}/gone.sock"], capture_output=True, text=True,
-                            timeout=60)
-    assert result.returncode == 2 and "no admin socket at" in result.stderr
+    for command in (["health"], ["flush-cache", "--pool", "0"], ["drain", "0"]):
+        result = justapi(*command, "--admin", f"ipc://{tmp_path}/gone.sock", env=env)
+        assert result.returncode == 2, command
+        assert result.stderr.strip().splitlines() == [
+            f"justapi {command[0]}: error: no admin socket at ipc://{tmp_path}/gone.sock "
+            "(is the server running?)"]
+    result = justapi("status", "--timeout", "0", env=env)
+    assert result.returncode == 2 and "timeout_s must be > 0, got 0.0" in result.stderr
+    result = justapi("drain", "one", env=env)  # a bad flag value: click's usage error
+    assert result.returncode == 2 and "'one' is not a valid integer" in result.stderr
 
 
-def test_gguf_info_on_a_tiny_model(tiny_gguf, capsys):
+def test_keys_writes_a_pair_and_never_overwrites(tmp_path):
+    secret = tmp_path / "server.key"
+    result = CliRunner().invoke(cli.main, ["keys", str(secret)])
+    assert result.exit_code == 0, result.output
+    public = (tmp_path / "server.key.pub").read_text().strip()
+    assert result.output.splitlines() == [
+        f"secret key: {secret} (mode 0600, for --zmq-curve-secret-key)",
+        f"public key: {secret}.pub: {public}"]
+    assert stat.S_IMODE(os.stat(secret).st_mode) == 0o600 and len(read_secret_key(str(secret))) == 40
+    again = CliRunner().invoke(cli.main, ["keys", str(secret)])
+    assert again.exit_code == 2 and again.stdout == "" and again.stderr.strip() == \
+        f"justapi keys: cannot write {secret}: File exists"
+    assert len(public) == 40 and (tmp_path / "server.key.pub").read_text().strip() == public
+
+
+def test_perplexity_bad_text_is_one_line():
+    result = CliRunner().invoke(cli.main, ["perplexity", "--text", "/nonexistent/prose.txt"])
+    assert result.exit_code == 1 and result.stdout == ""
+    assert result.stderr.strip() == \
+        "justapi perplexity: error: [Errno 2] No such file or directory: '/nonexistent/prose.txt'"
+
+
+def inspect(*args: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `justapi inspect ARGS`."""
+    result = CliRunner().invoke(cli.main, ["inspect", *args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_gguf_info_on_a_tiny_model(tiny_gguf):
     path = tiny_gguf(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, context=256)
-    assert gguf_info.main([path, "--json", "--seqs", "2"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    code, out, _ = inspect(path, "--json", "--seqs", "2")
+    assert code == 0
+    report = json.loads(out)
     shapes = report["shapes"]
     assert (shapes["num_layers"], shapes["hidden_size"], shapes["num_heads"],
             shapes["num_kv_heads"], shapes["head_dim"], shapes["ffn_size"]) == (2, 64, 4, 2, 16, 128)
@@ -123,9 +175,9 @@ def test_gguf_info_on_a_tiny_model(tiny_gguf, capsys):
     assert sum(r["num_tensors"] for r in report["tensor_types"]) == report["file"]["num_tensors"]
 
 
-def test_gguf_info_on_the_default_model(smollm2_path, capsys):
-    assert gguf_info.main([smollm2_path, "--tensors"]) == 0
-    text = capsys.readouterr().out
+def test_gguf_info_on_the_default_model(smollm2_path):
+    code, text, _ = inspect(smollm2_path, "--tensors")
+    assert code == 0
     assert "model  Smollm2 135M" in text and "llama, MOSTLY_Q4_1, 134.5 M parameters" in text
     assert "layers 30, hidden 576, heads 9 (kv 3, head dim 64), ffn 1536, context 8192" in text
     assert "Q4_1      210" in text and "eos 2 '<|im_end|>'" in text
@@ -135,9 +187,30 @@ def test_gguf_info_on_the_default_model(smollm2_path, capsys):
     assert "blk.0.attn_q.weight" in text
 
 
-def test_gguf_info_bad_file_is_one_line(tmp_path, capsys):
+def test_gguf_info_bad_file_is_one_line(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf at all, definitely not" * 3)
-    assert gguf_info.main([str(bad)]) == 1
-    assert capsys.readouterr().err.strip() == \
-        f"gguf_info.py: error: {bad}: not a GGUF file (bad magic or too short)"
+    code, out, err = inspect(str(bad))
+    assert code == 1 and out == ""
+    assert err.strip() == f"justapi inspect: error: {bad}: not a GGUF file (bad magic or too short)"
+    code, _, err = inspect(str(bad), "--seqs", "0")
+    assert code == 2 and "0 is not in the range x>=1" in err
+
+
+def test_perplexity_on_a_tiny_model(tiny_gguf, tmp_path):
+    """The data plane behind `justapi perplexity`: the same weights twice score the same."""
+    path = tiny_gguf(layers=1, hidden=64, heads=4, kv_heads=2, ffn=128, context=256)
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 4)
+    result = CliRunner().invoke(cli.main, ["perplexity", "--model", path, "--text", str(text),
+                                           "--n-ctx", "64", "--paths", "fp32,fp32"])
+    assert result.exit_code == 0, result.output
+    header, first, second = result.stdout.splitlines()
+    assert header.startswith(f"text {text}; n_ctx 64, stride 32, chunk rows 64; load average ")
+    found = re.fullmatch(r" fp32: perplexity +([0-9.]+) \(\+0\.00% vs fp32\), (\d+) tokens "
+                         r"scored in (\d+) windows of (\d+), [0-9.]+ s", first)
+    assert found, first
+    num_scored, num_windows, num_tokens = map(int, found.groups()[1:])
+    # a window of 64 every 32 tokens while a whole one fits; each scores its second half
+    assert num_windows == (num_tokens - 64) // 32 + 1 and num_scored == 32 * num_windows
+    assert second.split()[2] == found.group(1)  # the same weights score the same

@@ -19,7 +19,7 @@ from tests.workers.test_model_reference import BLOCK_SIZE, NUM_BLOCKS, Seqs, all
 from justapi.model.gguf_file import GGUFFile
 from justapi.sampling import SamplingParams
 from tests.support.reference_llama import ReferenceLlama
-from tests.support.serve_harness import TINY_MODEL, ServedPool
+from tools.harness import TINY_MODEL, ServedPool
 from workers.kv.pool import KVPool, PoolShape
 from workers.model.attention import make_backend
 from workers.model.forward import LlamaModel

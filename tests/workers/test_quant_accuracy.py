@@ -5,18 +5,17 @@ where fp32 itself nearly ties (the chosen token within a small margin of fp32's 
 The agreement figures are printed (pytest -s) and recorded as test properties."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
+from justapi.ops.perplexity import DEFAULT_TEXT
 from justapi.sampling import SamplingParams
 from workers.engine import LLMEngine
 from workers.model.perplexity import perplexity, position_logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-TEXT = Path(__file__).resolve().parents[2] / "tools" / "data" / "prose.txt"
+TEXT = DEFAULT_TEXT  # the text `justapi perplexity` scores by default
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
            "The three primary colors are"]
 NUM_TOKENS = 24

@@ -124,7 +124,7 @@ def test_perplexity_windows_and_score(tiny_gguf):
 def test_served_worker_runs_the_weights_it_was_given(tiny_gguf, mode):
     """`justapi serve --weights q4|bf16`: the served logprobs are that engine's, not fp32's
     (bf16 on a CPU without bf16 instructions runs fp32: then both are fp32's)."""
-    from tests.support.serve_harness import ServedPool
+    from tools.harness import ServedPool
 
     path = tiny_gguf(**SPEC)
     prompt = [10, 11, 12, 13, 14, 15]

@@ -12,8 +12,9 @@ step's matmuls take.
 - auto: both copies of each such matrix (DualLinear). A matmul of at most the crossover rows
   takes the 4-bit kernel, a larger one the dense kernel. Every matmul of a step's layers has the
   step's token count as rows, so a step takes one path for its layers; the head sees the rows
-  being sampled. The crossovers were measured (tools/bench_quant.py --crossover, figures in
-  docs/quantization.md), not guessed; they differ for Q4 (one plane) and Q8_0 (two planes).
+  being sampled. The crossovers were measured (python -m tools.bench quant --crossover-only,
+  figures in docs/quantization.md), not guessed; they differ for Q4 (one plane) and Q8_0 (two
+  planes).
 Owns: the mode, the crossover figures, building the model. Does not own: kernels or loading.
 """
 from __future__ import annotations
@@ -54,8 +55,8 @@ class Crossover:
 
 CPU_CROSSOVER = Crossover(q4_rows=24, q8_rows=4)
 """2-core x86-64 (AVX2, no hardware bf16), torch 2.13, SmolLM2-135M, paired timings of both
-kernels (tools/bench_quant.py --crossover-only, twice): the layers' int4 matmuls win up to 16-24
-rows, the Q8_0 head's (two planes) up to 4. See docs/quantization.md."""
+kernels (python -m tools.bench quant --crossover-only, twice): the layers' int4 matmuls win up
+to 16-24 rows, the Q8_0 head's (two planes) up to 4. See docs/quantization.md."""
 CUDA_CROSSOVER = Crossover(q4_rows=0, q8_rows=0)
 """NVIDIA H200, tinygemm vs cuBLAS bf16, SmolLM2's shapes: int4 never won (its steps are
 launch-bound below ~128 rows, and slower above): auto on CUDA computes dense, q4 saves memory.

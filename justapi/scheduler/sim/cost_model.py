@@ -4,7 +4,7 @@
 
 where context_reads sums, over every token computed, the positions it attends to (a chunk of
 n tokens at start s reads n * s + n * (n + 1) / 2). Fit a, b, c from a
-few measured steps of the real worker (tools/bench.py) to make the simulator predictive.
+few measured steps of the real worker (`justapi bench serve`) to make the simulator predictive.
 Owns: the formula. Does not own: measurements.
 """
 from __future__ import annotations

@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
 """Benchmark the scheduler core (pure Python, no model): cost of schedule() + update() per
 step with many running and waiting requests, and of radix `match` against prompt length and
 tree size. Prints figures; docs/scheduler.md records them with this command.
 
-    python tools/bench_scheduler.py [--running 256] [--waiting 10000] [--steps 300]
+    python -m tools.bench scheduler [--running 256] [--waiting 10000] [--steps 300]
                                     [--workers 1 8] [--only step|match]
 """
 from __future__ import annotations
@@ -163,8 +162,9 @@ def bench_match(args: argparse.Namespace) -> None:
         print(f"  {cache.num_blocks:8d} cached blocks, {cache.num_nodes:6d} nodes: {us:8.2f} us")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench scheduler",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--running", type=int, default=256)
     parser.add_argument("--waiting", type=int, default=10000)
     parser.add_argument("--steps", type=int, default=300)
@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 8],
                         help="worker counts to measure (running is split between them)")
     parser.add_argument("--only", choices=("step", "match"), default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.only in (None, "step"):
         for num_workers in args.workers:
             bench_step(args, num_workers)

@@ -7,7 +7,8 @@ chunk. Afterwards: no KV block held (admin status, invariants checked), every re
 counted once in /metrics (`justapi:request_success_total` summed over finish reasons), and
 the resident memory of the pool's processes after the first tenth of the requests compared
 with the end (growth must stay under 5%).
-Usage: python tools/soak.py [--requests 10000] [--concurrency 32] [--model SPEC] [--seed 0]
+Usage: python -m tools.bench soak [--requests 10000] [--concurrency 32] [--model SPEC]
+                                  [--seed 0]
 Owns: this load and its report. Does not own: the server (justapi serve).
 """
 from __future__ import annotations
@@ -22,13 +23,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
-from serve_process import Server
 
 from justapi.client import AsyncClient
 from justapi.ops.admin_client import AdminClient
+from tools.harness import TINY_MODEL, ServedPool
 
-PROG = "soak.py"
-TINY_MODEL = "synthetic:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,context=1024"
+PROG = "python -m tools.bench soak"
 KINDS = ("http_whole", "http_stream", "http_disconnect", "zmq_abort")
 MAX_RSS_GROWTH = 0.05
 
@@ -182,14 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=TINY_MODEL)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    server = Server(["--model", args.model, "--pool-blocks", "1024", "--max-seqs", "64",
-                     "--max-decode", "64"], zmq=True, private_state=True)
-    server.wait_healthy()
-    assert server.zmq is not None
-    try:
-        report = asyncio.run(soak(server.url, server.zmq, server.proc.pid, args.requests,
+    with ServedPool("--log-level", "warning", "--model", args.model, "--pool-blocks", "1024",
+                    "--max-seqs", "64", "--max-decode", "64", zmq=True,
+                    private_state=True) as server:
+        assert server.zmq is not None
+        report = asyncio.run(soak(server.base_url, server.zmq, server.proc.pid, args.requests,
                                   args.concurrency, args.seed))
-    finally:
         code = server.stop()
     print("\n".join(report.lines()))
     print(f"server stopped with exit code {code}")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Cross-host KV hand-off cost, measured between network namespaces on this machine.
 
 Builds a two-host lab (tools/netns_lab.py: each host a network namespace behind a veth pair,
@@ -12,8 +11,8 @@ hand-off latency (prefill step returned -> claimed by a decode worker, copy incl
 throughput that implies, the prefill time (time to first token) and the hand-off as a
 fraction of it - what `cross-host-copy-cost` stands for (docs/scale-out.md). Needs root.
 
-    python tools/bench_cross_host.py                        # SmolLM2, 128/512/1536 tokens
-    python tools/bench_cross_host.py --lengths 256,1024 --requests 5 --no-baseline
+    python -m tools.bench cross-host                       # SmolLM2, 128/512/1536 tokens
+    python -m tools.bench cross-host --lengths 256,1024 --requests 5 --no-baseline
 
 Owns: the runs and the table. Does not own: the servers (justapi serve), the lab.
 """
@@ -32,12 +31,11 @@ import httpx
 
 from justapi.model.gguf_file import GGUFFile
 from justapi.model.info import ModelInfo, resolve_model
+from tools.bench.pd import PD_METRICS
+from tools.harness import ServedPool
+from tools.netns_lab import NetnsLab, netns_available
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pd import PD_METRICS  # noqa: E402
-from netns_lab import NetnsLab, netns_available  # noqa: E402
-from serve_process import Server  # noqa: E402
-
+PROG = "python -m tools.bench cross-host"
 DEFAULT_LENGTHS = "128,512,1536"
 STATS_WAIT_S = 10.0
 DECODE_TOKENS = 128
@@ -48,34 +46,30 @@ def run(serve_args: list[str], lengths: list[int], requests: int, vocab: int,
         lab: NetnsLab | None = None) -> dict[Any, dict[str, float]]:
     """Per prompt length: hand-off latency, bytes copied and prefill time, from one server;
     with the lab, also the traffic of a decode (key "decode")."""
-    server = Server(serve_args)
-    try:
-        server.wait_healthy()
-        _request(server.url, _prompt(32, vocab))  # warm-up (the first steps pay for set-up)
+    with ServedPool("--log-level", "warning", *serve_args) as server:
+        _request(server.base_url, _prompt(32, vocab))  # warm-up (the first steps pay for set-up)
         _settled(server, {}, 1)  # its hand-off counted before the first measurement starts
         out: dict[Any, dict[str, float]] = {n: _measure(server, n, requests, vocab)
                                             for n in lengths}
         if lab is not None:
             out["decode"] = _decode_traffic(server, lab, vocab)
         return out
-    finally:
-        server.stop()
 
 
-def _decode_traffic(server: Server, lab: NetnsLab, vocab: int) -> dict[str, float]:
+def _decode_traffic(server: ServedPool, lab: NetnsLab, vocab: int) -> dict[str, float]:
     """Bytes on the veths per decode step of one stream, its hand-off's copy taken out (the
     relay carries it twice: in from the prefill host, out to the decode host)."""
     before, veth = server.metrics(PD_METRICS), lab.veth_bytes()
-    _request(server.url, _prompt(32, vocab), DECODE_TOKENS)
+    _request(server.base_url, _prompt(32, vocab), DECODE_TOKENS)
     after = _settled(server, before, 1)
     name = "justapi:pd_copied_bytes_total"
     copied = after.get(name, 0.0) - before.get(name, 0.0)
     return {"bytes_per_step": (lab.veth_bytes() - veth - 2 * copied) / DECODE_TOKENS}
 
 
-def _measure(server: Server, num_tokens: int, requests: int, vocab: int) -> dict[str, float]:
+def _measure(server: ServedPool, num_tokens: int, requests: int, vocab: int) -> dict[str, float]:
     before = server.metrics(PD_METRICS)
-    ttfts = [_request(server.url, _prompt(num_tokens, vocab)) for _ in range(requests)]
+    ttfts = [_request(server.base_url, _prompt(num_tokens, vocab)) for _ in range(requests)]
     after = _settled(server, before, requests)
 
     def delta(name: str) -> float:
@@ -89,7 +83,7 @@ def _measure(server: Server, num_tokens: int, requests: int, vocab: int) -> dict
             "prefill_s": sorted(ttfts)[len(ttfts) // 2]}
 
 
-def _settled(server: Server, before: dict[str, float], requests: int) -> dict[str, float]:
+def _settled(server: ServedPool, before: dict[str, float], requests: int) -> dict[str, float]:
     """/metrics once the scheduler's snapshot (pushed every 0.5 s) counts every hand-off."""
     name = "justapi:pd_handoffs_total"
     deadline = time.monotonic() + STATS_WAIT_S
@@ -152,7 +146,7 @@ def _rate(num_bytes: float, seconds: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cli = argparse.ArgumentParser(prog="bench_cross_host.py", description=__doc__.split("\n\n")[0])
+    cli = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     cli.add_argument("--model", default="", help="GGUF or synthetic:SPEC (default: SmolLM2)")
     cli.add_argument("--lengths", default=DEFAULT_LENGTHS, help="prompt tokens, comma-separated")
     cli.add_argument("--requests", type=int, default=3, help="requests per length (3)")
@@ -162,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = cli.parse_args(argv)
     why = netns_available()
     if why:
-        print(f"bench_cross_host.py: {why}", file=sys.stderr)
+        print(f"{PROG}: {why}", file=sys.stderr)
         return 2
     lengths = [int(n) for n in args.lengths.split(",")]
     vocab = vocab_size(args.model)

@@ -1,7 +1,7 @@
 """Prints start-up and per-request costs of the text path: GGUF parse, Tokenizer.from_gguf,
 encode/decode throughput, chat-template rendering, incremental detokenization, stop strings.
 
-    python tools/bench_tokenizer.py [--model FILE.gguf] [--repeat 5]
+    python -m tools.bench tokenizer [--model FILE.gguf] [--repeat 5]
 """
 from __future__ import annotations
 
@@ -29,11 +29,12 @@ def best_of(repeat: int, function: Callable[[], object]) -> float:
     return min(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench tokenizer",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="GGUF file (default: embedded SmolLM2)")
     parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     path = resolve_model_path(args.model)
 
     parse_s = best_of(1, lambda: GGUFFile(path))

@@ -1,19 +1,18 @@
-#!/usr/bin/env python
 """PD disaggregation benchmark: `--pd 1:1` against two colocated workers (`--workers 2`) on
 the same model and the same long-burst workload, printed side by side from one run.
 
-For each configuration it starts `justapi serve` on a free port, waits for /health, runs
-`tools/bench.py --workload long-burst --ignore-eos` (streams decoding while bursts of long
-prompts arrive; docs/bench.md), reads its JSON and the server's /metrics, and stops the
-server. The figure to compare is the p99 inter-token latency of the decode streams (how
+For each configuration it starts `justapi serve` on a free port (tools/harness.py), waits for
+/health, runs `justapi bench serve --workload long-burst --ignore-eos` (streams decoding while
+bursts of long prompts arrive; docs/bench.md), reads its JSON and the server's /metrics, and
+stops the server. The figure to compare is the p99 inter-token latency of the decode streams (how
 much the long prefills stall them); total tokens/s says what the disaggregation costs.
 Targets (docs/pd.md): PD p99 ITL <= 0.5 x colocated, PD total tokens/s >= 0.8 x colocated.
 
-    python tools/bench_pd.py                       # the default SmolLM2 model, defaults
-    python tools/bench_pd.py --pd 1:1 --pd-separate-pools --json pd.json
-    python tools/bench_pd.py --model synthetic:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128
+    python -m tools.bench pd                      # the default SmolLM2 model, defaults
+    python -m tools.bench pd --pd 1:1 --pd-separate-pools --json pd.json
+    python -m tools.bench pd --model synthetic:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128
 
-Owns: the two runs and the comparison. Does not own: the load generator (bench.py).
+Owns: the two runs and the comparison. Does not own: the load generator (justapi/bench/).
 """
 from __future__ import annotations
 
@@ -22,13 +21,11 @@ import json
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
-TOOLS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TOOLS))
-from serve_process import Server  # noqa: E402
+from tools.harness import ServedPool
 
+PROG = "python -m tools.bench pd"
 ITL_TARGET = 0.5  # PD decode-stream p99 ITL at most this fraction of colocated
 THROUGHPUT_TARGET = 0.8  # PD total tokens/s at least this fraction of colocated
 PD_METRICS = ("justapi:pd_handoffs_total", "justapi:pd_handoff_blocks_total",
@@ -37,24 +34,20 @@ PD_METRICS = ("justapi:pd_handoffs_total", "justapi:pd_handoff_blocks_total",
 
 
 def run_config(name: str, serve_args: list[str], bench_args: list[str]) -> dict[str, Any]:
-    """Serve, load with bench.py, collect its JSON report and the PD metrics, stop."""
-    print(f"bench_pd: {name}: justapi serve {' '.join(serve_args)}", file=sys.stderr, flush=True)
-    server = Server(serve_args)
-    try:
-        server.wait_healthy()
+    """Serve, load with `justapi bench serve`, collect its JSON report and the PD metrics, stop."""
+    print(f"{PROG}: {name}: justapi serve {' '.join(serve_args)}", file=sys.stderr, flush=True)
+    with ServedPool("--log-level", "warning", *serve_args) as server:
         with tempfile.NamedTemporaryFile(suffix=".json") as report:
-            command = [sys.executable, str(TOOLS / "bench.py"), "--base-url", server.url,
-                       "--workload", "long-burst", "--ignore-eos", "--no-progress",
-                       "--json", report.name, *bench_args]
+            command = [sys.executable, "-m", "justapi.cli", "bench", "serve", "--base-url",
+                       server.base_url, "--workload", "long-burst", "--ignore-eos",
+                       "--no-progress", "--json", report.name, *bench_args]
             done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   text=True, check=False)
             if done.returncode != 0:
-                raise SystemExit(f"bench_pd: bench.py failed for {name}:\n{done.stderr}")
+                raise SystemExit(f"{PROG}: justapi bench serve failed for {name}:\n{done.stderr}")
             result = json.load(open(report.name))
         result["pd_metrics"] = server.settled_metrics(PD_METRICS)
         return result
-    finally:
-        server.stop()
 
 
 def figures(result: dict[str, Any]) -> dict[str, float | None]:
@@ -114,7 +107,7 @@ def _cell(value: float | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="bench_pd.py", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--model", default="", help="GGUF file or synthetic: spec (default: SmolLM2)")
@@ -123,14 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--workers", type=int, default=2, help="colocated workers to compare with (2)")
     add("--serve-arg", action="append", default=[], metavar="ARG",
         help="extra `justapi serve` argument for both (repeat: --serve-arg=--max-seqs=16)")
-    add("--num-requests", type=int, default=24, help="bench.py --num-requests (24)")
-    add("--decode-streams", type=int, default=8, help="bench.py --decode-streams (8)")
-    add("--burst-size", type=int, default=4, help="bench.py --burst-size (4)")
-    add("--burst-interval-s", type=float, default=2.0, help="bench.py --burst-interval-s (2)")
+    add("--num-requests", type=int, default=24, help="bench serve --num-requests (24)")
+    add("--decode-streams", type=int, default=8, help="bench serve --decode-streams (8)")
+    add("--burst-size", type=int, default=4, help="bench serve --burst-size (4)")
+    add("--burst-interval-s", type=float, default=2.0, help="bench serve --burst-interval-s (2)")
     add("--max-tokens", type=int, default=256, help="decode streams' output tokens (256)")
     add("--prompt-tokens", type=int, default=1500, help="burst prompt tokens (1500)")
     add("--seed", type=int, default=0, help="workload seed (0)")
-    add("--json", metavar="FILE", help="write both runs' bench.py reports")
+    add("--json", metavar="FILE", help="write both runs' `justapi bench serve` reports")
     return parser
 
 

@@ -1,5 +1,14 @@
-"""Start the real `justapi serve` process pool for end-to-end tests, and check it leaves
-nothing behind (no child process, no shared-memory segment, no runtime dir)."""
+"""`justapi serve` as a child process, for end-to-end tests and the benchmark scenarios: on
+free loopback ports, from start to healthy to stopped, with its log and /metrics at hand, and
+a check that it left nothing behind (no child process, no shared-memory segment, no runtime
+dir).
+
+    with ServedPool("--model", TINY_MODEL, "--workers", "2", zmq=True) as pool:
+        httpx.post(f"{pool.base_url}/v1/completions", ...)   # pool.zmq: the ZMQ endpoint
+
+Owns: the child's command line, ports, start-up wait, stop and leftovers. Does not own: what
+the tests assert or the scenarios measure.
+"""
 from __future__ import annotations
 
 import os
@@ -10,10 +19,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 TINY_MODEL = "synthetic:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,context=1024"
+READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 60.0
+
+
+class ServeError(RuntimeError):
+    """`justapi serve` exited before it was healthy, or was not healthy in time; with its log."""
 
 
 def free_port() -> int:
@@ -47,15 +64,25 @@ def pid_alive(pid: int) -> bool:
 
 
 class ServedPool:
-    """`python -m justapi.cli serve ARGS` on a free loopback port, ready when /health is 200."""
+    """`python -m justapi.cli serve ARGS --port P` on a free loopback port, ready when /health
+    is 200 (ServeError otherwise, the server stopped).
 
-    def __init__(self, *args: str, ready_timeout_s: float = 180.0) -> None:
+    `zmq=True` also opens the ZMQ client endpoint on a free port (`self.zmq`).
+    `private_state=True` gives the pool a state directory of its own (JUSTAPI_STATE_DIR, set in
+    this process too) so that `AdminClient()` here finds this pool and no other."""
+
+    def __init__(self, *args: str, zmq: bool = False, private_state: bool = False,
+                 ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+        if private_state:
+            os.environ["JUSTAPI_STATE_DIR"] = tempfile.mkdtemp(prefix="justapi-state-")
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.zmq = f"tcp://127.0.0.1:{free_port()}" if zmq else None
         self._log = tempfile.NamedTemporaryFile("w+", prefix="justapi-serve-", suffix=".log",
                                                 delete=False)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "justapi.cli", "serve", "--port", str(self.port), *args],
+            [sys.executable, "-m", "justapi.cli", "serve", "--port", str(self.port),
+             *(["--zmq", self.zmq] if self.zmq else []), *args],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self.children: list[int] = []
         try:
@@ -68,7 +95,7 @@ class ServedPool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"justapi serve exited with {self.proc.returncode}:\n{self.log()}")
+                raise ServeError(f"justapi serve exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     self.children = child_pids(self.proc.pid)
@@ -76,7 +103,7 @@ class ServedPool:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"justapi serve not healthy in {timeout_s}s:\n{self.log()}")
+        raise ServeError(f"justapi serve not healthy in {timeout_s:.0f}s:\n{self.log()}")
 
     def log(self) -> str:
         with open(self._log.name) as handle:
@@ -87,7 +114,30 @@ class ServedPool:
         match = re.search(r"ipc://(/\S+)/client\.sock", self.log())
         return match.group(1) if match else None
 
-    def stop(self, signum: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
+    def metrics(self, names: Sequence[str]) -> dict[str, float]:
+        """The named samples of /metrics, each summed over its label sets (e.g. workers)."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        out = dict.fromkeys(names, 0.0)
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in out:
+                    out[sample.name] += sample.value
+        return out
+
+    def settled_metrics(self, names: Sequence[str]) -> dict[str, float]:
+        """`metrics` once two reads 1 s apart agree: the scheduler pushes its figures to the
+        frontend every 0.5 s, so a read right after the last reply can miss the last steps."""
+        before = self.metrics(names)
+        for _ in range(10):
+            time.sleep(1.0)
+            after = self.metrics(names)
+            if after == before:
+                return after
+            before = after
+        return before
+
+    def stop(self, signum: int = signal.SIGTERM, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """`signum` (SIGTERM: a drain), SIGKILL if it hangs; the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signum)
             try:
@@ -117,4 +167,5 @@ class ServedPool:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        self._log.close()
         os.unlink(self._log.name)

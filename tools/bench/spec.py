@@ -16,7 +16,7 @@ of --repeats. On a machine shared with other jobs, wall time swings with their l
 figures that hold still (it counts everything this process does: Python, sampling, the
 scheduler, the draft model).
 
-    python tools/bench_spec.py [--threads 1] [--section ngram,tree,draft,sweep] [--max-tokens 96]
+    python -m tools.bench spec [--threads 1] [--section ngram,tree,draft,sweep] [--max-tokens 96]
 """
 from __future__ import annotations
 
@@ -212,8 +212,9 @@ def section_sweep(bench: Bench, batches: list[int], task: str) -> None:
               f"{s.get('spec_decode_mean_acceptance_length', 0.0):6.2f}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench spec",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="", help="target GGUF (default: SmolLM2)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -224,7 +225,7 @@ def main() -> None:
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                         help="cpu: this process's CPU time (robust on a shared machine with "
                              "--threads 1); wall: elapsed time")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]

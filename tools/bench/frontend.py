@@ -7,7 +7,7 @@ detokenization, metrics), and this process as N streaming clients (a lean HTTP/1
 reader, or justapi.client.AsyncClient with --api zmq). Prints tokens/s delivered, events/s,
 tokens per event (coalescing), client-side inter-event latency and the frontend's CPU use.
 
-    python tools/bench_frontend.py [--clients 64] [--max-tokens 256] [--rounds 2]
+    python -m tools.bench frontend [--clients 64] [--max-tokens 256] [--rounds 2]
                                    [--api http|zmq] [--step-ms 0] [--stop-string]
 """
 from __future__ import annotations
@@ -181,8 +181,9 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench frontend",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2, help="requests per client, in a row")
@@ -191,7 +192,7 @@ def main() -> None:
                         help="pause of the stand-in scheduler after each step (0: flat out)")
     parser.add_argument("--stop-string", action="store_true",
                         help="send a stop string (token-by-token text path)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from justapi.frontend.text.tokenizer import Tokenizer
     from justapi.model.gguf_file import GGUFFile, default_model_path

@@ -1,9 +1,9 @@
-#!/usr/bin/env python
 """Serving benchmarks that compare configurations of `justapi serve` side by side, one run each.
 
-Each comparison starts the real process pool per configuration, drives it with
-`tools/bench.py` (streaming OpenAI requests), stops it, and prints the figures with their
-ratio. The machine is noisy: compare ratios from one run, not absolute figures across runs.
+Each comparison starts the real process pool per configuration (tools/harness.py), drives
+it with `justapi bench serve` (streaming OpenAI requests), stops it, and prints the figures
+with their ratio. The machine is noisy: compare ratios from one run, not absolute figures
+across runs.
 
   scheduled-vs-static  mixed output lengths 16..256 (--length-dist uniform or log-uniform):
                        continuous vs static batching
@@ -12,10 +12,10 @@ ratio. The machine is noisy: compare ratios from one run, not absolute figures a
                        one single-thread worker per core) vs the in-process engine
   control-plane        tiny synthetic model, 64 concurrent streams: tokens/s through HTTP
 
-    python tools/bench_serve.py all
-    python tools/bench_serve.py prefix-cache --num-requests 32
-    python tools/bench_serve.py all --serve-arg=--gpu     # every server with --gpu (and the
-                                                          # offline engine on cuda)
+    python -m tools.bench serve all
+    python -m tools.bench serve prefix-cache --num-requests 32
+    python -m tools.bench serve all --serve-arg=--gpu    # every server with --gpu (and the
+                                                         # offline engine on cuda)
 """
 from __future__ import annotations
 
@@ -25,23 +25,23 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
-TOOLS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TOOLS))
-from serve_process import Server  # noqa: E402  (`justapi serve` from start to healthy to stopped)
+from tools.harness import ServedPool
 
+PROG = "python -m tools.bench serve"
 TINY = "synthetic:layers=1,hidden=64,heads=4,kv_heads=2,ffn=128,context=2048"
 
 
 def run_bench(url: str, bench_args: list[str]) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        done = subprocess.run([sys.executable, str(TOOLS / "bench.py"), "--base-url", url,
-                               "--json", out.name, "--no-progress", *bench_args],
+        done = subprocess.run([sys.executable, "-m", "justapi.cli", "bench", "serve",
+                               "--base-url", url, "--json", out.name, "--no-progress",
+                               *bench_args],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
-            raise SystemExit(f"bench_serve: bench.py {' '.join(bench_args)} failed:\n{done.stderr}")
+            raise SystemExit(f"{PROG}: justapi bench serve {' '.join(bench_args)} failed:\n"
+                             f"{done.stderr}")
         return json.load(open(out.name))
 
 
@@ -54,10 +54,10 @@ STEP_METRICS = ("justapi:worker_steps_total", "justapi:generation_tokens_total")
 
 def serve_and_bench(serve_args: list[str], bench_args: list[str],
                     count_steps: bool = False) -> dict[str, Any]:
-    """tools/bench.py's summary; with `count_steps` also the server's steps and generated
-    tokens per step (read from /metrics once its figures settle)."""
-    with Server([*serve_args, *EXTRA_SERVE_ARGS]) as server:
-        summary = run_bench(server.url, bench_args)["summary"]
+    """`justapi bench serve`'s summary; with `count_steps` also the server's steps and
+    generated tokens per step (read from /metrics once its figures settle)."""
+    with ServedPool("--log-level", "warning", *serve_args, *EXTRA_SERVE_ARGS) as server:
+        summary = run_bench(server.base_url, bench_args)["summary"]
         if not count_steps:
             return summary
         metrics = server.settled_metrics(STEP_METRICS)
@@ -179,8 +179,8 @@ COMPARISONS = {"scheduled-vs-static": scheduled_vs_static, "prefix-cache": prefi
                "overhead": overhead, "control-plane": control_plane}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("which", choices=[*COMPARISONS, "all"])
     parser.add_argument("--model", default="", help="GGUF (default: the embedded SmolLM2)")
@@ -194,7 +194,7 @@ def main() -> None:
                         help="overhead: turns of (serve, offline), best of each compared")
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="an extra flag for every server (repeat it: --serve-arg=--gpu)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     EXTRA_SERVE_ARGS[:] = args.serve_arg
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     for name, fn in COMPARISONS.items():

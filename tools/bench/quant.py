@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The weight paths side by side from one run: fp32, bf16 (bf16 matmuls), q4 (4-bit weights, int4
 kernels) and auto.
 
@@ -7,13 +6,13 @@ Prints, with the load average (the machine is shared: figures are medians of sev
               kernel, and the crossover (most rows for which int4 won at every M up to there)
               that `--weights auto` uses (workers/weights/paths.py records it);
   decode      tokens/s at 1 / 8 / 32 / 64 sequences and prefill tokens/s, per path;
-  accuracy    perplexity of each path on tools/data/prose.txt (sliding windows, as
-              tools/perplexity.py), and greedy agreement of each path with fp32;
+  accuracy    perplexity of each path on justapi/ops/data/prose.txt (sliding windows, as
+              `justapi perplexity`), and greedy agreement of each path with fp32;
   memory      bytes the weights take per path.
 
-    python tools/bench_quant.py [--model FILE.gguf] [--batches 1,8,32,64] [--skip-crossover]
-    python tools/bench_quant.py --crossover-only [--repeats 15]
-    python tools/bench_quant.py --paired fp32,bf16 --batches 1,16,64   # steps in turns
+    python -m tools.bench quant [--model FILE.gguf] [--batches 1,8,32,64] [--skip-crossover]
+    python -m tools.bench quant --crossover-only [--repeats 15]
+    python -m tools.bench quant --paired fp32,bf16 --batches 1,16,64   # steps in turns
 """
 from __future__ import annotations
 
@@ -21,15 +20,15 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
-from bench_engine import run_steps
 
 from justapi.model.gguf_file import GGUFFile
+from justapi.ops.perplexity import DEFAULT_TEXT
 from justapi.sampling import SamplingParams
+from tools.bench.engine import run_steps
 from workers.engine import LLMEngine, resolve_model
 from workers.model.forward import LlamaModel
 from workers.model.perplexity import perplexity
@@ -38,7 +37,7 @@ from workers.weights.quant_blocks import QuantMatrix
 from workers.weights.quant_linear import DualLinear, Int4Linear
 
 PATHS = ("fp32", "bf16", "q4", "auto")
-TEXT = Path(__file__).resolve().parent / "data" / "prose.txt"
+TEXT = DEFAULT_TEXT
 CROSSOVER_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
            "The three primary colors are", "To make a cup of tea, first",
@@ -168,8 +167,9 @@ def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> tupl
     return statistics.mean(fractions), same
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench quant",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="GGUF path (default SmolLM2-135M-Instruct)")
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--decode-steps", type=int, default=32)
@@ -183,7 +183,7 @@ def main() -> None:
     parser.add_argument("--paired", default="",
                         help="only time decode steps of these paths in turns, e.g. fp32,bf16")
     parser.add_argument("--rounds", type=int, default=5, help="--paired: rounds per batch size")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.paired:
         paired_decode(args, args.paired.split(","), [int(b) for b in args.batches.split(",")])
         return

@@ -1,9 +1,9 @@
-"""The HTTP side of tools/bench.py: streams requests to an OpenAI-compatible server
+"""The HTTP side of `justapi bench serve`: streams requests to an OpenAI-compatible server
 (/v1/completions or /v1/chat/completions, SSE) and times each one.
 
 Owns: request bodies, SSE parsing, per-request timing and token counting, launch pacing
 (concurrency cap, arrival offsets), Ctrl-C during a run, the reachability check.
-Does not own: workloads (bench_workloads.py), statistics and reports (bench.py).
+Does not own: workloads (workloads.py), statistics and reports (report.py).
 """
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ from typing import Any, Sequence
 import httpx
 from tqdm import tqdm
 
-# tools/ are scripts: their siblings import by module name (tools/ is on sys.path).
-from bench_workloads import BenchRequest, TokenizerSizer
+from justapi.bench.workloads import BenchRequest, TokenizerSizer
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

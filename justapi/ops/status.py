@@ -1,8 +1,7 @@
-"""Show a running server's state: workers (pool, health, load, KV usage), hosts (--launcher
-ray), queues per pool, prefix-cache statistics and request totals, from the scheduler's
-admin socket.
+"""`justapi status`: a running server's state: workers (pool, health, load, KV usage), hosts
+(--launcher ray), queues per pool, prefix-cache statistics and request totals, from the
+scheduler's admin socket.
 
-Usage: python tools/status.py [--admin ENDPOINT] [--json] [--check-invariants]
 Exit codes: 0 healthy, 1 unhealthy (or an invariant violated), 2 server not reachable.
 Owns: the status view. Does not own: the figures (justapi/scheduler/stats.py, justapi/health/table.py).
 """
@@ -11,22 +10,23 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 
-from ops_cli import (
+import click
+
+from justapi.ops.admin_cli import (
     EXIT_FAILED,
     EXIT_OK,
+    admin_options,
     human_bytes,
-    parser,
     percent,
     print_json,
     run,
     seconds,
     table,
 )
-
 from justapi.ops.admin_client import AdminClient
 from justapi.wire.protocol import StatusReply
 
-PROG = "status.py"
+PROG = "justapi status"
 
 
 def render(reply: StatusReply, endpoint: str) -> str:
@@ -93,27 +93,28 @@ def _int(value: object) -> int:
     return int(value) if isinstance(value, (int, float)) else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    cli = parser(PROG, __doc__.split("\n\n")[0])
-    cli.add_argument("--check-invariants", action="store_true",
-                     help="also run the scheduler's full consistency check (blocks, requests)")
-    args = cli.parse_args(argv)
+@click.command("status")
+@admin_options
+@click.option("--check-invariants", is_flag=True,
+              help="Also run the scheduler's full consistency check (blocks, requests).")
+def status(admin: str | None, timeout_s: float, as_json: bool, check_invariants: bool) -> None:
+    """Show a running server's workers, queues and prefix cache.
 
+    Also hosts (--launcher ray) and request totals, from the scheduler's admin socket.
+
+    Exit status: 0 healthy, 1 unhealthy (or an invariant violated), 2 server not reachable.
+    """
     def action(client: AdminClient) -> int:
         reply = client.status()
-        check = client.check_invariants() if args.check_invariants else None
-        if args.json:
+        check = client.check_invariants() if check_invariants else None
+        if as_json:
             print_json({"status": asdict(reply), "invariants": asdict(check) if check else None})
         else:
-            print(render(reply, client.endpoint))
+            click.echo(render(reply, client.endpoint))
             if check is not None:
-                print(f"\ninvariants: {check.message}")
+                click.echo(f"\ninvariants: {check.message}")
         if check is not None and not check.ok:
             return EXIT_FAILED
         return EXIT_OK if reply.healthy else EXIT_FAILED
 
-    return run(PROG, action, args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(PROG, action, admin, timeout_s))

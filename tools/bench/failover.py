@@ -4,7 +4,8 @@ to rejoin (--restart-workers), and whether every request of the load still compl
 no KV block leaked. Prints one row per trial and a summary.
 
 The first row runs the same load with no failure, for comparison.
-Usage: python tools/bench_failover.py [--model SPEC] [--trials 6] [--requests 8] [--max-tokens 200]
+Usage: python -m tools.bench failover [--model SPEC] [--trials 6] [--requests 8]
+                                      [--max-tokens 200]
 Owns: this measurement. Does not own: the pool (justapi serve) or its verdicts.
 """
 from __future__ import annotations
@@ -19,32 +20,35 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-from ops_cli import table
-from serve_process import Server
 
+from justapi.ops.admin_cli import table
 from justapi.ops.admin_client import AdminClient
+from tools.harness import TINY_MODEL, ServedPool
 
-PROG = "bench_failover.py"
-TINY_MODEL = "synthetic:layers=2,hidden=64,heads=4,kv_heads=2,ffn=128,context=1024"
+PROG = "python -m tools.bench failover"
 PROMPT = "a worker of the pool fails while it decodes; the scheduler notices "
 
 
-class FailoverServer(Server):
+class FailoverServer:
     """A pool with --restart-workers and a private state dir, and an admin client on it."""
 
     def __init__(self, model: str, workers: int) -> None:
-        super().__init__(["--model", model, "--workers", str(workers), "--restart-workers",
-                          "--pool-blocks", "1024"], private_state=True)
-        self.wait_healthy()
-        self.admin = AdminClient(timeout_s=10)
+        self.pool = ServedPool("--log-level", "warning", "--model", model, "--workers",
+                               str(workers), "--restart-workers", "--pool-blocks", "1024",
+                               private_state=True)
+        self.url = self.pool.base_url
+        try:
+            self.admin = AdminClient(timeout_s=10)
+        except BaseException:
+            self.pool.stop()
+            raise
 
     def status(self) -> Any:
         return self.admin.status()
 
     def stop(self) -> int:
-        if hasattr(self, "admin"):
-            self.admin.close()
-        return super().stop()
+        self.admin.close()
+        return self.pool.stop()
 
 
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:

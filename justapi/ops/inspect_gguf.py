@@ -1,26 +1,24 @@
-"""What a GGUF model file holds: architecture and shapes, tensor types, tokenizer, chat
-template, and the memory it needs at each compute dtype (weights dequantized or kept
-quantized, KV cache per token and for full-context sequences). Works without a server.
-
-Usage: python tools/gguf_info.py [MODEL] [--context N] [--seqs N] [--tensors] [--template] [--json]
-MODEL is a .gguf path, `synthetic:SPEC`, or nothing for the embedded default model.
+"""`justapi inspect [MODEL]`: what a GGUF model file holds: architecture and shapes, tensor
+types, tokenizer, chat template, and the memory it needs at each compute dtype (weights
+dequantized or kept quantized, KV cache per token and for full-context sequences). Works
+without a server. MODEL is a .gguf path, `synthetic:SPEC`, or nothing for the embedded default.
 Owns: this report. Does not own: GGUF parsing (justapi/model/gguf_file.py, the gguf package).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from collections import Counter
 from typing import Any
 
-from ops_cli import human_bytes, table
+import click
 
 from justapi.model.gguf_file import GGUFError, GGUFFile
 from justapi.model.info import ModelInfo, resolve_model
+from justapi.ops.admin_cli import human_bytes, table
 
-PROG = "gguf_info.py"
+PROG = "justapi inspect"
 COMPUTE_DTYPES = (("fp32", 4), ("bf16", 2), ("fp16", 2))
 TOKEN_TYPES = {1: "normal", 2: "unknown", 3: "control", 4: "user-defined", 5: "unused", 6: "byte"}
 
@@ -180,31 +178,28 @@ def _scalar(value: Any) -> Any:
     return value.item() if hasattr(value, "item") else value
 
 
-def main(argv: list[str] | None = None) -> int:
-    cli = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    cli.add_argument("model", nargs="?", default="",
-                     help="a .gguf file or synthetic:SPEC (default: the embedded SmolLM2)")
-    cli.add_argument("--context", type=int, default=0, metavar="N",
-                     help="tokens per sequence for the KV figures (default: the model's context)")
-    cli.add_argument("--seqs", type=int, default=1, metavar="N",
-                     help="full-context sequences for the KV figures (default 1)")
-    cli.add_argument("--tensors", action="store_true", help="list every tensor")
-    cli.add_argument("--template", action="store_true", help="print the whole chat template")
-    cli.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = cli.parse_args(argv)
-    if args.context < 0 or args.seqs < 1:
-        cli.error(f"--context must be >= 0 and --seqs >= 1, got {args.context} and {args.seqs}")
+@click.command("inspect")
+@click.argument("model", default="", metavar="[MODEL]")
+@click.option("--context", type=click.IntRange(min=0), default=0, metavar="N",
+              help="Tokens per sequence for the KV figures (default: the model's context).")
+@click.option("--seqs", "num_seqs", type=click.IntRange(min=1), default=1, metavar="N",
+              show_default=True, help="Full-context sequences for the KV figures.")
+@click.option("--tensors", "show_tensors", is_flag=True, help="List every tensor.")
+@click.option("--template", "show_template", is_flag=True, help="Print the whole chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def inspect(model: str, context: int, num_seqs: int, show_tensors: bool, show_template: bool,
+            as_json: bool) -> None:
+    """Show what a GGUF file holds and the memory it needs.
+
+    MODEL is a .gguf file, synthetic:SPEC, or nothing for the embedded SmolLM2; no server is
+    needed. Exit status 1 for a file that cannot be read as a model.
+    """
     try:
-        report = describe(GGUFFile(resolve_model(args.model)), args.context, args.seqs)
+        report = describe(GGUFFile(resolve_model(model)), context, num_seqs)
     except (GGUFError, ValueError, OSError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
-    if args.json:
-        print(json.dumps(report, indent=2, default=str))
+        click.echo(f"{PROG}: error: {exc}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(report, indent=2, default=str))
     else:
-        print(render(report, args.tensors, args.template))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        click.echo(render(report, show_tensors, show_template))

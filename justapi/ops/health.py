@@ -1,8 +1,7 @@
-"""Show a running server's health table: the verdict and what is wrong, each worker's
-heartbeat, step in flight, process figures and KV pool state, and the NVML figures of its
-GPU where there is one (temperature, memory, utilisation, power, throttling, ECC, XIDs).
+"""`justapi health`: a running server's health table: the verdict and what is wrong, each
+worker's heartbeat, step in flight, process figures and KV pool state, and the NVML figures
+of its GPU where there is one (temperature, memory, utilisation, power, throttling, ECC, XIDs).
 
-Usage: python tools/health.py [--admin ENDPOINT] [--json]
 Exit codes: 0 healthy, 1 unhealthy, 2 server not reachable (usable as a probe).
 Owns: the health view. Does not own: the verdicts (justapi/health/table.py, justapi/health/watch.py).
 """
@@ -10,12 +9,22 @@ from __future__ import annotations
 
 import sys
 
-from ops_cli import EXIT_FAILED, EXIT_OK, human_bytes, parser, print_json, run, seconds, table
+import click
 
+from justapi.ops.admin_cli import (
+    EXIT_FAILED,
+    EXIT_OK,
+    admin_options,
+    human_bytes,
+    print_json,
+    run,
+    seconds,
+    table,
+)
 from justapi.ops.admin_client import AdminClient
 from justapi.wire.protocol import StatusReply
 
-PROG = "health.py"
+PROG = "justapi health"
 
 
 def render(reply: StatusReply) -> str:
@@ -54,21 +63,24 @@ def _pool_state(pool: dict) -> str | None:
     return state
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser(PROG, __doc__.split("\n\n")[0]).parse_args(argv)
+@click.command("health")
+@admin_options
+def health(admin: str | None, timeout_s: float, as_json: bool) -> None:
+    """Show a running server's health table (NVML too on GPUs).
 
+    Each worker's verdict, heartbeat, step in flight, process figures and KV pool state, and
+    the NVML figures of its GPU where there is one.
+
+    Exit status: 0 healthy, 1 unhealthy, 2 server not reachable (usable as a probe).
+    """
     def action(client: AdminClient) -> int:
         reply = client.status()
-        if args.json:
+        if as_json:
             print_json({"healthy": reply.healthy, "problems": reply.problems,
                         "warnings": reply.warnings, "nvml": reply.nvml,
                         "workers": reply.workers, "gpus": reply.gpus})
         else:
-            print(render(reply))
+            click.echo(render(reply))
         return EXIT_OK if reply.healthy else EXIT_FAILED
 
-    return run(PROG, action, args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(PROG, action, admin, timeout_s))

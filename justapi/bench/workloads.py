@@ -1,8 +1,8 @@
-"""Seeded benchmark workloads for tools/bench.py: prompts, output lengths, arrival times.
+"""Seeded benchmark workloads for `justapi bench serve`: prompts, output lengths, arrival times.
 
 Owns: deterministic pseudo-text from word lists, prompt sizing (a tokens-per-word estimate,
 or exact sizing with a GGUF's tokenizer), the five workload shapes and Poisson arrivals.
-Does not own: HTTP, timing or statistics (tools/bench.py).
+Does not own: HTTP, timing or statistics (client.py, report.py).
 """
 from __future__ import annotations
 
@@ -101,11 +101,7 @@ class TokenizerSizer:
 
 def load_tokenizer_sizer(gguf_path: str) -> TokenizerSizer:
     """A TokenizerSizer over the tokenizer stored in a GGUF (justapi.frontend.text.tokenizer)."""
-    try:
-        from justapi.frontend.text.tokenizer import Tokenizer
-    except ImportError as exc:
-        raise ValueError(f"--tokenizer-gguf needs justapi.frontend.text.tokenizer, which cannot be imported "
-                         f"here ({exc}); drop the flag to size prompts by estimate") from None
+    from justapi.frontend.text.tokenizer import Tokenizer  # only with --tokenizer-gguf
     from justapi.model.gguf_file import GGUFFile
 
     return TokenizerSizer(Tokenizer.from_gguf(GGUFFile(gguf_path)))

@@ -7,7 +7,7 @@ per step) with the same weights and kernels — the ratio shows how far the whol
 with other work, so each figure is the best window of 8 consecutive steps (best of 3 runs for
 prefill), with the median step beside it.
 
-    python tools/bench_engine.py [--model FILE.gguf] [--decode-steps 32] [--prompt-tokens 128]
+    python -m tools.bench engine [--model FILE.gguf] [--decode-steps 32] [--prompt-tokens 128]
 
 With --attention-paired (CPU) the decode phases instead run with the native paged-attention
 kernel and with the gathered torch path, in turns (alternating which goes first), and print
@@ -134,7 +134,7 @@ def wait_policies(args: argparse.Namespace) -> None:
         for turn in range(args.rounds):
             for name, env in WAIT_SETTINGS if turn % 2 == 0 else WAIT_SETTINGS[::-1]:
                 done = subprocess.run(
-                    [sys.executable, __file__, "--model", args.model, "--batches", batch,
+                    [sys.executable, "-m", "tools.bench", "engine", "--model", args.model, "--batches", batch,
                      "--decode-steps", str(args.decode_steps), "--prompt-tokens",
                      str(args.prompt_tokens), "--median-step-ms"],
                     env={**clean, **env}, capture_output=True, text=True, check=True)
@@ -144,8 +144,9 @@ def wait_policies(args: argparse.Namespace) -> None:
             print(f"  {name:<28} {' / '.join(f'{ms:6.1f}' for ms in runs)}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench engine",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="GGUF path or synthetic:SPEC (default SmolLM2)")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of decode runs")
@@ -158,7 +159,7 @@ def main() -> None:
     parser.add_argument("--wait-policies", action="store_true",
                         help="decode under each OpenMP wait setting, fresh processes in turns")
     parser.add_argument("--median-step-ms", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.wait_policies:
         wait_policies(args)
         return

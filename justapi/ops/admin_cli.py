@@ -1,58 +1,58 @@
-"""Shared command-line plumbing of the admin tools (status, drain, flush_cache, health):
-the --admin / --timeout / --json flags, connecting to the server, one-line errors and exit
-codes, and plain-text tables.
+"""Shared command-line plumbing of the admin commands (`justapi status`, `health`, `drain`,
+`flush-cache`): the --admin / --timeout / --json flags, connecting to the server, one-line
+errors and exit codes, and plain-text tables (`justapi inspect` uses those too).
 
-Without --admin the tools talk to the most recently started live `justapi serve` of this
+Without --admin the commands talk to the most recently started live `justapi serve` of this
 user (its state file, see justapi/launch/discovery.py and docs/operations.md).
-Owns: how the admin tools look and fail. Does not own: the admin protocol
-(justapi/ops/admin_client.py) or what each tool shows.
+Owns: how the admin commands look and fail. Does not own: the admin protocol
+(justapi/ops/admin_client.py) or what each command shows.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, TypeVar
+
+import click
 
 from justapi.ops.admin_client import DEFAULT_TIMEOUT_S, AdminClient, AdminError
 
 EXIT_OK, EXIT_FAILED, EXIT_UNREACHABLE = 0, 1, 2
-FIND_HELP = ("admin endpoint of the server, e.g. ipc:///tmp/justapi-xyz/admin.sock "
-             "(default: the most recently started live server of this user)")
+FIND_HELP = ("Admin endpoint of the server, e.g. ipc:///tmp/justapi-xyz/admin.sock "
+             "(default: the most recently started live server of this user).")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def parser(prog: str, description: str, epilog: str = "") -> argparse.ArgumentParser:
-    """An ArgumentParser with the flags every admin tool shares."""
-    out = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    out.add_argument("--admin", metavar="ENDPOINT", help=FIND_HELP)
-    out.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                     help=f"how long to wait for the answer (default {DEFAULT_TIMEOUT_S:g})")
-    out.add_argument("--json", action="store_true", help="print the reply as JSON")
-    return out
+def admin_options(command: F) -> F:
+    """The flags every admin command shares: --admin, --timeout, --json."""
+    options = [
+        click.option("--admin", metavar="ENDPOINT", default=None, help=FIND_HELP),
+        click.option("--timeout", "timeout_s", type=float, default=DEFAULT_TIMEOUT_S,
+                     metavar="SECONDS", show_default=True,
+                     help="How long to wait for the answer."),
+        click.option("--json", "as_json", is_flag=True, help="Print the reply as JSON."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
 
 
-def run(prog: str, action: Callable[[AdminClient], int], args: argparse.Namespace) -> int:
+def run(prog: str, action: Callable[[AdminClient], int], endpoint: str | None,
+        timeout_s: float) -> int:
     """Connect, run `action`, close; a server that cannot be reached is one line, exit 2."""
     try:
-        with AdminClient(args.admin, timeout_s=args.timeout) as client:
+        with AdminClient(endpoint, timeout_s=timeout_s) as client:
             return action(client)
     except (AdminError, ValueError) as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        click.echo(f"{prog}: error: {exc}", err=True)
         return EXIT_UNREACHABLE
-
-
-def fail(prog: str, message: str, code: int = EXIT_FAILED) -> NoReturn:
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    raise SystemExit(code)
 
 
 def print_json(message: Any) -> None:
     is_instance = dataclasses.is_dataclass(message) and not isinstance(message, type)
     data = dataclasses.asdict(message) if is_instance else message
-    print(json.dumps(data, indent=2, sort_keys=True, default=str))
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

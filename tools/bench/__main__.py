@@ -1,0 +1,56 @@
+"""`python -m tools.bench <scenario> [flags]`: run one benchmark scenario (its module's main).
+
+A scenario's module is imported only when it runs (engine, quant and spec load torch).
+A `justapi serve` that does not come up is one line and exit status 1.
+Owns: the scenario names and the dispatch. Does not own: any figure.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+from tools.harness import ServeError
+
+SCENARIOS = {
+    "engine": "model runtime steps vs the matmul bound (in-process, torch)",
+    "serve": "configurations of `justapi serve` side by side (continuous/static, cache, overhead)",
+    "pd": "PD disaggregation vs colocated workers on the long-burst workload",
+    "spec": "speculative decoding: n-gram, trees, draft models, batch sweep (in-process)",
+    "quant": "weight paths fp32 / bf16 / q4 / auto: speed, memory, perplexity (in-process)",
+    "scheduler": "scheduler core step and prefix-cache match times (no model)",
+    "frontend": "frontend streaming throughput against a stand-in scheduler",
+    "failover": "worker SIGKILL / SIGSTOP: detection, rejoin, completed requests",
+    "cross-host": "KV hand-off between network namespaces (--launcher ray; needs root)",
+    "soak": "many requests with disconnects and aborts; nothing may leak",
+    "tokenizer": "tokenizer, detokenizer and chat template speed",
+}
+USAGE = "usage: python -m tools.bench SCENARIO [flags]   (python -m tools.bench SCENARIO --help)"
+
+
+def module_name(scenario: str) -> str:
+    return f"tools.bench.{scenario.replace('-', '_')}"
+
+
+def usage() -> str:
+    return "\n".join([USAGE, "", "scenarios:"] + [f"  {name:<11} {what}"
+                                                 for name, what in SCENARIOS.items()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(usage(), file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    if args[0] not in SCENARIOS:
+        print(f"python -m tools.bench: unknown scenario {args[0]!r}\n{usage()}", file=sys.stderr)
+        return 2
+    scenario = importlib.import_module(module_name(args[0]))
+    try:
+        return scenario.main(args[1:]) or 0
+    except ServeError as exc:
+        print(f"python -m tools.bench {args[0]}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
