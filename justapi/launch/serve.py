@@ -89,7 +89,7 @@ def make_launcher(config: ServeConfig, model: ModelInfo, api_key: str) -> Launch
 
 
 def _publish(deployment: Deployment) -> str:
-    """Make this server discoverable by tools/ (justapi/launch/discovery.py); '' if it cannot be."""
+    """Make this server discoverable by the ops commands (justapi/launch/discovery.py); '' if it cannot be."""
     endpoints = deployment.endpoints
     record = discovery.ServerRecord(pid=os.getpid(), admin=endpoints.admin,
                                     client=deployment.zmq_url, http_url=deployment.http_url,
@@ -97,7 +97,7 @@ def _publish(deployment: Deployment) -> str:
     try:
         return discovery.publish(record)
     except (OSError, discovery.DiscoveryError) as exc:
-        click.echo(f"justapi: warning: tools cannot find this server without --admin ({exc})",
+        click.echo(f"justapi: warning: the ops commands cannot find this server without --admin ({exc})",
                    err=True)
         return ""
 
