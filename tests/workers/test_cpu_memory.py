@@ -13,7 +13,7 @@ import pytest
 
 from justapi.config.serve import build_config
 from justapi.launch.child import ChildSpec, Endpoints
-from workers import process
+from workers import link
 from workers.cpu_memory import keep_freed_memory
 
 STEPS = r"""
@@ -70,8 +70,12 @@ def test_decode_steps_stop_faulting_in_fresh_pages(tmp_path):
 
 def test_cpu_worker_sets_thresholds_gpu_worker_does_not(monkeypatch):
     calls = []
-    monkeypatch.setattr(process, "keep_freed_memory", lambda: calls.append(1) or True)
-    monkeypatch.setattr(process.torch, "set_num_threads", lambda n: None)
-    spec = ChildSpec("worker", 0, build_config({}, {}), Endpoints.in_dir("/tmp/x"), "")
-    assert process.Worker.claim_device(None, spec) == "cpu"  # type: ignore[arg-type]
+    monkeypatch.setattr(link, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(link.torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(link, "require_cuda", lambda device: None)  # no GPU needed to ask
+    cpu = ChildSpec("worker", 0, build_config({}, {}), Endpoints.in_dir("/tmp/x"), "")
+    assert link.LocalLink().claim_device(cpu) == "cpu"
+    assert calls == [1]
+    gpu = ChildSpec("worker", 0, build_config({}, {"device": "cuda"}), Endpoints.in_dir("/tmp/x"), "")
+    assert link.LocalLink().claim_device(gpu).startswith("cuda")
     assert calls == [1]
