@@ -168,10 +168,15 @@ def _console(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*command, "generate", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_console_script_end_to_end_synthetic(synthetic_path):
+def test_console_script_end_to_end_synthetic(synthetic_path, engine):
     done = _console("--model", synthetic_path, "--prompt", "the theory", "--max-tokens", "4", "--json")
     assert done.returncode == 0, done.stderr
-    assert len(json.loads(done.stdout)["token_ids"]) <= 4
+    out = json.loads(done.stdout)
+    expected = engine.generate(["the theory"], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    assert 1 <= len(out["token_ids"]) <= 4  # greedy, stopped by max_tokens or an end token
+    assert out["token_ids"] == expected.token_ids and out["finish_reason"] == expected.finish_reason
+    assert out["prompt_token_ids"] == engine.encode("the theory")
+    assert out["text"] == engine.decode(out["token_ids"])
 
 
 @pytest.mark.slow
