@@ -1,15 +1,14 @@
 """LLMEngine: the paged runtime in one process — load a GGUF, then `generate` many prompts at once.
 
-The loop is three lines (schedule, execute, update) between a small continuous-batching
-policy (workers/batch_policy.py, to be replaced by the real scheduler) and the runtime
-(ModelRunner: model + KV pool + attention backend + sampler), which stays as it is. With
-speculative decoding (`speculative=SpecConfig(...)`) the real scheduler core drives the
-runner (workers/engine_loop.py) and a draft model, if any, runs beside the target.
+The real scheduler core drives the runtime (ModelRunner: model + KV pool + attention backend +
+sampler, and a draft model beside the target with speculative decoding) through the server's
+step, schedule -> execute -> update (workers/engine_loop.py), one fresh core per generate call.
 Text: the model's own tokenizer and chat template (justapi.frontend.text.tokenizer, justapi.frontend.text.chat_template).
-Owns: wiring the runtime together. Does not own: the policy or the runtime.
+Owns: wiring the runtime together, checking prompts. Does not own: the scheduling or the runtime.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -20,8 +19,6 @@ from justapi.frontend.text.chat_template import ChatTemplate
 from justapi.frontend.text.tokenizer import Tokenizer
 from justapi.model.gguf_file import GGUFFile, resolve_model_path
 from justapi.sampling import SamplingParams
-from workers.batch_policy import BatchPolicy
-from workers.batch_policy import Sequence as Seq
 from workers.cpu_memory import keep_freed_memory
 from workers.engine_loop import LoopLimits, SchedulerLoop
 from workers.kv.pool import KVPool, PoolShape
@@ -82,10 +79,10 @@ class LLMEngine:
                                   draft=draft)
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
         self.eos_token_ids = self.tokenizer.eog_token_ids  # ignore_eos turns these off
-        self.policy_args = dict(num_blocks=num_blocks, block_size=block_size, max_seqs=max_seqs,
-                                chunk_size=chunk_size, max_batched_tokens=max_batched_tokens)
-        self._next_id = 0
-        self.num_preemptions = 0  # over all generate calls: the policy preempted to free blocks
+        self.limits = LoopLimits(num_blocks, block_size, max_seqs, chunk_size, max_batched_tokens,
+                                 self.max_context)
+        self.loop: SchedulerLoop | None = None  # the last generate call's (its core's stats)
+        self.num_preemptions = 0  # over all generate calls: the core preempted to free blocks
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -102,33 +99,20 @@ class LLMEngine:
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Output]:
         """Run every prompt to completion, batched; outputs in prompt order."""
         params = self._per_prompt(sampling, len(prompts))
-        seqs = [self._sequence(prompt, p) for prompt, p in zip(prompts, params)]
-        if self.speculative.is_enabled:
-            return self._generate_speculative(seqs)
-        policy = BatchPolicy(**self.policy_args)  # type: ignore[arg-type]
-        for seq in seqs:
-            policy.add(seq)
-        with torch.inference_mode():
-            while policy.has_work():
-                plan = policy.schedule()
-                result = self.runner.execute(plan)
-                policy.update(plan, result)
-        self.num_preemptions += policy.num_preemptions
-        return [Output(self.decode(s.output_ids), s.output_ids, s.token_ids[:s.num_prompt_tokens],
-                       s.finish_reason) for s in seqs]
-
-    def _generate_speculative(self, seqs: list[Seq]) -> list[Output]:
-        """The real scheduler core drives the runner (it owns drafts and their rollback)."""
-        limits = LoopLimits(eos_token_ids=tuple(self.eos_token_ids), max_context=self.max_context,
-                            **self.policy_args)  # type: ignore[arg-type]
-        self.loop = SchedulerLoop(self.runner, limits, self.speculative)
-        with torch.inference_mode():
-            outs = self.loop.generate([s.token_ids for s in seqs], [s.params for s in seqs])
+        token_ids = [self._prompt_ids(prompt, p) for prompt, p in zip(prompts, params)]
+        self.loop = SchedulerLoop(self.runner, self.loop_limits(), self.speculative)
+        outs = self.loop.generate(token_ids, params)
+        self.num_preemptions += int(self.loop.stats()["num_preemptions"])
         for out in outs:
             if out.error:
                 raise RuntimeError(f"generation failed: {out.error}")
-        return [Output(self.decode(o.token_ids), o.token_ids, s.token_ids[:s.num_prompt_tokens],
-                       o.finish_reason) for s, o in zip(seqs, outs)]
+        return [Output(self.decode(o.token_ids), o.token_ids, prompt, o.finish_reason)
+                for prompt, o in zip(token_ids, outs)]
+
+    def loop_limits(self) -> LoopLimits:
+        """The core's budgets and limits, with the end-of-generation ids now in force."""
+        return dataclasses.replace(self.limits, max_context=self.max_context,
+                                   eos_token_ids=tuple(sorted(self.eos_token_ids)))
 
     def _per_prompt(self, sampling: SamplingParams | Sequence[SamplingParams] | None,
                     count: int) -> list[SamplingParams]:
@@ -138,7 +122,7 @@ class LLMEngine:
             raise ValueError(f"got {len(sampling)} sampling params for {count} prompts")
         return list(sampling)
 
-    def _sequence(self, prompt: str | Sequence[int], params: SamplingParams) -> Seq:
+    def _prompt_ids(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         token_ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         vocab = self.model.params.vocab_size
         if not token_ids:
@@ -148,10 +132,12 @@ class LLMEngine:
         if len(token_ids) > self.max_context:
             raise ValueError(f"prompt has {len(token_ids)} tokens, more than the context length "
                              f"{self.max_context}")
-        self._next_id += 1
-        return Seq(request_id=f"req-{self._next_id}", params=params, token_ids=token_ids,
-                   num_prompt_tokens=len(token_ids), max_context=self.max_context,
-                   eos_token_ids=self.eos_token_ids)
+        longest = min(len(token_ids) + params.max_tokens, self.max_context)
+        num_blocks = -(-longest // self.limits.block_size)
+        if num_blocks > self.limits.num_blocks:  # the core would cut it short at the pool's size
+            raise ValueError(f"a request of {longest} tokens may need {num_blocks} KV blocks, "
+                             f"the pool has {self.limits.num_blocks}")
+        return token_ids
 
     def close(self) -> None:
         self.pool.close()

@@ -1,8 +1,7 @@
-"""The in-process engine driven by the real scheduler core (justapi/scheduler/), as the server
-drives its workers: schedule -> ModelRunner.execute -> update, one worker, one local pool.
-
-LLMEngine uses it when speculative decoding is on (the core owns drafts, budgets, look-ahead
-blocks and rollback); plain decoding keeps the small BatchPolicy loop.
+"""The in-process engine's one loop: the real scheduler core (justapi/scheduler/) drives a
+ModelRunner as the server drives its workers - schedule -> execute -> update - over one
+worker and one local pool, for plain and speculative decoding alike (the core owns budgets,
+chunked prefill, the prefix cache, preemption, finish rules, drafts and their rollback).
 Owns: that loop and collecting each request's tokens. Does not own: the core or the runtime.
 """
 from __future__ import annotations
@@ -10,19 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from justapi.config.sections import CacheConfig, SchedulerConfig
 from justapi.config.spec import SpecConfig
 from justapi.sampling import SamplingParams
 from justapi.scheduler.scheduler import Scheduler
 from justapi.scheduler.topology import ModelLimits, Topology
-from justapi.wire.protocol import SubmitRequest, TokenDeltas, offsets
+from justapi.wire.protocol import StepPlan, SubmitRequest, TokenDeltas, offsets
 from workers.runner import ModelRunner
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoopLimits:
-    """What the engine's loop needs from LLMEngine's settings."""
+    """LLMEngine's settings, as the core takes them (one worker, one pool of num_blocks)."""
 
     num_blocks: int
     block_size: int
@@ -31,6 +31,16 @@ class LoopLimits:
     max_batched_tokens: int
     max_context: int
     eos_token_ids: tuple[int, ...] = ()
+
+    def build_core(self, spec: SpecConfig | None) -> Scheduler:
+        """The core as justapi/scheduler/factory.py builds it for one mixed worker; no
+        separate prefill cap (every seat may prefill in one step)."""
+        config = SchedulerConfig(max_seqs=self.max_seqs, max_decode=self.max_seqs,
+                                 max_prefill=self.max_seqs, chunk_size=self.chunk_size,
+                                 max_batched_tokens=self.max_batched_tokens)
+        return Scheduler(config, CacheConfig(self.block_size, self.num_blocks),
+                         Topology.shared_pool(self.num_blocks),
+                         ModelLimits(self.max_context, self.eos_token_ids), spec)
 
 
 @dataclass
@@ -41,40 +51,43 @@ class LoopOutput:
 
 
 class SchedulerLoop:
-    def __init__(self, runner: ModelRunner, limits: LoopLimits, spec: SpecConfig) -> None:
-        config = SchedulerConfig(max_seqs=limits.max_seqs, max_decode=limits.max_seqs,
-                                 max_prefill=limits.max_seqs, chunk_size=limits.chunk_size,
-                                 max_batched_tokens=limits.max_batched_tokens)
-        self.core = Scheduler(config, CacheConfig(limits.block_size, limits.num_blocks),
-                              Topology.shared_pool(limits.num_blocks),
-                              ModelLimits(limits.max_context, limits.eos_token_ids), spec)
+    """One core, fresh per loop: its prefix cache and counters cover this loop's requests."""
+
+    def __init__(self, runner: ModelRunner, limits: LoopLimits, spec: SpecConfig | None = None) -> None:
+        self.core = limits.build_core(spec)
         self.runner = runner
+        self.outputs: dict[str, LoopOutput] = {}
         self.num_steps = 0
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[LoopOutput]:
-        """Every prompt to completion; outputs in prompt order."""
+        """Every prompt to completion; outputs in prompt order. ValueError (the core's) for a
+        prompt that can never run."""
         ids = [f"loop-{i}" for i in range(len(prompts))]
-        outputs = {rid: LoopOutput() for rid in ids}
         for rid, prompt, p in zip(ids, prompts, params):
             self.core.add_request(SubmitRequest(rid, np.asarray(prompt, dtype=np.int32), p))
-        while self.core.has_work():
-            plans = self.core.schedule()
-            if not plans:
-                raise RuntimeError("unfinished requests but no plan: the scheduler is stuck")
-            for _, plan in plans:
-                assert not hasattr(plan, "copy_id"), "one worker, one pool: no KV copies"
-                self._record(self.core.update(self.runner.execute(plan)), outputs)  # type: ignore[arg-type]
-                self.num_steps += 1
-        return [outputs[rid] for rid in ids]
+            self.outputs[rid] = LoopOutput()
+        with torch.inference_mode():
+            while self.core.has_work():  # finished requests' drops reach the runner too
+                self.step()
+        return [self.outputs.pop(rid) for rid in ids]
+
+    def step(self) -> None:
+        """The server's step: schedule, execute, update."""
+        plans = self.core.schedule()
+        if not plans:
+            raise RuntimeError("unfinished requests but no plan: the scheduler is stuck")
+        for _, plan in plans:
+            assert isinstance(plan, StepPlan), "one worker, one pool: no KV copies"
+            self._record(self.core.update(self.runner.execute(plan)))
+            self.num_steps += 1
 
     def stats(self) -> dict[str, float]:
         return self.core.stats()
 
-    @staticmethod
-    def _record(deltas: TokenDeltas, outputs: dict[str, LoopOutput]) -> None:
+    def _record(self, deltas: TokenDeltas) -> None:
         off = offsets(deltas.num_new_tokens)
         for i, rid in enumerate(deltas.request_ids):
-            out = outputs[rid]
+            out = self.outputs[rid]
             out.token_ids.extend(deltas.token_ids[off[i]:off[i + 1]].tolist())
             if deltas.finish_reasons[i]:
                 out.finish_reason = deltas.finish_reasons[i]

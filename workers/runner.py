@@ -12,28 +12,20 @@ verification (verify.py).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from justapi.sampling import SamplingParams
 from justapi.wire.protocol import StepPlan, StepResult, offsets
 from workers.kv.pool import KVPool
 from workers.model.attention import AttentionBackend, AttentionBatch
 from workers.model.forward import LlamaModel
+from workers.request_state import RequestState
 from workers.sampler import Sampler, SamplerOutput, SamplingRow
 from workers.spec.draft import DraftModel
-from workers.spec.step import execute_speculative
+from workers.spec.step import SpecContext, speculative_result, tree_layout
 from workers.spec.tree import TreeLayout
 from workers.spec.verify import Verifier
-
-
-@dataclass
-class RequestState:
-    params: SamplingParams
-    num_prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)  # every token known, position-indexed
 
 
 class ModelRunner:
@@ -59,14 +51,20 @@ class ModelRunner:
         """Run one step: forward every chunk, sample the sequences whose sample flag is set
         (verifying their drafts, workers/spec/step.py, when there are any or a draft model)."""
         if self.draft is not None or np.any(plan.draft_counts > 0):
-            return execute_speculative(self, plan)
-        logits = self.forward_logits(plan)  # [num sampled, vocab]: one row each
+            logits = self.forward_logits(plan, tree_layout(plan))  # [sum(1 + drafts), vocab]
+            context = SpecContext(self.requests, self.pool, self.verifier, self.draft, self.worker_id)
+            result = speculative_result(context, plan, logits)
+        else:
+            result = self._sample(plan, self.forward_logits(plan))  # one logits row per sample
+        self.forget(plan.finished_request_ids)
+        return result
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
         sampled = np.flatnonzero(plan.sample_flags)
         ids = [plan.request_ids[i] for i in sampled]
         ends = plan.start_positions[sampled] + plan.num_tokens[sampled]
         rows = [self._sampling_row(rid, int(end)) for rid, end in zip(ids, ends)]
         out = self.sampler.sample(logits, rows) if rows else SamplerOutput(np.zeros(0, np.int32))
-        self.forget(plan.finished_request_ids)
         result = StepResult(step_id=plan.step_id, worker_id=self.worker_id, request_ids=ids,
                             num_sampled=np.ones(len(ids), np.int32), sampled_token_ids=out.token_ids)
         if out.logprobs is None or out.top_ids is None or out.top_logprobs is None:

@@ -56,6 +56,17 @@ def test_policy_budgets_and_preemption_do_not_change_outputs(synthetic_path, one
     engine.close()
 
 
+def test_the_prefix_cache_serves_shared_prompts_with_unchanged_outputs(synthetic_path, engine):
+    shared = list(range(10, 42))  # 8 full blocks of 4, cached once the first request computed them
+    prompts = [shared + [1, 2], shared + [3], shared + [4, 5, 6]]
+    expected = [engine.generate([p], GREEDY)[0].token_ids for p in prompts]
+    one_at_a_time = LLMEngine(synthetic_path, block_size=4, num_blocks=64, max_seqs=1, progress=False)
+    assert [o.token_ids for o in one_at_a_time.generate(prompts, GREEDY)] == expected
+    assert one_at_a_time.loop is not None
+    assert one_at_a_time.loop.stats()["prefix_cache_hits"] >= 16  # requests 2 and 3: 8 blocks each
+    one_at_a_time.close()
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
     seeded = SamplingParams(temperature=1.0, top_k=50, max_tokens=10, seed=11, ignore_eos=True)
     alone = engine.generate(["hello there"], seeded)[0].token_ids
@@ -86,6 +97,7 @@ def test_finish_reasons(engine, one_by_one):
 
 @pytest.mark.parametrize("prompt,needle", [
     (list(range(97)), "more than the context length 96"),
+    (list(range(96)), "leaves no room for output"),  # the scheduler core's rule
     ([], "empty prompt"),
     ([5, 10**6], "out of range"),
 ])
@@ -168,10 +180,15 @@ def _console(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*command, "generate", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_console_script_end_to_end_synthetic(synthetic_path):
+def test_console_script_end_to_end_synthetic(synthetic_path, engine):
     done = _console("--model", synthetic_path, "--prompt", "the theory", "--max-tokens", "4", "--json")
     assert done.returncode == 0, done.stderr
-    assert len(json.loads(done.stdout)["token_ids"]) <= 4
+    out = json.loads(done.stdout)
+    expected = engine.generate(["the theory"], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    assert 1 <= len(out["token_ids"]) <= 4  # greedy, stopped by max_tokens or an end token
+    assert out["token_ids"] == expected.token_ids and out["finish_reason"] == expected.finish_reason
+    assert out["prompt_token_ids"] == engine.encode("the theory")
+    assert out["text"] == engine.decode(out["token_ids"])
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ from justapi.config.spec import SpecConfig
 from justapi.model.gguf_file import GGUFFile, default_model_path
 from justapi.sampling import SamplingParams
 from workers.engine import LLMEngine
-from workers.engine_loop import LoopLimits, SchedulerLoop
+from workers.engine_loop import SchedulerLoop
 from workers.kv.pool import KVPool, PoolShape
 from workers.model.attention import make_backend
 from workers.model.forward import LlamaModel
@@ -109,9 +109,7 @@ class Bench:
             pool = KVPool.create(PoolShape(p.num_layers, shape.num_blocks, shape.block_size,
                                            p.num_kv_heads, p.head_dim))
             engine.runner.draft = DraftModel(model, pool, make_backend("cpu", shape.block_size), spec)
-        limits = LoopLimits(eos_token_ids=tuple(engine.eos_token_ids), max_context=engine.max_context,
-                            **engine.policy_args)  # type: ignore[arg-type]
-        return SchedulerLoop(engine.runner, limits, spec)
+        return SchedulerLoop(engine.runner, engine.loop_limits(), spec)
 
     def run(self, prompts: list[list[int]], spec: SpecConfig, draft: str = "") -> Run:
         """Best of `repeats`: decode time = a max_tokens run minus a 1-token run (prefill)."""

@@ -9,25 +9,37 @@ the accepted nodes' K/V are copied (every layer) to the slots of positions root 
 ... - a copy within the pool, never a recompute. Rejected nodes' slots hold garbage that the
 scheduler's rollback leaves behind (num_computed_tokens ends at the accepted path). A chain's
 accepted drafts are already in place.
-Owns: that sequence of work. Does not own: the forward (model.py), the rules (verify.py),
-proposing (draft.py), the request state (runner.py).
+Owns: that sequence of work. Does not own: the forward or the request state (the runner
+passes its logits and a SpecContext in), the rules (verify.py), proposing (draft.py).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from justapi.wire.protocol import StepPlan, StepResult, offsets
+from workers.kv.pool import KVPool
+from workers.request_state import RequestState
 from workers.sampler import SamplingRow, logprob_columns
-from workers.spec.draft import DraftSeq, Proposal
+from workers.spec.draft import DraftModel, DraftSeq, Proposal
 from workers.spec.tree import TreeLayout, is_chain, verify_mask
-from workers.spec.verify import Verified, VerifyInput
+from workers.spec.verify import Verified, VerifyInput, Verifier
 
-if TYPE_CHECKING:
-    from workers.runner import ModelRunner
+
+@dataclass(frozen=True)
+class SpecContext:
+    """What a speculative step reads and writes of the runner's (workers/runner.py) state."""
+
+    requests: Mapping[str, RequestState]  # histories are rewritten in place
+    pool: KVPool  # accepted tree nodes' KV moves within it
+    verifier: Verifier
+    draft: DraftModel | None
+    worker_id: int
 
 
 def tree_layout(plan: StepPlan) -> TreeLayout | None:
@@ -42,31 +54,31 @@ def tree_layout(plan: StepPlan) -> TreeLayout | None:
     return layout or None
 
 
-def execute_speculative(runner: ModelRunner, plan: StepPlan) -> StepResult:
-    logits = runner.forward_logits(plan, tree_layout(plan))  # [sum(1 + drafts), vocab]
+def speculative_result(context: SpecContext, plan: StepPlan, logits: torch.Tensor) -> StepResult:
+    """The step after the forward: `logits` [sum over sampled (1 + drafts), vocab] as
+    ModelRunner.forward_logits returns them with tree_layout(plan)."""
     sampled = np.flatnonzero(plan.sample_flags).tolist()
-    items = _inputs(runner, plan, sampled, logits)
-    verified = runner.verifier.verify(items)
+    items = _inputs(context, plan, sampled, logits)
+    verified = context.verifier.verify(items)
     for seq, item, result in zip(sampled, items, verified):
-        _settle(runner, plan, seq, item, result)
-    proposals = _draft_step(runner, plan, sampled, verified) if runner.draft is not None else {}
-    runner.forget(plan.finished_request_ids)
-    return _result(runner, plan, sampled, items, verified, proposals)
+        _settle(context, plan, seq, item, result)
+    proposals = _draft_step(context, plan, sampled, verified) if context.draft is not None else {}
+    return _result(context, plan, sampled, items, verified, proposals)
 
 
-def _inputs(runner: ModelRunner, plan: StepPlan, sampled: list[int],
+def _inputs(context: SpecContext, plan: StepPlan, sampled: list[int],
             logits: torch.Tensor) -> list[VerifyInput]:
     drafts = plan.draft_counts
     tok_off = offsets(plan.num_tokens)
     items, row = [], 0
     for seq in sampled:
         rid, num_drafts = plan.request_ids[seq], int(drafts[seq])
-        state = runner.requests[rid]
+        state = context.requests[rid]
         end = int(plan.start_positions[seq] + plan.num_tokens[seq])
         root = end - 1 - num_drafts
         tokens = plan.token_ids[tok_off[seq + 1] - num_drafts:tok_off[seq + 1]].tolist()
         parents = plan.parents_of(seq).tolist()
-        draws = runner.draft.draws_for(rid, tokens, parents) if runner.draft is not None else None
+        draws = context.draft.draws_for(rid, tokens, parents) if context.draft is not None else None
         items.append(VerifyInput(logits[row:row + 1 + num_drafts], state.params,
                                  state.token_ids[:root + 1], state.num_prompt_tokens, root,
                                  tokens, parents, draws))
@@ -74,19 +86,20 @@ def _inputs(runner: ModelRunner, plan: StepPlan, sampled: list[int],
     return items
 
 
-def _settle(runner: ModelRunner, plan: StepPlan, seq: int, item: VerifyInput,
+def _settle(context: SpecContext, plan: StepPlan, seq: int, item: VerifyInput,
             result: Verified) -> None:
     """The request's history holds the accepted path after the root; a tree's accepted KV
     moves to the slots of the positions it now holds."""
     root = item.root_position
-    history = runner.requests[plan.request_ids[seq]].token_ids
+    history = context.requests[plan.request_ids[seq]].token_ids
     del history[root + 1:]
     history.extend(result.tokens[:-1])
     moves = [(root + 1 + node, root + 1 + j) for j, node in enumerate(result.nodes) if node != j]
     if moves:
         table = plan.block_ids[offsets(plan.num_blocks)[seq]:offsets(plan.num_blocks)[seq + 1]]
-        runner.pool.move_slots(_slots(table, [m[0] for m in moves], runner.block_size),
-                               _slots(table, [m[1] for m in moves], runner.block_size))
+        block_size = context.pool.shape.block_size
+        context.pool.move_slots(_slots(table, [m[0] for m in moves], block_size),
+                                _slots(table, [m[1] for m in moves], block_size))
 
 
 def _slots(table: np.ndarray, positions: list[int], block_size: int) -> np.ndarray:
@@ -94,11 +107,11 @@ def _slots(table: np.ndarray, positions: list[int], block_size: int) -> np.ndarr
     return table[pos // block_size].astype(np.int64) * block_size + pos % block_size
 
 
-def _draft_step(runner: ModelRunner, plan: StepPlan, sampled: list[int],
+def _draft_step(context: SpecContext, plan: StepPlan, sampled: list[int],
                 verified: list[Verified]) -> dict[str, Proposal]:
     """The draft model computes what the target now has (known chunk tokens + accepted
     drafts) and, when asked, the bonus token and its proposals."""
-    assert runner.draft is not None
+    assert context.draft is not None
     by_seq = dict(zip(sampled, verified))
     tok_off, blk_off = offsets(plan.num_tokens), offsets(plan.num_blocks)
     drafts, propose = plan.draft_counts, plan.propose_counts
@@ -113,15 +126,15 @@ def _draft_step(runner: ModelRunner, plan: StepPlan, sampled: list[int],
             tokens.append(result.tokens[-1])
         seqs.append(DraftSeq(rid, int(plan.start_positions[i]), tokens,
                              plan.block_ids[blk_off[i]:blk_off[i + 1]],
-                             runner.requests[rid].params, num_propose))
-    return runner.draft.step(seqs)
+                             context.requests[rid].params, num_propose))
+    return context.draft.step(seqs)
 
 
-def _result(runner: ModelRunner, plan: StepPlan, sampled: list[int], items: list[VerifyInput],
+def _result(context: SpecContext, plan: StepPlan, sampled: list[int], items: list[VerifyInput],
             verified: list[Verified], proposals: dict[str, Proposal]) -> StepResult:
     ids = [plan.request_ids[i] for i in sampled]
     tokens = [t for v in verified for t in v.tokens]
-    result = StepResult(step_id=plan.step_id, worker_id=runner.worker_id, request_ids=ids,
+    result = StepResult(step_id=plan.step_id, worker_id=context.worker_id, request_ids=ids,
                         num_sampled=np.asarray([len(v.tokens) for v in verified], np.int32),
                         sampled_token_ids=np.asarray(tokens, np.int32))
     fields: dict[str, Any] = {}

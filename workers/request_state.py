@@ -1,0 +1,18 @@
+"""A worker's state of one request: its sampling parameters and every token it knows, by position.
+
+Shared by the runner (workers/runner.py learns it from plans and drops it at finish) and the
+speculative step (workers/spec/step.py rewrites the history after verification).
+Owns: the fields. Does not own: when they change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from justapi.sampling import SamplingParams
+
+
+@dataclass
+class RequestState:
+    params: SamplingParams
+    num_prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)  # every token known, position-indexed
