@@ -104,9 +104,12 @@ def unpermute_rotary_rows(w: Matrix, num_heads: int) -> Matrix:
     regroups them as [first halves | second halves]. [num_heads * d, in] or a bias
     [num_heads * d] -> same shape."""
     if isinstance(w, QuantMatrix):  # the same reordering of its code and scale rows
-        return w.map_rows(lambda rows: unpermute_rotary_rows(rows, num_heads))  # type: ignore[arg-type,return-value]
-    rows = w.shape[0]
-    head_dim = rows // num_heads
+        return w.map_rows(lambda rows: _unpermute(rows, num_heads))
+    return _unpermute(w, num_heads)
+
+
+def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    head_dim = w.shape[0] // num_heads
     return w.reshape(num_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
@@ -226,7 +229,7 @@ def _attention_rows(src: _TensorSource, p: HyperParams, i: int) -> tuple[Matrix,
     if p.traits.permuted_qk:
         heads = (p.num_heads, p.num_kv_heads)
         parts[:2] = [unpermute_rotary_rows(w, n) for w, n in zip(parts[:2], heads)]
-        biases[:2] = [None if b is None else unpermute_rotary_rows(b, n) for b, n in zip(biases[:2], heads)]
+        biases[:2] = [None if b is None else _unpermute(b, n) for b, n in zip(biases[:2], heads)]
     if all(b is None for b in biases):
         return cat_rows(parts), None
     sizes = (p.q_size, p.kv_size, p.kv_size)
