@@ -17,6 +17,7 @@ from justapi.frontend.text.tokenizer import PRE_TOKENIZER_SPLITS, Tokenizer, res
 from justapi.model.gguf_file import GGUFFile, default_model_path
 from tests.support.gguf_tokenizers import (
     SPM_USER_DEFINED,
+    OverriddenGGUF,
     copy_tokenizer_gguf,
     train_sentencepiece,
     write_spm_gguf,
@@ -267,20 +268,6 @@ def test_pre_tokenizers_match_hf(pre: str, tmp_path: Path, smol_gguf) -> None:
     for text in VARIED_TEXTS + random_texts(300, seed=7):
         assert ours.encode(text, add_special_tokens=False) == \
             reference.encode(text, add_special_tokens=False), text
-
-
-class OverriddenGGUF(GGUFFile):
-    """A parsed GGUF seen with some metadata replaced (value None hides a key), without a copy."""
-
-    def __init__(self, base: GGUFFile, overrides: dict) -> None:  # noqa: no super(): no re-parse
-        self.path, self.reader, self.tensors = base.path, base.reader, base.tensors
-        self._overrides = overrides
-
-    def get(self, key: str, default=None):
-        if key in self._overrides:
-            value = self._overrides[key]
-            return default if value is None else value
-        return super().get(key, default)
 
 
 @pytest.mark.parametrize("pre", ["default", "gpt-2", "starcoder", "deepseek-llm", "deepseek-coder",

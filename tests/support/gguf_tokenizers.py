@@ -1,8 +1,9 @@
 """Test helpers: small GGUF files that carry a tokenizer (and tiny dummy weights).
 
 Owns: writing a SentencePiece (`llama`) tokenizer GGUF trained on the spot with the
-`sentencepiece` package, and copying the SmolLM2 tokenizer into a variant GGUF (other
-`tokenizer.ggml.pre`, no chat template...). Does not own: model weights (workers/weights/synthetic.py).
+`sentencepiece` package, copying the SmolLM2 tokenizer into a variant GGUF (other
+`tokenizer.ggml.pre`, no chat template...) and OverriddenGGUF (a parsed file seen with some keys
+replaced). Does not own: model weights (workers/weights/synthetic.py).
 """
 from __future__ import annotations
 
@@ -102,6 +103,20 @@ def copy_tokenizer_gguf(path: Path, source: GGUFFile, overrides: dict[str, Any])
             _add_value(writer, key, value)
     _finish(writer)
     return path
+
+
+class OverriddenGGUF(GGUFFile):
+    """A parsed GGUF seen with some metadata replaced (value None hides a key), without a copy."""
+
+    def __init__(self, base: GGUFFile, overrides: dict[str, Any]) -> None:  # noqa: no re-parse
+        self.__dict__.update(base.__dict__)
+        self._overrides = overrides
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key in self._overrides:
+            value = self._overrides[key]
+            return default if value is None else value
+        return super().get(key, default)
 
 
 def _add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
