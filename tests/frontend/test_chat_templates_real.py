@@ -166,3 +166,15 @@ def test_gguf_template_use_is_logged(spm_gguf, caplog) -> None:
         template = ChatTemplate.from_gguf(with_template, {"eos_token": "</s>"})
     assert template.name == "gguf" and template.source == PHI35
     assert "own tokenizer.chat_template" in caplog.text
+
+
+def test_inspect_names_the_builtin_template(spm_gguf) -> None:
+    from justapi.ops.inspect_gguf import describe, render
+
+    tokens = list(spm_gguf.get("tokenizer.ggml.tokens"))
+    tokens[3:6] = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    report = describe(OverriddenGGUF(spm_gguf, {"tokenizer.ggml.tokens": tokens}), None, 1)
+    assert report["builtin_chat_template"] == "llama3"
+    assert "none (the server uses its built-in llama3 template)" in render(report, False, False)
+    with_template = OverriddenGGUF(spm_gguf, {"tokenizer.chat_template": PHI35})
+    assert describe(with_template, None, 1)["builtin_chat_template"] == ""
