@@ -8,6 +8,7 @@ or streaming text (detokenizer.py).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -119,7 +120,6 @@ class Tokenizer:
                  special: SpecialTokens) -> None:
         self._backend = backend
         self._tokens = tokens
-        self._token_ids = backend.get_vocab(with_added_tokens=True)
         self.special = special
         self._plain_backend: tokenizers.Tokenizer | None = None  # special tokens as plain text
         self._plain_lock = threading.Lock()
@@ -184,6 +184,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary entry spelled as stored (e.g. 'Ġthe', '▁the', '<|im_end|>')."""
         return self._token_ids.get(token)
+
+    @functools.cached_property
+    def _token_ids(self) -> dict[str, int]:
+        """Spelling -> id, built on first use (a second for a 262k vocabulary)."""
+        return self._backend.get_vocab(with_added_tokens=True)
 
     def id_to_token(self, token_id: int) -> str:
         self._check_ids([token_id])
