@@ -44,7 +44,7 @@ from workers.kv.pool import KVPool, PoolShape
 from workers.kv.transfer import BlockCopier
 from workers.link import LocalLink, WorkerLink
 from workers.model.attention import make_backend, require_cuda
-from workers.model.forward import LlamaModel
+from workers.model.forward import DecoderModel
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.spec.draft import load_draft
@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 POLL_TIMEOUT_MS = 200
 
 
-def open_pool(spec: ChildSpec, model: LlamaModel, device: str) -> KVPool:
+def open_pool(spec: ChildSpec, model: DecoderModel, device: str) -> KVPool:
     p = model.params
     if spec.pool:  # CPU: the launcher's shared segment
         info = PoolInfo(pool_id=spec.pool.get("pool_id", 0), kind=spec.pool["kind"], handle=spec.pool["name"], device="cpu",

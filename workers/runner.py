@@ -19,7 +19,7 @@ import torch
 from justapi.wire.protocol import StepPlan, StepResult, offsets
 from workers.kv.pool import KVPool
 from workers.model.attention import AttentionBackend, AttentionBatch
-from workers.model.forward import LlamaModel
+from workers.model.forward import DecoderModel
 from workers.request_state import RequestState
 from workers.sampler import Sampler, SamplerOutput, SamplingRow
 from workers.spec.draft import DraftModel
@@ -29,7 +29,7 @@ from workers.spec.verify import Verifier
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
+    def __init__(self, model: DecoderModel, pool: KVPool, backend: AttentionBackend,
                  sampler: Sampler | None = None, worker_id: int = 0,
                  draft: DraftModel | None = None) -> None:
         if pool.shape.num_layers != model.params.num_layers:

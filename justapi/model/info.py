@@ -11,11 +11,11 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from justapi.model.arch import arch_traits
 from justapi.model.gguf_file import GGUFError, GGUFFile, resolve_model_path
 from justapi.sampling import SamplingParams
 
 SYNTHETIC_PREFIX = "synthetic:"
-SUPPORTED_ARCHITECTURES = ("llama",)
 GGUF_SAMPLING_KEYS = {
     "temperature": "general.sampling.temp", "top_k": "general.sampling.top_k",
     "top_p": "general.sampling.top_p", "min_p": "general.sampling.min_p",
@@ -38,26 +38,35 @@ class ModelInfo:
     vocab_size: int
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """Every layer keeps K and V of every position (sliding-window layers too: docs/models.md)."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> ModelInfo:
         arch = gguf.architecture
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise GGUFError(f"{gguf.path}: unsupported architecture {arch!r} "
-                            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        arch_traits(arch, gguf.path)  # refuses an architecture we do not serve
         hidden = _positive(gguf, "embedding_length")
         heads = _positive(gguf, "attention.head_count")
-        kv_heads = int(gguf.arch_get("attention.head_count_kv", heads))
-        head_dim = int(gguf.arch_get("attention.key_length", hidden // heads))
-        if kv_heads <= 0 or heads % kv_heads or head_dim <= 0:
-            raise GGUFError(f"{gguf.path}: bad attention shape (heads={heads}, kv_heads={kv_heads})")
+        kv_heads = _first(gguf.arch_get("attention.head_count_kv", heads))
+        # head_dim: key_length where the file has it (Qwen3, Gemma: not hidden / heads)
+        head_dim = _first(gguf.arch_get("attention.key_length", hidden // heads))
+        value_dim = _first(gguf.arch_get("attention.value_length", head_dim))
+        if kv_heads <= 0 or heads % kv_heads or head_dim <= 0 or value_dim != head_dim:
+            raise GGUFError(f"{gguf.path}: bad attention shape (heads={heads}, kv_heads={kv_heads}, "
+                            f"key_length={head_dim}, value_length={value_dim})")
         tokens = gguf.get("tokenizer.ggml.tokens")
         vocab = int(gguf.arch_get("vocab_size", len(tokens) if tokens is not None else 0))
         return cls(path=gguf.path, name=gguf.name, architecture=arch,
                    num_layers=_positive(gguf, "block_count"), hidden_size=hidden, num_heads=heads,
                    num_kv_heads=kv_heads, head_dim=head_dim,
                    context_length=_positive(gguf, "context_length"), vocab_size=vocab)
+
+
+def _first(value: object) -> int:
+    """A count that converters may store per layer (an array): its first entry."""
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else 0
+    return int(value) if isinstance(value, int) else 0
 
 
 def _positive(gguf: GGUFFile, suffix: str) -> int:

@@ -22,9 +22,9 @@ from tests.support.reference_llama import ReferenceLlama
 from tools.harness import TINY_MODEL, ServedPool
 from workers.kv.pool import KVPool, PoolShape
 from workers.model.attention import make_backend
-from workers.model.forward import LlamaModel
+from workers.model.forward import DecoderModel
 from workers.runner import ModelRunner
-from workers.weights.gguf_loader import load_llama
+from workers.weights.gguf_loader import load_weights
 
 DEVICE = os.environ.get("JUSTAPI_TEST_GPU_DEVICE", "cuda")
 """'cpu' runs these same paths on the CPU (a dry run of the file on a machine without a GPU)."""
@@ -41,7 +41,7 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
 @pytest.mark.parametrize("qtype", ["F16", "Q4_1", "Q8_0"])
 def test_bf16_paged_forward_on_cuda_matches_the_fp32_reference(tiny_gguf, qtype):
     path = tiny_gguf(type=qtype, layers=2, vocab=320)
-    model = LlamaModel(load_llama(GGUFFile(path), device=DEVICE, dtype=DTYPE, progress=False))
+    model = DecoderModel(load_weights(GGUFFile(path), device=DEVICE, dtype=DTYPE, progress=False))
     reference = ReferenceLlama(path)
     p = model.params
     pool = KVPool.create(PoolShape(p.num_layers, NUM_BLOCKS, BLOCK_SIZE, p.num_kv_heads, p.head_dim),

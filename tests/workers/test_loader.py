@@ -10,7 +10,8 @@ from gguf import quants as gguf_quants
 
 from justapi.model.gguf_file import GGUFError, GGUFFile
 from workers.weights.dequant import dequantize, supported_type_names
-from workers.weights.gguf_loader import load_llama, read_hyper_params, unpermute_rotary_rows
+from workers.weights.gguf_loader import load_weights, unpermute_rotary_rows
+from workers.weights.hparams import read_hyper_params
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
@@ -69,14 +70,14 @@ def test_unpermute_undoes_the_converter_permutation():
 
 def test_fused_and_tied_weights(tiny_gguf):
     path = tiny_gguf(layers=1, tied=True)
-    w = load_llama(GGUFFile(path), progress=False)
+    w = load_weights(GGUFFile(path), progress=False)
     assert w.is_tied and w.output is w.token_embd
     reader = GGUFReader(path)
     raw = {t.name: t for t in reader.tensors}
     v = raw["blk.0.attn_v.weight"]
     v_ref = torch.from_numpy(gguf_quants.dequantize(v.data, v.tensor_type).reshape(-1, w.params.hidden_size))
     assert torch.equal(w.layers[0].qkv[-v_ref.shape[0]:], v_ref)  # V rows are last, unpermuted
-    untied = load_llama(GGUFFile(tiny_gguf(layers=1, tied=False)), progress=False)
+    untied = load_weights(GGUFFile(tiny_gguf(layers=1, tied=False)), progress=False)
     assert not untied.is_tied and not torch.equal(untied.output, untied.token_embd)
 
 
@@ -108,7 +109,7 @@ def _rewrite(src: str, dst: str, arch: str | None = None, fields: dict | None = 
 
 def _load_error(path: str) -> str:
     with pytest.raises(GGUFError) as info:
-        load_llama(GGUFFile(path), progress=False)
+        load_weights(GGUFFile(path), progress=False)
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -126,7 +127,7 @@ def test_truncated_file(tiny_gguf, tmp_path, fraction):
     path = tmp_path / "truncated.gguf"
     path.write_bytes(data[:int(len(data) * fraction)])
     with pytest.raises(GGUFError, match="truncated|not a GGUF|corrupt|data holds"):
-        load_llama(GGUFFile(str(path)), progress=False)
+        load_weights(GGUFFile(str(path)), progress=False)
 
 
 def test_corrupt_metadata(tiny_gguf, tmp_path):

@@ -18,13 +18,13 @@ from workers.kv.pool import KVPool, PoolShape
 from workers.model.attention import SHORT_CHUNK_TOKENS, TorchCpuBackend, TorchPagedBackend
 from workers.model.forward import (
     Linear,
-    LlamaModel,
+    DecoderModel,
     has_onednn_bf16,
     has_onednn_linear,
     onednn_rows,
 )
 from workers.runner import ModelRunner
-from workers.weights.gguf_loader import load_llama
+from workers.weights.gguf_loader import load_weights
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 96
@@ -38,10 +38,10 @@ def models(request, tiny_gguf):
     if request.param.endswith("_K"):
         spec.update(hidden=256, heads=4, kv_heads=2, ffn=256)
     path = tiny_gguf(**spec)
-    return LlamaModel(load_llama(GGUFFile(path), progress=False)), ReferenceLlama(path)
+    return DecoderModel(load_weights(GGUFFile(path), progress=False)), ReferenceLlama(path)
 
 
-def make_runner(model: LlamaModel, chunk_bytes: int | None = None, kernel: bool = False) -> ModelRunner:
+def make_runner(model: DecoderModel, chunk_bytes: int | None = None, kernel: bool = False) -> ModelRunner:
     """Attention by the gathered torch path (all short chunks in one SDPA, or chunk_bytes=1:
     one each), or with kernel=True by the native CPU kernel (workers/model/csrc/paged_attention.c)."""
     p = model.params
@@ -173,7 +173,7 @@ def test_a_row_comes_out_alike_at_every_batch_size(compute_dtype):
 @pytest.fixture(scope="module")
 def q4_model(tiny_gguf):
     path = tiny_gguf(type="Q4_1", layers=2, hidden=128, heads=4, kv_heads=2, ffn=1536, vocab=320)
-    return LlamaModel(load_llama(GGUFFile(path), progress=False))
+    return DecoderModel(load_weights(GGUFFile(path), progress=False))
 
 
 def last_token_logits(runner: ModelRunner, seqs: Seqs, rids: list[str], step: int) -> torch.Tensor:

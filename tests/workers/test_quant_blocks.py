@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf import quants as gguf_quants
 
 from justapi.model.gguf_file import GGUFError, GGUFFile
-from workers.weights.gguf_loader import load_llama
+from workers.weights.gguf_loader import load_weights
 from workers.weights.quant_blocks import QuantMatrix, cat_rows, quant_matrix
 
 Q = GGMLQuantizationType
@@ -98,8 +98,8 @@ def test_bad_inputs_raise_errors_that_name_them():
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
 def test_loader_keeps_fused_unpermuted_matrices_quantized(tiny_gguf, type_name):
     gguf = GGUFFile(tiny_gguf(layers=2, type=type_name, tied=False))
-    dense = load_llama(gguf, progress=False)
-    kept = load_llama(gguf, progress=False, keep_quantized=True)
+    dense = load_weights(gguf, progress=False)
+    kept = load_weights(gguf, progress=False, keep_quantized=True)
     for layer_dense, layer_kept in zip(dense.layers, kept.layers):
         for name in ("qkv", "attn_out", "gate_up", "down"):
             matrix = getattr(layer_kept, name)
@@ -114,12 +114,12 @@ def test_loader_keeps_fused_unpermuted_matrices_quantized(tiny_gguf, type_name):
 def test_loader_mixed_types(tiny_gguf):
     """Q4_1 layers with a Q8_0 embedding (the default model's mix): one and two planes; a tied
     head stays the embedding object; float types stay dense."""
-    kept = load_llama(GGUFFile(tiny_gguf(layers=1, type="Q4_1", embed_type="Q8_0")),
-                      progress=False, keep_quantized=True)
+    kept = load_weights(GGUFFile(tiny_gguf(layers=1, type="Q4_1", embed_type="Q8_0")),
+                        progress=False, keep_quantized=True)
     assert kept.layers[0].qkv.num_planes == 1 and kept.token_embd.num_planes == 2
     assert kept.is_tied
-    floats = load_llama(GGUFFile(tiny_gguf(layers=1, type="F16", embed_type="Q8_0")),
-                        progress=False, keep_quantized=True)
+    floats = load_weights(GGUFFile(tiny_gguf(layers=1, type="F16", embed_type="Q8_0")),
+                          progress=False, keep_quantized=True)
     assert isinstance(floats.layers[0].qkv, torch.Tensor)
     assert isinstance(floats.token_embd, QuantMatrix)
 

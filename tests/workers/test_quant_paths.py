@@ -32,7 +32,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def layer_duals(model) -> list[DualLinear]:
-    return [lin for layer in model.layers for lin in (layer.qkv, layer.attn_out, layer.gate_up, layer.down)]
+    return [lin for layer in model.layers for lin in layer.linears()]
 
 
 def calls(duals: list[DualLinear]) -> tuple[int, int]:

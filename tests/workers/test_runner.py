@@ -16,20 +16,20 @@ from justapi.sampling import SamplingParams
 from justapi.wire.protocol import NewRequest, StepPlan
 from workers.kv.pool import KVPool, PoolShape
 from workers.model.attention import TorchCpuBackend, make_backend
-from workers.model.forward import LlamaModel
+from workers.model.forward import DecoderModel
 from workers.runner import ModelRunner
 from workers.sampler import Sampler, SamplingRow, apply_penalties
-from workers.weights.gguf_loader import load_llama
+from workers.weights.gguf_loader import load_weights
 
 BS = 4
 
 
 @pytest.fixture(scope="module")
 def model(tiny_gguf):
-    return LlamaModel(load_llama(GGUFFile(tiny_gguf(layers=2, type="Q8_0", context=64)), progress=False))
+    return DecoderModel(load_weights(GGUFFile(tiny_gguf(layers=2, type="Q8_0", context=64)), progress=False))
 
 
-def make_runner(model: LlamaModel, pool: KVPool | None = None, seed: int = 0) -> ModelRunner:
+def make_runner(model: DecoderModel, pool: KVPool | None = None, seed: int = 0) -> ModelRunner:
     p = model.params
     pool = pool or KVPool.create(PoolShape(p.num_layers, 80, BS, p.num_kv_heads, p.head_dim))
     return ModelRunner(model, pool, TorchCpuBackend(BS), Sampler(seed))
@@ -122,7 +122,7 @@ def test_runner_passes_prompt_and_output_history_to_penalties(tiny_gguf):
     """Penalized greedy tokens equal apply_penalties over (prompt, output) split as announced;
     the split matters (presence/frequency count output only), so a wrong split would show.
     The history holds every token of the vocabulary, so the argmax is always in it."""
-    model = LlamaModel(load_llama(GGUFFile(tiny_gguf(layers=1, vocab=300, context=512)), progress=False))
+    model = DecoderModel(load_weights(GGUFFile(tiny_gguf(layers=1, vocab=300, context=512)), progress=False))
     tokens = np.random.default_rng(0).permutation(300).tolist()
     chunk = [("a", 0, tokens, blocks(0, 75), True)]
     logits = make_runner(model).forward_logits(StepPlan.build(1, chunk, [new("a", tokens, GREEDY)]))

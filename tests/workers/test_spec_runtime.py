@@ -19,11 +19,11 @@ from tests.support.chi_square import homogeneity
 from workers.engine import LLMEngine
 from workers.kv.pool import KVPool, PoolShape
 from workers.model.attention import TorchCpuBackend
-from workers.model.forward import LlamaModel
+from workers.model.forward import DecoderModel
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.spec.step import tree_layout
-from workers.weights.gguf_loader import load_llama
+from workers.weights.gguf_loader import load_weights
 
 BS = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -36,11 +36,11 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], [100, 101, 102, 100,
 
 @pytest.fixture(scope="module")
 def model(tiny_gguf):
-    return LlamaModel(load_llama(GGUFFile(tiny_gguf(layers=2, type="F32", context=128)),
-                                 progress=False))
+    return DecoderModel(load_weights(GGUFFile(tiny_gguf(layers=2, type="F32", context=128)),
+                                  progress=False))
 
 
-def runner_of(model: LlamaModel) -> ModelRunner:
+def runner_of(model: DecoderModel) -> ModelRunner:
     p = model.params
     pool = KVPool.create(PoolShape(p.num_layers, 64, BS, p.num_kv_heads, p.head_dim))
     return ModelRunner(model, pool, TorchCpuBackend(BS), Sampler(0))

@@ -12,7 +12,7 @@ from justapi.sampling import SamplingParams
 from workers.engine import LLMEngine
 from workers.kv.pool import KVPool, PoolShape
 from workers.model.attention import make_backend
-from workers.model.forward import LlamaModel
+from workers.model.forward import DecoderModel
 from workers.spec.draft import DraftModel
 from workers.spec.draft_gguf import write_random_draft
 from workers.weights.paths import load_model
@@ -53,7 +53,7 @@ def random_draft(tmp_path_factory, smollm2_path):
     return load_model(GGUFFile(path), progress=False)
 
 
-def speculate(engine: LLMEngine, spec: SpecConfig, draft: LlamaModel | None = None) -> None:
+def speculate(engine: LLMEngine, spec: SpecConfig, draft: DecoderModel | None = None) -> None:
     """Turn speculation on in the shared engine; a draft model gets its own KV pool."""
     engine.speculative = spec
     engine.runner.draft = None

@@ -40,14 +40,16 @@ def matmul_step_s(engine: LLMEngine, num_rows: int, repeats: int = 7) -> list[fl
     on one row per sequence: all rows when decoding, the last one of a prefill)."""
     model, p = engine.model, engine.model.params
     x = torch.randn(num_rows, p.hidden_size)
-    x_ffn = torch.randn(num_rows, p.ffn_size)
+    inputs = {linear.in_features: torch.randn(num_rows, linear.in_features)
+              for linear in model.layers[0].linears()}  # [M, in] per input width
     head_rows = x[-1:] if num_rows > 64 else x
     times = []
     with torch.inference_mode():
         for _ in range(repeats):
             start = time.perf_counter()
             for layer in model.layers:
-                layer.qkv(x), layer.attn_out(x), layer.gate_up(x), layer.down(x_ffn)
+                for linear in layer.linears():
+                    linear(inputs[linear.in_features])
             model.output(head_rows)
             times.append(time.perf_counter() - start)
     return times

@@ -30,7 +30,7 @@ from justapi.ops.perplexity import DEFAULT_TEXT
 from justapi.sampling import SamplingParams
 from tools.bench.engine import run_steps
 from workers.engine import LLMEngine, resolve_model
-from workers.model.forward import LlamaModel
+from workers.model.forward import DecoderModel
 from workers.model.perplexity import perplexity
 from workers.weights.paths import CPU_CROSSOVER, Crossover, load_model
 from workers.weights.quant_blocks import QuantMatrix
@@ -66,8 +66,7 @@ def crossover_table(model_path: str, repeats: int) -> tuple[int, int]:
     both = Crossover(q4_rows=1, q8_rows=1)  # any rows > 0: every quantized matrix keeps both copies
     model = load_model(GGUFFile(resolve_model(model_path)), weights="auto", progress=False, crossover=both)
     p = model.params
-    duals = [linear for layer in model.layers
-             for linear in (layer.qkv, layer.attn_out, layer.gate_up, layer.down)
+    duals = [linear for layer in model.layers for linear in layer.linears()
              if isinstance(linear, DualLinear)]
     head = model.output
     assert len(duals) == 4 * len(model.layers) and isinstance(head, DualLinear)
@@ -140,7 +139,7 @@ def prefill_rate(engine: LLMEngine, num_tokens: int) -> float:
     return num_tokens / statistics.median([run_steps(engine, [prompt], 1)[0] for _ in range(3)])
 
 
-def weight_bytes(model: LlamaModel) -> int:
+def weight_bytes(model: DecoderModel) -> int:
     """Bytes of every matrix the model keeps (both copies under auto) and the embedding."""
     def linear_bytes(linear: object) -> int:
         if isinstance(linear, DualLinear):
@@ -150,8 +149,7 @@ def weight_bytes(model: LlamaModel) -> int:
         weight = linear.weight  # type: ignore[attr-defined]
         return weight.numel() * weight.element_size()
 
-    linears = [model.output] + [lin for layer in model.layers
-                                for lin in (layer.qkv, layer.attn_out, layer.gate_up, layer.down)]
+    linears = [model.output] + [lin for layer in model.layers for lin in layer.linears()]
     embd = model.token_embd
     embd_bytes = embd.num_bytes if isinstance(embd, QuantMatrix) else embd.numel() * embd.element_size()
     return sum(linear_bytes(lin) for lin in linears) + embd_bytes

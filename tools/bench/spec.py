@@ -36,7 +36,7 @@ from workers.engine import LLMEngine
 from workers.engine_loop import SchedulerLoop
 from workers.kv.pool import KVPool, PoolShape
 from workers.model.attention import make_backend
-from workers.model.forward import LlamaModel
+from workers.model.forward import DecoderModel
 from workers.spec.draft import DraftModel
 from workers.spec.draft_gguf import write_random_draft, write_truncated_draft
 from workers.weights.paths import load_model
@@ -81,7 +81,7 @@ class Bench:
         self.max_tokens = max_tokens
         self.repeats = repeats
         self.clock = time.process_time if clock == "cpu" else time.perf_counter
-        self._drafts: dict[str, LlamaModel] = {"self": self.engine.model}
+        self._drafts: dict[str, DecoderModel] = {"self": self.engine.model}
 
     def prompts(self, task: str, batch: int) -> list[list[int]]:
         texts = [TASKS[task].format(PASSAGES[i % len(PASSAGES)] if task != "list" else "")
@@ -89,7 +89,7 @@ class Bench:
         return [self.engine.encode(self.engine.chat_prompt([{"role": "user", "content": t}]))
                 for t in texts]
 
-    def draft(self, name: str) -> LlamaModel:
+    def draft(self, name: str) -> DecoderModel:
         if name not in self._drafts:  # "random": a 1-layer random draft with the vocabulary;
             # "layers:N": the target's first N layers (workers/spec/draft_gguf.py)
             path = os.path.join(tempfile.mkdtemp(prefix="justapi-draft-"), "draft.gguf")

@@ -10,13 +10,15 @@ slot = block_ids[p // block_size] * block_size + p % block_size. Per step the ru
 
 A sequence may carry a token-tree mask (speculative verification, workers/spec/tree.py): its
 tree rows get rotary positions by depth and see only their ancestors among the chunk's rows.
+A layer's AttentionParams add its scale, logit soft-cap and sliding window (keys older than the
+window are masked: the pool keeps them, docs/models.md); a window's masks are built once a step.
 Owns: slot arithmetic, the grouping, masks, CPU/CUDA attention kernels.
 Does not own: the KV pool tensor (kv_pool.py) or block allocation (the scheduler).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -30,6 +32,21 @@ SHORT_CHUNK_TOKENS = 16
 CPU_CHUNK_BYTES = 2 << 20
 """The padded batch is attended a few sequences at a time, ~2 MiB of gathered K/V each: at 64
 sequences x 176 positions this cut attention CPU time from 10.3 to 4.4 ms per layer."""
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """How one layer attends (workers/weights/hparams.py reads these from the model file)."""
+
+    scale: float | None = None
+    """Of q . k; None: 1 / sqrt(head_dim)."""
+    softcap: float = 0.0
+    """Scores s become softcap * tanh(s / softcap) before the mask (Gemma 2); 0: off."""
+    window: int = 0
+    """A query at (rotary) position q sees keys at positions q - window < k <= q; 0: all."""
+
+
+DEFAULT_PARAMS = AttentionParams()
 
 
 @dataclass(frozen=True)
@@ -116,6 +133,8 @@ class AttentionMetadata:
     slots: torch.Tensor  # int64 [T]
     short: ShortGroup | None
     longs: list[LongChunk]
+    batch: AttentionBatch | None = None  # what windowed masks are built from
+    windowed: dict[int, AttentionMetadata] = field(default_factory=dict)  # by window, built once
 
 
 class AttentionBackend(ABC):
@@ -130,7 +149,8 @@ class AttentionBackend(ABC):
         """kv: this layer's [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads, head_dim]."""
 
     @abstractmethod
-    def attend(self, kv: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, kv: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata,
+               params: AttentionParams = DEFAULT_PARAMS) -> torch.Tensor:
         """q: [T, heads, head_dim] (rotary applied) -> [T, heads, head_dim]."""
 
 
@@ -145,7 +165,7 @@ class TorchPagedBackend(AttentionBackend):
         self.device = torch.device(device)
         self.chunk_bytes = chunk_bytes
 
-    def prepare(self, batch: AttentionBatch) -> AttentionMetadata:
+    def prepare(self, batch: AttentionBatch, window: int = 0) -> AttentionMetadata:
         assert batch.block_size == self.block_size, "batch built for another block size"
         positions = batch.positions()
         slots = batch.slots(positions)
@@ -153,15 +173,24 @@ class TorchPagedBackend(AttentionBackend):
             positions = batch.tree.rotary_positions(batch.token_offsets(), positions)
         short_seqs = np.flatnonzero(batch.num_tokens <= SHORT_CHUNK_TOKENS)
         long_seqs = np.flatnonzero(batch.num_tokens > SHORT_CHUNK_TOKENS)
+        masks = _Masks(positions, window)
         return AttentionMetadata(
             positions=self._tensor(positions), slots=self._tensor(slots),
-            short=self._short_group(batch, short_seqs) if len(short_seqs) else None,
-            longs=[self._long_chunk(batch, int(s)) for s in long_seqs])
+            short=self._short_group(batch, short_seqs, masks) if len(short_seqs) else None,
+            longs=[self._long_chunk(batch, int(s), masks) for s in long_seqs], batch=batch)
+
+    def with_window(self, meta: AttentionMetadata, window: int) -> AttentionMetadata:
+        """`meta` with keys older than `window` masked (built on first use in a step)."""
+        if window == 0 or meta.batch is None:
+            return meta
+        if window not in meta.windowed:
+            meta.windowed[window] = self.prepare(meta.batch, window)
+        return meta.windowed[window]
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(self.device)
 
-    def _short_group(self, batch: AttentionBatch, seqs: np.ndarray) -> ShortGroup:
+    def _short_group(self, batch: AttentionBatch, seqs: np.ndarray, masks: _Masks) -> ShortGroup:
         counts = batch.num_tokens[seqs]
         q_max = int(counts.max())
         first = batch.token_offsets()[seqs]
@@ -174,6 +203,7 @@ class TorchPagedBackend(AttentionBackend):
         mask = keys[None, None, :] <= query_pos[:, :, None]  # [A, Qmax, Tk]: causal, within length
         if batch.tree:
             batch.tree.restrict_short(mask, seqs)
+        masks.slide(mask, keys, rows)
         is_identity = q_max == 1 and np.array_equal(rows[:, 0], np.arange(batch.num_tokens.sum()))
         return ShortGroup(rows=self._tensor(rows), valid_rows=self._tensor(np.flatnonzero(is_valid)),
                           out_rows=self._tensor(rows[is_valid]), tables=self._tensor(tables),
@@ -182,14 +212,16 @@ class TorchPagedBackend(AttentionBackend):
                           num_keys=self._tensor(batch.start_positions[seqs] + counts),
                           num_rows=self._tensor(counts))
 
-    def _long_chunk(self, batch: AttentionBatch, seq: int) -> LongChunk:
+    def _long_chunk(self, batch: AttentionBatch, seq: int, masks: _Masks) -> LongChunk:
         start, n = int(batch.start_positions[seq]), int(batch.num_tokens[seq])
         num_keys = start + n
         table = batch.padded_tables(np.array([seq]))[0]
         mask = np.arange(num_keys)[None, :] <= start + np.arange(n)[:, None]  # [n, num_keys]
         if batch.tree:
             batch.tree.restrict_long(mask, seq)
-        return LongChunk(first_row=int(batch.token_offsets()[seq]), num_tokens=n, num_keys=num_keys,
+        first_row = int(batch.token_offsets()[seq])
+        masks.slide(mask, np.arange(num_keys), np.arange(first_row, first_row + n))
+        return LongChunk(first_row=first_row, num_tokens=n, num_keys=num_keys,
                          blocks=self._tensor(table), mask=torch.from_numpy(mask).to(self.device))
 
     def write_kv(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -198,18 +230,21 @@ class TorchPagedBackend(AttentionBackend):
         flat[0].index_copy_(0, meta.slots, k.to(kv.dtype))
         flat[1].index_copy_(0, meta.slots, v.to(kv.dtype))
 
-    def attend(self, kv: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, kv: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata,
+               params: AttentionParams = DEFAULT_PARAMS) -> torch.Tensor:
+        meta = self.with_window(meta, params.window)
         if meta.short is not None and meta.short.is_identity and not meta.longs:
-            return self._attend_short(kv, q, meta.short)  # pure decode step: no scatter
+            return self._attend_short(kv, q, meta.short, params)  # pure decode step: no scatter
         out = torch.empty_like(q)
         if meta.short is not None:
-            out[meta.short.out_rows] = self._attend_short(kv, q, meta.short)
+            out[meta.short.out_rows] = self._attend_short(kv, q, meta.short, params)
         for chunk in meta.longs:
             rows = slice(chunk.first_row, chunk.first_row + chunk.num_tokens)
-            out[rows] = self._attend_long(kv, q[rows], chunk)
+            out[rows] = self._attend_long(kv, q[rows], chunk, params)
         return out
 
-    def _attend_short(self, kv: torch.Tensor, q: torch.Tensor, group: ShortGroup) -> torch.Tensor:
+    def _attend_short(self, kv: torch.Tensor, q: torch.Tensor, group: ShortGroup,
+                      params: AttentionParams = DEFAULT_PARAMS) -> torch.Tensor:
         num_seqs, q_max = group.rows.shape
         heads, head_dim = q.shape[1], q.shape[2]
         if group.is_identity:
@@ -225,8 +260,7 @@ class TorchPagedBackend(AttentionBackend):
             if num == 1 and q_c.device.type == "cpu":  # CPU SDPA takes another path for one
                 # sequence (last bits off the same sequence's in any bigger batch): attend it twice
                 q_c, k_c, v_c, mask_c = (t.expand(2, *t.shape[1:]) for t in (q_c, k_c, v_c, mask_c))
-            out[seqs] = F.scaled_dot_product_attention(
-                q_c, k_c, v_c, attn_mask=mask_c, enable_gqa=True)[:num].transpose(1, 2)  # [c, Qmax, heads, hd]
+            out[seqs] = attention(q_c, k_c, v_c, mask_c, params)[:num].transpose(1, 2)  # [c, Qmax, heads, hd]
         out = out.view(num_seqs * q_max, heads, head_dim)
         return out if group.is_identity else out[group.valid_rows]
 
@@ -240,14 +274,43 @@ class TorchPagedBackend(AttentionBackend):
         step = max(1, self.chunk_bytes // per_seq)
         return [slice(first, first + step) for first in range(0, num_seqs, step)]
 
-    def _attend_long(self, kv: torch.Tensor, q: torch.Tensor, chunk: LongChunk) -> torch.Tensor:
+    def _attend_long(self, kv: torch.Tensor, q: torch.Tensor, chunk: LongChunk,
+                     params: AttentionParams = DEFAULT_PARAMS) -> torch.Tensor:
         keys = gather_blocks(kv, chunk.blocks[None])[:, 0, :chunk.num_keys]  # [2, num_keys, kvh, hd]
         keys = keys.transpose(1, 2)[:, None]  # [2, 1, kv_heads, num_keys, head_dim]
         # 4-d inputs: with 3-d ones torch's CPU SDPA took its unfused math path (20x slower)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[0], keys[1], attn_mask=chunk.mask,
-            enable_gqa=True)  # [1, heads, n, head_dim]
+        out = attention(q.transpose(0, 1)[None], keys[0], keys[1], chunk.mask, params)  # [1, heads, n, hd]
         return out[0].transpose(0, 1)
+
+
+class _Masks:
+    """The sliding window of one prepare: masks keys at slot positions <= q - window, q being a
+    row's rotary position (for token-tree rows, root + depth: exact while the window is wider
+    than the tree is deep, as every real window is)."""
+
+    def __init__(self, rotary_positions: np.ndarray, window: int) -> None:
+        self.rotary_positions, self.window = rotary_positions, window
+
+    def slide(self, mask: np.ndarray, keys: np.ndarray, rows: np.ndarray) -> None:
+        """mask [..., Q, K] of query rows `rows` [..., Q] (step rows) over key positions `keys` [K]."""
+        if self.window:
+            mask &= keys > self.rotary_positions[rows][..., None] - self.window
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+              params: AttentionParams) -> torch.Tensor:
+    """SDPA over q [B, heads, Q, d], k/v [B, kv_heads, K, d], mask (True = visible, broadcast
+    to [B, heads, Q, K]); with a soft-cap, the same written out (SDPA has no soft-cap)."""
+    if not params.softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
+                                              scale=params.scale)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scale = params.scale if params.scale is not None else q.shape[-1] ** -0.5
+    scores = (q @ k.transpose(-1, -2)) * scale  # [B, heads, Q, K]
+    scores = torch.tanh(scores / params.softcap) * params.softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
 
 
 def gather_blocks(kv: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -271,13 +334,14 @@ class TorchCpuBackend(TorchPagedBackend):
         super().__init__(block_size, "cpu", chunk_bytes)
         self.kernel = cpu_kernels.paged_attention() if use_kernel else None
 
-    def _attend_short(self, kv: torch.Tensor, q: torch.Tensor, group: ShortGroup) -> torch.Tensor:
+    def _attend_short(self, kv: torch.Tensor, q: torch.Tensor, group: ShortGroup,
+                      params: AttentionParams = DEFAULT_PARAMS) -> torch.Tensor:
         if self.kernel is None or kv.dtype != torch.float32 or q.dtype != torch.float32:
-            return super()._attend_short(kv, q, group)
+            return super()._attend_short(kv, q, group, params)
         num_seqs, q_max = group.rows.shape
         q_pad = q.view(num_seqs, 1, *q.shape[1:]) if group.is_identity else q[group.rows]
         out = self.kernel(q_pad, kv, group.tables, group.mask[:, 0], group.num_keys,
-                          group.num_rows)  # [A, Qmax, heads, head_dim]
+                          group.num_rows, params.scale, params.softcap)  # [A, Qmax, heads, head_dim]
         out = out.view(num_seqs * q_max, *q.shape[1:])
         return out if group.is_identity else out[group.valid_rows]
 

@@ -94,15 +94,18 @@ class PagedAttentionKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         fn = library.paged_attention_short
         ptr, i64p = ctypes.c_void_p, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, i64p, ptr, i64p, i64p, ptr, i64p, ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ptr, ptr, i64p, ptr, i64p, i64p, ptr, i64p, ctypes.c_float, ctypes.c_float,
+                       ctypes.c_int]
         fn.restype = ctypes.c_int
         self._fn = fn
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor,
-                 num_keys: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
+                 num_keys: torch.Tensor, num_rows: torch.Tensor, scale: float | None = None,
+                 softcap: float = 0.0) -> torch.Tensor:
         """q [A, Qmax, heads, head_dim] fp32; kv [2, num_blocks, block_size, kv_heads, head_dim]
         fp32; tables [A, Bmax] int64; mask [A, Qmax, Bmax * block_size] bool; num_keys,
-        num_rows [A] int64 -> out like q (rows past num_rows[a] undefined)."""
+        num_rows [A] int64 -> out like q (rows past num_rows[a] undefined). Scores are
+        q . k * scale (default 1 / sqrt(head_dim)), soft-capped when softcap > 0."""
         num_seqs, q_max, heads, head_dim = q.shape
         _, num_blocks, block_size, kv_heads, kv_dim = kv.shape
         assert kv_dim == head_dim and heads % kv_heads == 0 and q.dtype == kv.dtype == torch.float32
@@ -114,7 +117,8 @@ class PagedAttentionKernel:
                              tables.shape[1], num_blocks], dtype=torch.int64)
         status = self._fn(q.data_ptr(), kv.data_ptr(), tables.data_ptr(), mask.data_ptr(),
                           num_keys.data_ptr(), num_rows.data_ptr(), out.data_ptr(), dims.data_ptr(),
-                          head_dim ** -0.5, torch.get_num_threads())
+                          head_dim ** -0.5 if scale is None else scale, softcap,
+                          torch.get_num_threads())
         if status == BAD_BLOCK:
             raise ValueError(f"a block table names a block outside the pool's {num_blocks} "
                              f"(largest id {int(tables.max())})")

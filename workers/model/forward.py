@@ -1,9 +1,13 @@
-"""The llama forward over one flattened step: plain functions with shape comments.
+"""The decoder forward over one flattened step, for every architecture we serve: plain
+functions with shape comments.
 
 Rows are the step's tokens (many sequences' chunks back to back); attention reaches the other
 tokens of each sequence through the paged KV pool via an AttentionBackend. Rotary embeddings
-use the "rotate halves" layout: gguf_loader un-permuted GGUF's Q/K rows (see its docstring).
-Owns: the math of one step. Does not own: weights loading, KV memory, sampling.
+use the "rotate halves" layout (gguf_loader un-permuted llama files' Q/K rows). What differs
+between architectures (norms, biases, q/k norms, activation, rope per layer, sliding windows,
+soft-caps, experts) is data read from the file (hparams.py, justapi/model/arch.py), not code.
+Owns: the math of one step. Does not own: weights loading, KV memory, sampling, the FFN
+blocks (ffn.py).
 """
 from __future__ import annotations
 
@@ -13,8 +17,10 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from workers.model.attention import AttentionBackend, AttentionMetadata
-from workers.weights.gguf_loader import LayerWeights, LlamaWeights
+from workers.model.attention import DEFAULT_PARAMS, AttentionBackend, AttentionMetadata, AttentionParams
+from workers.model.ffn import GatedFfn, MoeFfn
+from workers.weights.gguf_loader import LayerWeights, ModelWeights
+from workers.weights.hparams import HyperParams
 from workers.weights.quant_blocks import Matrix, QuantMatrix
 
 ONEDNN_BATCH_HINT = 16
@@ -112,17 +118,41 @@ LinearFactory = Callable[[Matrix], LinearLike]
 
 @dataclass
 class LayerLinears:
+    """One layer, kernel-ready: the loader's tensors, its linears, how it attends and rotates.
+    Optional parts are None where the architecture has none (justapi/model/arch.py)."""
+
     qkv: LinearLike
     attn_out: LinearLike
-    gate_up: LinearLike
-    down: LinearLike
+    ffn: GatedFfn | MoeFfn
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
+    attention: AttentionParams = DEFAULT_PARAMS
+    rotary: int = 0  # index into DecoderModel.rotaries
+    qkv_bias: torch.Tensor | None = None
+    attn_out_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, layer: LayerWeights, make_linear: LinearFactory = Linear) -> LayerLinears:
-        return cls(make_linear(layer.qkv), make_linear(layer.attn_out), make_linear(layer.gate_up),
-                   make_linear(layer.down), layer.attn_norm, layer.ffn_norm)
+    def of(cls, layer: LayerWeights, p: HyperParams, make_linear: LinearFactory = Linear) -> LayerLinears:
+        traits = p.traits
+        if layer.experts is not None:
+            ffn: GatedFfn | MoeFfn = MoeFfn(layer.experts, make_linear, p.num_experts_used,
+                                            traits.experts_renormalized, traits.activation)
+        else:
+            assert layer.gate_up is not None and layer.down is not None, "a dense layer has its FFN"
+            ffn = GatedFfn(make_linear(layer.gate_up), make_linear(layer.down), traits.activation)
+        return cls(make_linear(layer.qkv), make_linear(layer.attn_out), ffn, layer.attn_norm,
+                   layer.ffn_norm, qkv_bias=layer.qkv_bias, attn_out_bias=layer.attn_out_bias,
+                   q_norm=layer.q_norm, k_norm=layer.k_norm, post_attn_norm=layer.post_attn_norm,
+                   post_ffn_norm=layer.post_ffn_norm)
+
+    def linears(self, every_expert: bool = True) -> list[LinearLike]:
+        """Every matmul of the layer (of a MoE layer, one expert's unless every_expert)."""
+        ffn = self.ffn.linears(every_expert) if isinstance(self.ffn, MoeFfn) else self.ffn.linears()
+        return [self.qkv, self.attn_out, *ffn]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,51 +163,66 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Rotary:
-    """cos/sin of position * inv_freq, computed once per step for all layers."""
+    """cos/sin of position * inv_freq, computed once per step for all layers that share it.
+    `rotary_dims` (<= head_dim) leading dims of each head rotate (partial rotary)."""
 
-    def __init__(self, head_dim: int, theta: float, scale: float = 1.0,
+    def __init__(self, rotary_dims: int, theta: float, scale: float = 1.0,
                  freq_factors: torch.Tensor | None = None, device: str | torch.device = "cpu") -> None:
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        inv_freq = 1.0 / (theta ** exponents)  # [head_dim / 2]
+        exponents = torch.arange(0, rotary_dims, 2, dtype=torch.int64).float() / rotary_dims
+        inv_freq = 1.0 / (theta ** exponents)  # [rotary_dims / 2]
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.float().cpu()
         self.inv_freq = (inv_freq / scale).to(device)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim / 2]
+        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dims / 2]
         return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, 1, head_dim / 2]. Pairs are (i, i + head_dim / 2)."""
-    half = x.shape[-1] // 2
+    """x [T, heads, head_dim]; cos/sin [T, 1, rotary_dims / 2]. Pairs are (i, i + rotary_dims / 2);
+    dims from rotary_dims on pass through."""
+    half = cos.shape[-1]
+    if 2 * half != x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :2 * half], cos, sin), x[..., 2 * half:]], dim=-1)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-class LlamaModel:
-    """The forward. `forward` returns the last hidden states (before the final norm);
-    `logits` applies the final norm and the output head to chosen rows only.
+class DecoderModel:
+    """The forward of every architecture in justapi/model/arch.py: what differs between them
+    is read from HyperParams (traits, per-layer attention) and from which tensors a layer has.
+    `forward` returns the last hidden states (before the final norm); `logits` applies the
+    final norm, the output head (and a final soft-cap) to chosen rows only.
     Keeps the embedding (row lookups: dense, or a QuantMatrix dequantizing the rows it is asked
     for) and kernel-ready matrices (`make_linear`, dense oneDNN by default), not the loader's copies."""
 
-    def __init__(self, weights: LlamaWeights, make_linear: LinearFactory = Linear) -> None:
+    def __init__(self, weights: ModelWeights, make_linear: LinearFactory = Linear) -> None:
         p = self.params = weights.params
         self.name = weights.name
         self.token_embd = weights.token_embd  # [vocab, hidden]
         self.device, self.dtype = self.token_embd.device, self.token_embd.dtype
-        self.layers = [LayerLinears.of(layer, make_linear) for layer in weights.layers]
+        self.embedding_scale = (torch.tensor(p.hidden_size ** 0.5, dtype=self.dtype, device=self.device)
+                                if p.traits.embedding_scale else None)
+        ropes = sorted({(a.rope_theta, a.rope_scale) for a in map(p.layer, range(p.num_layers))})
+        self.rotaries = [Rotary(p.rotary_dims, theta, scale, weights.rope_freq_factors, self.device)
+                         for theta, scale in ropes]
+        self.layers = []
+        for i, layer in enumerate(weights.layers):
+            linears = LayerLinears.of(layer, p, make_linear)
+            attn = p.layer(i)
+            linears.rotary = ropes.index((attn.rope_theta, attn.rope_scale))
+            linears.attention = AttentionParams(p.attn_scale, p.attn_softcap, attn.window)
+            self.layers.append(linears)
         self.output_norm = weights.output_norm
         self.output = make_linear(weights.output)
-        self.rotary = Rotary(p.head_dim, p.rope_theta, p.rope_scale, weights.rope_freq_factors, self.device)
 
     def warm_up(self, max_rows: int, max_sampled_rows: int) -> None:
-        """Run every row bucket through one layer's matmuls (their shapes are every layer's)
-        and the head, so oneDNN builds its per-shape primitives at start-up rather than
-        growing the worker's memory during serving."""
-        layer = self.layers[0]
+        """Run every row bucket through one layer's matmuls (their shapes are every layer's;
+        one expert's are every expert's) and the head, so oneDNN builds its per-shape
+        primitives at start-up rather than growing the worker's memory during serving."""
         with torch.inference_mode():
-            for linear in (layer.qkv, layer.attn_out, layer.gate_up, layer.down):
+            for linear in self.layers[0].linears(every_expert=False):
                 linear.warm_up(max_rows)
             self.output.warm_up(max_sampled_rows)
 
@@ -186,22 +231,42 @@ class LlamaModel:
         """token_ids [T] (int64) -> hidden [T, hidden]. Writes the step's K/V into the pool."""
         p = self.params
         x = self.token_embd[token_ids]  # [T, hidden]
-        cos, sin = self.rotary.tables(meta.positions, self.dtype)
-        num_rows, num_qk = token_ids.shape[0], p.num_heads + p.num_kv_heads
+        if self.embedding_scale is not None:
+            x = x * self.embedding_scale
+        tables = [rotary.tables(meta.positions, self.dtype) for rotary in self.rotaries]
         for layer, kv in zip(self.layers, kv_layers):
-            h = rms_norm(x, layer.attn_norm, p.rms_eps)
-            qkv = layer.qkv(h)  # [T, (heads + 2 * kv_heads) * head_dim]
-            qk = apply_rotary(qkv[:, :num_qk * p.head_dim].view(num_rows, num_qk, p.head_dim), cos, sin)
-            q, k = qk[:, :p.num_heads], qk[:, p.num_heads:]  # [T, heads, hd], [T, kv_heads, hd]
-            v = qkv[:, num_qk * p.head_dim:].view(num_rows, p.num_kv_heads, p.head_dim)
-            backend.write_kv(kv, k, v, meta)
-            attn = backend.attend(kv, q, meta)  # [T, heads, head_dim]
-            x = x + layer.attn_out(attn.reshape(num_rows, p.q_size))
-            h = rms_norm(x, layer.ffn_norm, p.rms_eps)
-            gate_up = layer.gate_up(h)  # [T, 2 * ffn]
-            x = x + layer.down(F.silu(gate_up[:, :p.ffn_size]) * gate_up[:, p.ffn_size:])
+            x = x + self._attention(layer, x, kv, backend, meta, tables[layer.rotary])
+            out = layer.ffn(rms_norm(x, layer.ffn_norm, p.rms_eps))
+            x = x + (out if layer.post_ffn_norm is None else rms_norm(out, layer.post_ffn_norm, p.rms_eps))
         return x
+
+    def _attention(self, layer: LayerLinears, x: torch.Tensor, kv: torch.Tensor,
+                   backend: AttentionBackend, meta: AttentionMetadata,
+                   cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """One layer's attention block: x [T, hidden] -> what it adds to the residual."""
+        p = self.params
+        num_rows, num_qk = x.shape[0], p.num_heads + p.num_kv_heads
+        qkv = layer.qkv(rms_norm(x, layer.attn_norm, p.rms_eps))  # [T, (heads + 2 * kv_heads) * head_dim]
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        qk = qkv[:, :num_qk * p.head_dim].view(num_rows, num_qk, p.head_dim)
+        if layer.q_norm is not None and layer.k_norm is not None:  # per head, before rotary
+            qk = torch.cat([rms_norm(qk[:, :p.num_heads], layer.q_norm, p.rms_eps),
+                            rms_norm(qk[:, p.num_heads:], layer.k_norm, p.rms_eps)], dim=1)
+        qk = apply_rotary(qk, *cos_sin)
+        q, k = qk[:, :p.num_heads], qk[:, p.num_heads:]  # [T, heads, hd], [T, kv_heads, hd]
+        v = qkv[:, num_qk * p.head_dim:].view(num_rows, p.num_kv_heads, p.head_dim)
+        backend.write_kv(kv, k, v, meta)
+        attn = backend.attend(kv, q, meta, layer.attention)  # [T, heads, head_dim]
+        out = layer.attn_out(attn.reshape(num_rows, p.q_size))  # [T, hidden]
+        if layer.attn_out_bias is not None:
+            out = out + layer.attn_out_bias
+        return out if layer.post_attn_norm is None else rms_norm(out, layer.post_attn_norm, p.rms_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (rows to sample) -> fp32 logits [N, vocab]."""
-        return self.output(rms_norm(hidden, self.output_norm, self.params.rms_eps)).float()
+        p = self.params
+        logits = self.output(rms_norm(hidden, self.output_norm, p.rms_eps)).float()
+        if p.final_softcap:
+            logits = torch.tanh(logits / p.final_softcap) * p.final_softcap
+        return logits

@@ -29,7 +29,7 @@ from justapi.model.gguf_file import GGUFFile, resolve_model_path
 from justapi.sampling import SamplingParams
 from workers.kv.pool import KVPool, PoolShape
 from workers.model.attention import AttentionBackend, AttentionBatch, make_backend
-from workers.model.forward import LlamaModel
+from workers.model.forward import DecoderModel
 from workers.sampler import Sampler, apply_logit_bias, filtered_probs, seeded_noise
 from workers.spec.tree import TreeLayout, level_mask
 from workers.spec.verify import NodeDraws
@@ -60,7 +60,7 @@ class DraftSeq:
 
 
 class DraftModel:
-    def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
+    def __init__(self, model: DecoderModel, pool: KVPool, backend: AttentionBackend,
                  config: SpecConfig, sampler: Sampler | None = None) -> None:
         if pool.shape.num_layers != model.params.num_layers:
             raise ValueError(f"draft KV pool has {pool.shape.num_layers} layers, the draft model "

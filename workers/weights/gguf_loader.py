@@ -1,14 +1,18 @@
-"""Load a llama-family GGUF into dense torch weights, validated, with progress on stderr.
+"""Load a GGUF of any architecture in justapi/model/arch.py into torch weights, validated,
+with progress on stderr.
 
-Hyper-parameters come from the `llama.*` metadata; every tensor is checked against them and
-dequantized (workers/weights/dequant.py) to the compute dtype. Layout decisions made here:
-- matrices stay [out_features, in_features] (GGUF's row order); model.linear computes
-  `(W @ x.T).T`, which ran fastest on the CPU we target;
-- Q and K rows are un-permuted from GGUF's interleaved-pairs rotary layout back to the
-  "rotate halves" layout (what llama.cpp's converter undid), so model.py rotates halves;
-- QKV and gate/up are fused into one matrix each; `output.weight` absent -> tied to token_embd;
+Hyper-parameters come from hparams.py; every tensor is checked against them and dequantized
+(workers/weights/dequant.py) to the compute dtype. Layout decisions made here:
+- matrices stay [out_features, in_features] (GGUF's row order);
+- for `llama` files only, Q and K rows (and biases) are un-permuted from llama.cpp's
+  interleaved-pairs rotary layout back to "rotate halves"; every other architecture's converter
+  leaves them in that layout, so the forward always rotates halves;
+- QKV and gate/up are fused into one matrix each (Phi-3 files have them fused already);
+  `output.weight` absent -> tied to token_embd; optional tensors (biases, q/k norms, post norms)
+  are taken where the file has them;
+- MoE layers: each expert's slice of the 3-d expert tensors becomes a matrix of its own;
 - with `keep_quantized`, Q4_0/Q4_1/Q8_0 matrices stay 4-bit codes (quant_blocks.QuantMatrix).
-Owns: tensor names, shape checks, the Q/K permutation. Does not own: the forward (model.py).
+Owns: tensor names, shape checks, the Q/K permutation. Does not own: the forward (forward.py).
 """
 from __future__ import annotations
 
@@ -16,63 +20,23 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from justapi.model.gguf_file import GGUFError, GGUFFile
 from workers.weights.dequant import dequantize, is_supported, supported_type_names
+from workers.weights.hparams import HyperParams, read_hyper_params
 from workers.weights.quant_blocks import Matrix, QuantMatrix, cat_rows, is_quantizable, quant_matrix
 
-SUPPORTED_ARCHITECTURES = ("llama",)
-MAX_HIDDEN = 65536
-MAX_LAYERS = 1024
-MAX_HEADS = 1024
-MAX_VOCAB = 4_000_000
-MAX_CONTEXT = 1 << 24
+@dataclass
+class ExpertWeights:
+    """A MoE layer's FFN: a router over routed experts, and perhaps a shared expert."""
 
-
-@dataclass(frozen=True)
-class LlamaHyperParams:
-    """Shape of a llama model, read from GGUF metadata."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    ffn_size: int
-    vocab_size: int
-    max_context: int
-    rope_theta: float
-    rms_eps: float
-    rope_scale: float = 1.0
-    """Linear rope scaling factor: positions are divided by it."""
-
-    def __post_init__(self) -> None:
-        limits = {"num_layers": MAX_LAYERS, "hidden_size": MAX_HIDDEN, "num_heads": MAX_HEADS,
-                  "num_kv_heads": MAX_HEADS, "head_dim": MAX_HIDDEN, "ffn_size": 16 * MAX_HIDDEN,
-                  "vocab_size": MAX_VOCAB, "max_context": MAX_CONTEXT}
-        for name, limit in limits.items():
-            value = getattr(self, name)
-            if not isinstance(value, int) or not 0 < value <= limit:
-                raise GGUFError(f"absurd model dimension {name}={value!r} (expected 1..{limit})")
-        if self.num_heads % self.num_kv_heads:
-            raise GGUFError(f"head_count {self.num_heads} is not a multiple of "
-                            f"head_count_kv {self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise GGUFError(f"head dimension {self.head_dim} must be even for rotary embeddings")
-        for name in ("rope_theta", "rms_eps", "rope_scale"):
-            value = getattr(self, name)
-            if not (isinstance(value, float) and 0.0 < value < 1e12):
-                raise GGUFError(f"absurd model parameter {name}={value!r}")
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+    router: torch.Tensor  # [num_experts, hidden]
+    gate_up: list[Matrix]  # per expert [2 * expert_ffn, hidden]: gate rows then up rows
+    down: list[Matrix]  # per expert [hidden, expert_ffn]
+    shared_gate_up: Matrix | None = None  # [2 * shared_ffn, hidden]
+    shared_down: Matrix | None = None  # [hidden, shared_ffn]
+    shared_gate: torch.Tensor | None = None  # [hidden]: the shared expert's weight is sigmoid(x . w)
 
 
 @dataclass
@@ -81,105 +45,78 @@ class LayerWeights:
     qkv: Matrix  # [q_size + 2 * kv_size, hidden], Q/K rows in rotate-halves layout
     attn_out: Matrix  # [hidden, q_size]
     ffn_norm: torch.Tensor  # [hidden]
-    gate_up: Matrix  # [2 * ffn, hidden]: gate rows then up rows
-    down: Matrix  # [hidden, ffn]
+    gate_up: Matrix | None  # [2 * ffn, hidden]: gate rows then up rows (None in MoE layers)
+    down: Matrix | None  # [hidden, ffn]
+    qkv_bias: torch.Tensor | None = None  # [q_size + 2 * kv_size]
+    attn_out_bias: torch.Tensor | None = None  # [hidden]
+    q_norm: torch.Tensor | None = None  # [head_dim]
+    k_norm: torch.Tensor | None = None  # [head_dim]
+    post_attn_norm: torch.Tensor | None = None  # [hidden]
+    post_ffn_norm: torch.Tensor | None = None  # [hidden]
+    experts: ExpertWeights | None = None
 
 
 @dataclass
-class LlamaWeights:
-    params: LlamaHyperParams
+class ModelWeights:
+    params: HyperParams
     name: str
     token_embd: Matrix  # [vocab, hidden]
     layers: list[LayerWeights]
     output_norm: torch.Tensor  # [hidden]
     output: Matrix  # [vocab, hidden]; the same object as token_embd when tied
-    rope_freq_factors: torch.Tensor | None  # [head_dim / 2] or None (llama3-style scaling)
+    rope_freq_factors: torch.Tensor | None  # [rotary_dims / 2] or None (llama3-style scaling)
 
     @property
     def is_tied(self) -> bool:
         return self.output is self.token_embd
 
 
-def _int(gguf: GGUFFile, suffix: str, default: int | None = None) -> int:
-    value = gguf.arch_get(suffix, default)
-    if value is None:
-        raise GGUFError(f"{gguf.path}: required metadata {gguf.architecture}.{suffix!r} is missing")
-    if isinstance(value, (list, tuple)):  # some converters store per-layer arrays
-        value = value[0] if value else 0
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise GGUFError(f"{gguf.path}: metadata {gguf.architecture}.{suffix} is not an integer: {value!r}")
-    return int(value)
-
-
-def read_hyper_params(gguf: GGUFFile) -> LlamaHyperParams:
-    """Architecture check and hyper-parameters, each validated with a message naming it."""
-    arch = gguf.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(f"{gguf.path}: unsupported architecture {arch!r} "
-                        f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    hidden = _int(gguf, "embedding_length")
-    heads = _int(gguf, "attention.head_count")
-    if heads <= 0 or hidden % heads:
-        raise GGUFError(f"{gguf.path}: embedding_length {hidden} is not a multiple of head_count {heads}")
-    head_dim = _int(gguf, "attention.key_length", hidden // heads)
-    rope_dims = _int(gguf, "rope.dimension_count", head_dim)
-    if rope_dims != head_dim or _int(gguf, "attention.value_length", head_dim) != head_dim:
-        raise GGUFError(f"{gguf.path}: partial rotary / unequal key-value head sizes are not supported")
-    embd = gguf.tensors.get("token_embd.weight")
-    vocab = _int(gguf, "vocab_size", int(embd.shape[1]) if embd is not None else None)
-    return LlamaHyperParams(
-        num_layers=_int(gguf, "block_count"), hidden_size=hidden, num_heads=heads,
-        num_kv_heads=_int(gguf, "attention.head_count_kv", heads), head_dim=head_dim,
-        ffn_size=_int(gguf, "feed_forward_length"), vocab_size=vocab,
-        max_context=_int(gguf, "context_length"),
-        rope_theta=float(gguf.arch_get("rope.freq_base", 10000.0)),
-        rms_eps=float(gguf.arch_get("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_scale=_rope_scale(gguf))
-
-
-def _rope_scale(gguf: GGUFFile) -> float:
-    kind = str(gguf.arch_get("rope.scaling.type", "none") or "none")
-    if kind == "none":
-        return 1.0
-    if kind == "linear":
-        return float(gguf.arch_get("rope.scaling.factor", 1.0))
-    raise GGUFError(f"{gguf.path}: unsupported rope scaling type {kind!r} (supported: none, linear)")
-
-
-def expected_shapes(p: LlamaHyperParams) -> dict[str, tuple[int, ...]]:
+def expected_shapes(p: HyperParams) -> dict[str, tuple[int, ...]]:
     """Tensor name (per-layer names with {i}) -> shape in numpy order [out, in]."""
+    h, q, kv, ff = p.hidden_size, p.q_size, p.kv_size, p.ffn_size
+    e, eff, sff = p.num_experts, p.expert_ffn_size, p.shared_ffn_size
     return {
-        "token_embd.weight": (p.vocab_size, p.hidden_size),
-        "output_norm.weight": (p.hidden_size,),
-        "output.weight": (p.vocab_size, p.hidden_size),
-        "rope_freqs.weight": (p.head_dim // 2,),
-        "blk.{i}.attn_norm.weight": (p.hidden_size,),
-        "blk.{i}.attn_q.weight": (p.q_size, p.hidden_size),
-        "blk.{i}.attn_k.weight": (p.kv_size, p.hidden_size),
-        "blk.{i}.attn_v.weight": (p.kv_size, p.hidden_size),
-        "blk.{i}.attn_output.weight": (p.hidden_size, p.q_size),
-        "blk.{i}.ffn_norm.weight": (p.hidden_size,),
-        "blk.{i}.ffn_gate.weight": (p.ffn_size, p.hidden_size),
-        "blk.{i}.ffn_up.weight": (p.ffn_size, p.hidden_size),
-        "blk.{i}.ffn_down.weight": (p.hidden_size, p.ffn_size),
+        "token_embd.weight": (p.vocab_size, h), "output_norm.weight": (h,),
+        "output.weight": (p.vocab_size, h), "rope_freqs.weight": (p.rotary_dims // 2,),
+        "blk.{i}.attn_norm.weight": (h,),
+        "blk.{i}.attn_q.weight": (q, h), "blk.{i}.attn_k.weight": (kv, h),
+        "blk.{i}.attn_v.weight": (kv, h), "blk.{i}.attn_qkv.weight": (q + 2 * kv, h),
+        "blk.{i}.attn_q.bias": (q,), "blk.{i}.attn_k.bias": (kv,), "blk.{i}.attn_v.bias": (kv,),
+        "blk.{i}.attn_qkv.bias": (q + 2 * kv,), "blk.{i}.attn_output.bias": (h,),
+        "blk.{i}.attn_output.weight": (h, q),
+        "blk.{i}.attn_q_norm.weight": (p.head_dim,), "blk.{i}.attn_k_norm.weight": (p.head_dim,),
+        "blk.{i}.post_attention_norm.weight": (h,), "blk.{i}.post_ffw_norm.weight": (h,),
+        "blk.{i}.ffn_norm.weight": (h,),
+        "blk.{i}.ffn_gate.weight": (ff, h),
+        "blk.{i}.ffn_up.weight": (2 * ff if p.traits.fused_gate_up else ff, h),
+        "blk.{i}.ffn_down.weight": (h, ff),
+        "blk.{i}.ffn_gate_inp.weight": (e, h),
+        "blk.{i}.ffn_gate_exps.weight": (e, eff, h), "blk.{i}.ffn_up_exps.weight": (e, eff, h),
+        "blk.{i}.ffn_down_exps.weight": (e, h, eff),
+        "blk.{i}.ffn_gate_shexp.weight": (sff, h), "blk.{i}.ffn_up_shexp.weight": (sff, h),
+        "blk.{i}.ffn_down_shexp.weight": (h, sff), "blk.{i}.ffn_gate_inp_shexp.weight": (h,),
     }
 
 
 def unpermute_rotary_rows(w: Matrix, num_heads: int) -> Matrix:
     """GGUF Q/K rows -> "rotate halves" rows. llama.cpp's converter stores, per head, the rows
     of pair i (dims i and i + d/2 in HF's layout) next to each other (rows 2i, 2i+1); this
-    regroups them as [first halves | second halves]. [num_heads * d, in] -> same shape."""
+    regroups them as [first halves | second halves]. [num_heads * d, in] or a bias
+    [num_heads * d] -> same shape."""
     if isinstance(w, QuantMatrix):  # the same reordering of its code and scale rows
-        return w.map_rows(lambda rows: unpermute_rotary_rows(rows, num_heads))  # type: ignore[arg-type,return-value]
-    rows, cols = w.shape
-    head_dim = rows // num_heads
-    return w.reshape(num_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+        return w.map_rows(lambda rows: _unpermute(rows, num_heads))
+    return _unpermute(w, num_heads)
+
+
+def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    head_dim = w.shape[0] // num_heads
+    return w.reshape(num_heads, head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 class _TensorSource:
     """Reads named tensors from a GGUFFile, checking type and shape, updating a progress bar."""
 
-    def __init__(self, gguf: GGUFFile, params: LlamaHyperParams, progress: bool,
+    def __init__(self, gguf: GGUFFile, params: HyperParams, progress: bool,
                  keep_quantized: bool = False) -> None:
         from tqdm import tqdm
 
@@ -189,8 +126,8 @@ class _TensorSource:
         self.bar = tqdm(total=len(gguf.tensors), desc=f"loading {gguf.name}", unit="tensor",
                         file=sys.stderr, disable=not progress, leave=False)
 
-    def has(self, name: str) -> bool:
-        return name in self.gguf.tensors
+    def has(self, name: str, layer: int | None = None) -> bool:
+        return (name if layer is None else name.replace("{i}", str(layer))) in self.gguf.tensors
 
     def get(self, name: str, layer: int | None = None) -> torch.Tensor:
         key, info = self._checked(name, layer)
@@ -198,15 +135,30 @@ class _TensorSource:
         self.bar.update(1)
         return out
 
+    def optional(self, name: str, layer: int | None = None) -> torch.Tensor | None:
+        return self.get(name, layer) if self.has(name, layer) else None
+
     def matrix(self, name: str, layer: int | None = None) -> Matrix:
         """A weight matrix: kept as 4-bit codes when asked and its type has that form, else dense."""
         key, info = self._checked(name, layer)
-        if not (self.keep_quantized and is_quantizable(info.tensor_type)):
-            out: Matrix = dequantize(info.data, info.tensor_type, self.shapes[name], key)
-        else:
-            out = quant_matrix(info.data, info.tensor_type, self.shapes[name], key)
+        out = self._matrix(info.data, info.tensor_type, self.shapes[name], key)
         self.bar.update(1)
         return out
+
+    def experts(self, name: str, layer: int) -> list[Matrix]:
+        """A 3-d expert tensor [experts, out, in] as one matrix per expert (an expert's rows
+        are whole quant blocks, so each slice is a matrix of its own)."""
+        key, info = self._checked(name, layer)
+        shape = self.shapes[name][1:]
+        out = [self._matrix(info.data[e], info.tensor_type, shape, f"{key}[{e}]")
+               for e in range(self.shapes[name][0])]
+        self.bar.update(1)
+        return out
+
+    def _matrix(self, data: Any, tensor_type: Any, shape: tuple[int, ...], key: str) -> Matrix:
+        if self.keep_quantized and is_quantizable(tensor_type):
+            return quant_matrix(data, tensor_type, shape, key)
+        return dequantize(data, tensor_type, shape, key)
 
     def _checked(self, name: str, layer: int | None) -> tuple[str, Any]:
         key = name if layer is None else name.replace("{i}", str(layer))
@@ -215,6 +167,8 @@ class _TensorSource:
             raise GGUFError(f"{self.gguf.path}: tensor {key!r} is missing")
         want = self.shapes[name]
         got = tuple(int(d) for d in reversed(info.shape))  # GGUF lists dims innermost first
+        if len(want) == 1:
+            got = tuple(d for d in got if d != 1) or (1,)  # [n] stored as [1, n] (shared gate)
         if got != want:
             raise GGUFError(f"{self.gguf.path}: tensor {key!r} has shape {list(got)}, "
                             f"metadata implies {list(want)}")
@@ -224,14 +178,16 @@ class _TensorSource:
         return key, info
 
 
-def load_llama(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               progress: bool = True, keep_quantized: bool = False) -> LlamaWeights:
+def load_weights(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 progress: bool = True, keep_quantized: bool = False) -> ModelWeights:
     """Every tensor checked, fused and dequantized to `dtype` on `device` — except, with
     `keep_quantized`, the Q4_0/Q4_1/Q8_0 matrices, kept as QuantMatrix (lookups give `dtype`)."""
     params = read_hyper_params(gguf)
     src = _TensorSource(gguf, params, progress, keep_quantized)
 
-    def put(tensor: Matrix) -> Any:
+    def put(tensor: Any) -> Any:
+        if tensor is None or isinstance(tensor, list):
+            return [put(t) for t in tensor] if tensor else tensor
         if isinstance(tensor, QuantMatrix):
             return tensor.to(device, dtype)
         return tensor.to(device=device, dtype=dtype).contiguous()
@@ -240,24 +196,62 @@ def load_llama(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.f
         layers = [_load_layer(src, params, i, put) for i in range(params.num_layers)]
         token_embd = put(src.matrix("token_embd.weight"))
         output = put(src.matrix("output.weight")) if src.has("output.weight") else token_embd
-        rope = src.get("rope_freqs.weight") if src.has("rope_freqs.weight") else None
-        return LlamaWeights(params=params, name=gguf.name, token_embd=token_embd, layers=layers,
+        return ModelWeights(params=params, name=gguf.name, token_embd=token_embd, layers=layers,
                             output_norm=put(src.get("output_norm.weight")), output=output,
-                            rope_freq_factors=rope)
+                            rope_freq_factors=src.optional("rope_freqs.weight"))
     finally:
         src.bar.close()
 
 
-def _load_layer(src: _TensorSource, p: LlamaHyperParams, i: int,
-                put: Callable[[Matrix], Any]) -> LayerWeights:
-    q = unpermute_rotary_rows(src.matrix("blk.{i}.attn_q.weight", i), p.num_heads)
-    k = unpermute_rotary_rows(src.matrix("blk.{i}.attn_k.weight", i), p.num_kv_heads)
-    v = src.matrix("blk.{i}.attn_v.weight", i)
-    gate, up = src.matrix("blk.{i}.ffn_gate.weight", i), src.matrix("blk.{i}.ffn_up.weight", i)
+def _load_layer(src: _TensorSource, p: HyperParams, i: int,
+                put: Callable[[Any], Any]) -> LayerWeights:
+    qkv, qkv_bias = _attention_rows(src, p, i)
+    is_moe = p.num_experts > 0
+    gate_up, down = (None, None) if is_moe else _gated_ffn(src, p, i)
     return LayerWeights(
-        attn_norm=put(src.get("blk.{i}.attn_norm.weight", i)),
-        qkv=put(cat_rows([q, k, v])),
+        attn_norm=put(src.get("blk.{i}.attn_norm.weight", i)), qkv=put(qkv),
         attn_out=put(src.matrix("blk.{i}.attn_output.weight", i)),
-        ffn_norm=put(src.get("blk.{i}.ffn_norm.weight", i)),
-        gate_up=put(cat_rows([gate, up])),
-        down=put(src.matrix("blk.{i}.ffn_down.weight", i)))
+        ffn_norm=put(src.get("blk.{i}.ffn_norm.weight", i)), gate_up=put(gate_up), down=put(down),
+        qkv_bias=put(qkv_bias), attn_out_bias=put(src.optional("blk.{i}.attn_output.bias", i)),
+        q_norm=put(src.get("blk.{i}.attn_q_norm.weight", i)) if p.traits.qk_norm else None,
+        k_norm=put(src.get("blk.{i}.attn_k_norm.weight", i)) if p.traits.qk_norm else None,
+        post_attn_norm=put(src.get("blk.{i}.post_attention_norm.weight", i)) if p.traits.post_norms else None,
+        post_ffn_norm=put(src.get("blk.{i}.post_ffw_norm.weight", i)) if p.traits.post_norms else None,
+        experts=_experts(src, p, i, put) if is_moe else None)
+
+
+def _attention_rows(src: _TensorSource, p: HyperParams, i: int) -> tuple[Matrix, torch.Tensor | None]:
+    """Fused [Q | K | V] rows (and biases, where the file has them) in rotate-halves layout."""
+    if src.has("blk.{i}.attn_qkv.weight", i):  # Phi-3: fused by the converter, HF row order
+        return src.matrix("blk.{i}.attn_qkv.weight", i), src.optional("blk.{i}.attn_qkv.bias", i)
+    parts = [src.matrix(f"blk.{{i}}.attn_{n}.weight", i) for n in "qkv"]
+    biases = [src.optional(f"blk.{{i}}.attn_{n}.bias", i) for n in "qkv"]
+    if p.traits.permuted_qk:
+        heads = (p.num_heads, p.num_kv_heads)
+        parts[:2] = [unpermute_rotary_rows(w, n) for w, n in zip(parts[:2], heads)]
+        biases[:2] = [None if b is None else _unpermute(b, n) for b, n in zip(biases[:2], heads)]
+    if all(b is None for b in biases):
+        return cat_rows(parts), None
+    sizes = (p.q_size, p.kv_size, p.kv_size)
+    return cat_rows(parts), torch.cat([torch.zeros(n) if b is None else b for b, n in zip(biases, sizes)])
+
+
+def _gated_ffn(src: _TensorSource, p: HyperParams, i: int) -> tuple[Matrix, Matrix]:
+    if p.traits.fused_gate_up:  # Phi-3: ffn_up holds [gate | up]
+        gate_up = src.matrix("blk.{i}.ffn_up.weight", i)
+    else:
+        gate_up = cat_rows([src.matrix("blk.{i}.ffn_gate.weight", i), src.matrix("blk.{i}.ffn_up.weight", i)])
+    return gate_up, src.matrix("blk.{i}.ffn_down.weight", i)
+
+
+def _experts(src: _TensorSource, p: HyperParams, i: int, put: Callable[[Any], Any]) -> ExpertWeights:
+    gates, ups = src.experts("blk.{i}.ffn_gate_exps.weight", i), src.experts("blk.{i}.ffn_up_exps.weight", i)
+    out = ExpertWeights(router=put(src.get("blk.{i}.ffn_gate_inp.weight", i)),
+                        gate_up=put([cat_rows([g, u]) for g, u in zip(gates, ups)]),
+                        down=put(src.experts("blk.{i}.ffn_down_exps.weight", i)))
+    if p.shared_ffn_size:
+        out.shared_gate_up = put(cat_rows([src.matrix("blk.{i}.ffn_gate_shexp.weight", i),
+                                           src.matrix("blk.{i}.ffn_up_shexp.weight", i)]))
+        out.shared_down = put(src.matrix("blk.{i}.ffn_down_shexp.weight", i))
+        out.shared_gate = put(src.get("blk.{i}.ffn_gate_inp_shexp.weight", i))
+    return out

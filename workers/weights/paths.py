@@ -26,8 +26,8 @@ import torch
 
 from justapi.config.sections import WEIGHT_MODES
 from justapi.model.gguf_file import GGUFFile
-from workers.model.forward import Linear, LinearLike, LlamaModel, has_onednn_bf16
-from workers.weights.gguf_loader import load_llama
+from workers.model.forward import Linear, LinearLike, DecoderModel, has_onednn_bf16
+from workers.weights.gguf_loader import load_weights
 from workers.weights.quant_blocks import Matrix
 from workers.weights.quant_linear import (
     DualLinear,
@@ -75,7 +75,7 @@ def default_crossover(device: torch.device) -> Crossover:
 
 
 class WeightPaths:
-    """The linear factory of LlamaModel for one mode: `paths(weight)` -> the weight's linear."""
+    """The linear factory of DecoderModel for one mode: `paths(weight)` -> the weight's linear."""
 
     def __init__(self, mode: str, device: str | torch.device = "cpu",
                  crossover: Crossover | None = None) -> None:
@@ -116,8 +116,8 @@ class WeightPaths:
 
 def load_model(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.float32,
                weights: str = "fp32", progress: bool = True,
-               crossover: Crossover | None = None) -> LlamaModel:
+               crossover: Crossover | None = None) -> DecoderModel:
     """The model of a GGUF file with the weights kept and computed as `weights` says."""
     paths = WeightPaths(weights, device, crossover)
-    loaded = load_llama(gguf, device, dtype, progress, keep_quantized=paths.keeps_quantized)
-    return LlamaModel(loaded, paths)
+    loaded = load_weights(gguf, device, dtype, progress, keep_quantized=paths.keeps_quantized)
+    return DecoderModel(loaded, paths)

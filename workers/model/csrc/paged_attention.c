@@ -74,6 +74,7 @@ struct Shape {
     int64_t num_seqs, q_max, heads, kv_heads, head_dim, block_size, max_blocks;
     int64_t num_blocks;  /* of the pool layer */
     float scale;
+    float softcap;  /* > 0: scores s become softcap * tanh(s / softcap) (Gemma 2) */
 };
 
 /* One sequence, query heads [h0, h1): rows [0, num_rows) of q/out, keys [0, num_keys).
@@ -105,8 +106,10 @@ static int attend_seq(const struct Shape *sh, int64_t a, int64_t h0, int64_t h1,
             if (!seq_mask[i * mask_keys + t]) continue;
             const float *qi = q + (a * sh->q_max + i) * sh->heads * d;
             float *pi = probs + i * sh->heads * num_keys + cursor[i]++;
-            for (int64_t h = h0; h < h1; h++)
-                pi[h * num_keys] = dot(qi + h * d, key + (h / group) * d, d) * sh->scale;
+            for (int64_t h = h0; h < h1; h++) {
+                const float s = dot(qi + h * d, key + (h / group) * d, d) * sh->scale;
+                pi[h * num_keys] = sh->softcap > 0.0f ? sh->softcap * tanhf(s / sh->softcap) : s;
+            }
         }
     }
     for (int64_t i = 0; i < num_rows; i++) {
@@ -136,15 +139,16 @@ static int attend_seq(const struct Shape *sh, int64_t a, int64_t h0, int64_t h1,
 
 /* q, out: [num_seqs, q_max, heads, head_dim]; kv: [2, num_blocks, block_size, kv_heads,
  * head_dim]; tables: [num_seqs, max_blocks]; mask: [num_seqs, q_max, max_blocks * block_size]
- * (nonzero: row sees key); num_keys, num_rows: [num_seqs]. Rows past num_rows[a] are left
+ * (nonzero: row sees key; a sliding window is a mask too); num_keys, num_rows: [num_seqs].
+ * Scores are q . k * scale, soft-capped when softcap > 0. Rows past num_rows[a] are left
  * as they are. Returns 0, OUT_OF_MEMORY (scratch), or BAD_BLOCK (a table entry outside the
  * pool: nothing is read from it). */
 int paged_attention_short(const float *q, const float *kv, const int64_t *tables,
                           const uint8_t *mask, const int64_t *num_keys,
                           const int64_t *num_rows, float *out, const int64_t *dims,
-                          float scale, int num_threads) {
+                          float scale, float softcap, int num_threads) {
     const struct Shape sh = {dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6],
-                             dims[7], scale};
+                             dims[7], scale, softcap};
     /* fewer sequences than threads: split each by KV head so every thread has work */
     const int64_t splits = sh.num_seqs < num_threads ? sh.kv_heads : 1;
     const int64_t heads_per_split = sh.heads / splits;

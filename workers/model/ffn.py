@@ -1,0 +1,90 @@
+"""The feed-forward block of a layer: a gated MLP, or a mixture of experts.
+
+GatedFfn: down(act(gate(x)) * up(x)) with gate and up fused in one matrix. MoeFfn: a router
+picks the top-k experts of each row (softmax, then top-k, renormalized where the architecture
+says); rows are grouped by expert, so each expert used in the step runs one matmul over all
+of its rows (no Python loop per token); a shared expert (Qwen2-MoE) is added, scaled by
+sigmoid(x . w). Owns: that math. Does not own: the linears' kernels (forward.py, weights/).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+
+from workers.weights.gguf_loader import ExpertWeights
+
+if TYPE_CHECKING:
+    from workers.model.forward import LinearFactory, LinearLike
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class GatedFfn:
+    """down(act(g) * u) where [g | u] = gate_up(x); x [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, gate_up: LinearLike, down: LinearLike, activation: str = "silu") -> None:
+        self.gate_up, self.down = gate_up, down
+        self.ffn_size = gate_up.out_features // 2
+        self.act = ACTIVATIONS[activation]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up(x)  # [T, 2 * ffn]
+        return self.down(self.act(gate_up[:, :self.ffn_size]) * gate_up[:, self.ffn_size:])
+
+    def linears(self) -> list[LinearLike]:
+        return [self.gate_up, self.down]
+
+
+class MoeFfn:
+    """Routed experts (and perhaps a shared one); x [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, weights: ExpertWeights, make_linear: LinearFactory, num_used: int,
+                 renormalize: bool, activation: str = "silu") -> None:
+        self.router = weights.router  # [num_experts, hidden]
+        self.experts = [GatedFfn(make_linear(gu), make_linear(d), activation)
+                        for gu, d in zip(weights.gate_up, weights.down)]
+        self.num_used, self.renormalize = num_used, renormalize
+        self.shared: GatedFfn | None = None
+        if weights.shared_gate_up is not None and weights.shared_down is not None:
+            self.shared = GatedFfn(make_linear(weights.shared_gate_up), make_linear(weights.shared_down),
+                                   activation)
+        self.shared_gate = weights.shared_gate  # [hidden]
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's experts and their weights: ([T, k] int64, [T, k] fp32)."""
+        probs = torch.softmax((x @ self.router.T).float(), dim=-1)  # [T, num_experts]
+        weights, experts = probs.topk(self.num_used, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        flat = experts.reshape(-1)  # [T * k]: entry j is row j // k's choice j % k
+        order = torch.argsort(flat, stable=True)  # entries grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts))
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                entries = order[start:start + count]  # [count]
+                rows = entries // self.num_used
+                y = self.experts[expert](x[rows]) * weights.reshape(-1)[entries, None].to(x.dtype)
+                out.index_add_(0, rows, y)  # [count, hidden] added to their rows
+            start += count
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(x @ self.shared_gate)[:, None]
+            out = out + shared
+        return out
+
+    def linears(self, every_expert: bool = True) -> list[LinearLike]:
+        experts = self.experts if every_expert else self.experts[:1]
+        shared = self.shared.linears() if self.shared is not None else []
+        return [linear for e in experts for linear in e.linears()] + shared
