@@ -8,14 +8,13 @@ and errors callers see (gguf_file.py).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
 ARRAY_HEADER_BYTES = 12  # uint32 element type, uint64 count
 STRING_LENGTH_BYTES = 8
-SWAPPED = {"little": "big", "big": "little"}
 
 
 class BulkArrayReader(GGUFReader):
@@ -54,7 +53,8 @@ class BulkArrayReader(GGUFReader):
         size = len(data)
         if count * STRING_LENGTH_BYTES > size - offset:
             raise ValueError(f"array of {count} strings at offset {offset} runs past the file end")
-        order = sys.byteorder if self.byte_order != "S" else SWAPPED[sys.byteorder]
+        is_big_endian = (sys.byteorder == "big") != (self.byte_order == "S")  # "S": swapped
+        order: Literal["little", "big"] = "big" if is_big_endian else "little"
         strings = []
         for _ in range(count):
             end = offset + STRING_LENGTH_BYTES

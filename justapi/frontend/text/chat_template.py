@@ -164,8 +164,10 @@ def _tool_call_with_object_arguments(call: Any) -> Any:
     """OpenAI sends a call's arguments as a JSON string; templates (Qwen, Llama 3, Mistral)
     write them with `| tojson`, as HF documents: a string that holds a JSON object becomes
     that object (a copy: the request is not changed). Anything else passes as it came."""
-    function = call.get("function") if isinstance(call, dict) else None
-    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    function = call["function"]
+    arguments = function.get("arguments")
     if not isinstance(arguments, str):
         return call
     try:
