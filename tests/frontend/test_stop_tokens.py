@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from justapi.frontend.text.tokenizer import TOKEN_CONTROL, Tokenizer
+from justapi.frontend.text.tokenizer import TOKEN_CONTROL, Tokenizer, read_special_tokens
 from justapi.model.gguf_file import GGUFFile
 from tests.support.gguf_tokenizers import OverriddenGGUF, train_sentencepiece, write_spm_gguf
 
@@ -35,23 +35,26 @@ def spm_gguf(tmp_path_factory) -> GGUFFile:
     return GGUFFile(str(write_spm_gguf(tmp_path_factory.mktemp("stop") / "t.gguf", processor)))
 
 
-def _family_tokenizer(spm_gguf: GGUFFile, specials: list[str], eos: str,
-                      eot: str | None) -> Tokenizer:
+def _family_gguf(spm_gguf: GGUFFile, specials: list[str], eos: str,
+                 eot: str | None) -> GGUFFile:
     tokens = list(spm_gguf.get("tokenizer.ggml.tokens"))
     types = list(spm_gguf.get("tokenizer.ggml.token_type"))
     for offset, special in enumerate(specials):
         tokens[FIRST_ID + offset], types[FIRST_ID + offset] = special, TOKEN_CONTROL
-    return Tokenizer.from_gguf(OverriddenGGUF(spm_gguf, {
+    return OverriddenGGUF(spm_gguf, {
         "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
         "tokenizer.ggml.eos_token_id": tokens.index(eos),
-        "tokenizer.ggml.eot_token_id": tokens.index(eot) if eot else None}))
+        "tokenizer.ggml.eot_token_id": tokens.index(eot) if eot else None})
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_end_of_generation_ids_per_family(family: str, spm_gguf: GGUFFile) -> None:
     specials, eos, eot, expected = FAMILIES[family]
-    tokenizer = _family_tokenizer(spm_gguf, specials, eos, eot)
+    family_gguf = _family_gguf(spm_gguf, specials, eos, eot)
+    tokenizer = Tokenizer.from_gguf(family_gguf)
     assert {tokenizer.id_to_token(i) for i in tokenizer.eog_token_ids} == expected
+    # what the scheduler reads, without building a tokenizer
+    assert read_special_tokens(family_gguf) == tokenizer.special
     assert tokenizer.id_to_token(tokenizer.eos_token_id) == eos
     turn_end = sorted(expected - {eos})
     if turn_end:  # the end-of-turn marker in text becomes its one id, which ends generation

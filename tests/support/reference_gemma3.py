@@ -80,8 +80,9 @@ class ReferenceGemma3:
         gate = torch.nn.functional.gelu(h @ w[p + "ffn_gate.weight"].T, approximate="tanh")
         return (gate * (h @ w[p + "ffn_up.weight"].T)) @ w[p + "ffn_down.weight"].T
 
-    def forward(self, token_ids: list[int], last_only: bool = False) -> torch.Tensor:
-        """Logits [T, vocab] of one sequence starting at position 0 ([1, vocab]: last only)."""
+    def forward(self, token_ids: list[int], num_last: int | None = None) -> torch.Tensor:
+        """Logits [T, vocab] of one sequence starting at position 0 (of its last `num_last`
+        positions only, when given)."""
         w = self.w
         positions = torch.arange(len(token_ids))
         x = w["token_embd.weight"][torch.tensor(token_ids)] * self.hidden ** 0.5  # [T, hidden]
@@ -91,7 +92,7 @@ class ReferenceGemma3:
             x = x + self._norm(h, w[p + "post_attention_norm.weight"])
             h = self._mlp(self._norm(x, w[p + "ffn_norm.weight"]), i)
             x = x + self._norm(h, w[p + "post_ffw_norm.weight"])
-        x = x[-1:] if last_only else x
+        x = x if num_last is None else x[-num_last:]
         return self._norm(x, w["output_norm.weight"]) @ w["output.weight"].T
 
     def greedy(self, token_ids: list[int], num_tokens: int) -> tuple[list[int], list[float]]:
@@ -99,7 +100,7 @@ class ReferenceGemma3:
         logit's lead over the runner-up (how safely another fp32-close forward agrees)."""
         ids, margins = list(token_ids), []
         for _ in range(num_tokens):
-            top = torch.topk(self.forward(ids, last_only=True)[0], 2)
+            top = torch.topk(self.forward(ids, num_last=1)[0], 2)
             ids.append(int(top.indices[0]))
             margins.append(float(top.values[0] - top.values[1]))
         return ids[len(token_ids):], margins

@@ -126,16 +126,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gguf_file: GGUFFile) -> Tokenizer:
-        model = gguf_file.get("tokenizer.ggml.model")
-        tokens = gguf_file.get("tokenizer.ggml.tokens")
-        if model is None or not tokens:
-            raise ValueError(f"{gguf_file.path}: no tokenizer in the GGUF metadata "
-                             "(tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
-        token_types = list(gguf_file.get("tokenizer.ggml.token_type")
-                           or [TOKEN_NORMAL] * len(tokens))
-        if len(token_types) != len(tokens):
-            raise ValueError(f"{gguf_file.path}: {len(token_types)} token types for "
-                             f"{len(tokens)} tokens")
+        model, tokens, token_types = _vocabulary(gguf_file)
         if model == "gpt2":
             backend = _build_byte_level(gguf_file, tokens, token_types)
         elif model == "llama":
@@ -236,6 +227,27 @@ class Tokenizer:
                 plain.encode_special_tokens = True
                 self._plain_backend = plain
             return self._plain_backend
+
+
+def read_special_tokens(gguf_file: GGUFFile) -> SpecialTokens:
+    """The file's special tokens (end-of-generation ids included) as Tokenizer.from_gguf reads
+    them, without building the tokenizer: for processes that need only when to stop."""
+    model, tokens, token_types = _vocabulary(gguf_file)
+    return _read_special_tokens(gguf_file, model, tokens, token_types)
+
+
+def _vocabulary(gguf_file: GGUFFile) -> tuple[str, list[str], list[int]]:
+    """(tokenizer.ggml.model, tokens, token types), checked to be present and to agree."""
+    model = gguf_file.get("tokenizer.ggml.model")
+    tokens = gguf_file.get("tokenizer.ggml.tokens")
+    if model is None or not tokens:
+        raise ValueError(f"{gguf_file.path}: no tokenizer in the GGUF metadata "
+                         "(tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
+    token_types = list(gguf_file.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+    if len(token_types) != len(tokens):
+        raise ValueError(f"{gguf_file.path}: {len(token_types)} token types for "
+                         f"{len(tokens)} tokens")
+    return str(model), list(tokens), token_types
 
 
 # -- building the backend ---------------------------------------------------------------------
