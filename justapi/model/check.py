@@ -63,7 +63,7 @@ def _check_tensors_match_metadata(gguf: GGUFFile, model: ModelInfo) -> None:
 def _check_chat_template(gguf: GGUFFile) -> None:
     source = gguf.get("tokenizer.chat_template")
     if not source:
-        return  # the frontend serves ChatML (and says so)
+        return  # the frontend serves a built-in template (and says which)
     try:
         ChatTemplate(str(source)).render(PROBE_MESSAGES, add_generation_prompt=True)
     except ValueError as exc:

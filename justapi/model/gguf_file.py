@@ -46,12 +46,13 @@ class GGUFFile:
     """A parsed GGUF: metadata fields and tensor descriptors (data is memory-mapped)."""
 
     def __init__(self, path: str) -> None:
-        import gguf  # imported here: parsing is the slow part, callers decide when
+        # imported here: gguf is slow to import, callers decide when
+        from justapi.model.gguf_reader import BulkArrayReader
 
         self.path = path
         _check_header(path)
         try:
-            self.reader = gguf.GGUFReader(path, "r")
+            self.reader = BulkArrayReader(path, "r")
         except (ValueError, IndexError, OverflowError, KeyError, MemoryError) as exc:
             raise GGUFError(f"{path}: corrupt or truncated GGUF ({type(exc).__name__}: {exc})") \
                 from None

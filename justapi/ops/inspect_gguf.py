@@ -39,6 +39,7 @@ def describe(gguf: GGUFFile, context: int | None, num_seqs: int) -> dict[str, An
         "tensor_types": _tensor_types(tensors),
         "tokenizer": _tokenizer(gguf),
         "chat_template": gguf.get("tokenizer.chat_template") or "",
+        "builtin_chat_template": _builtin_template_name(gguf),
         "memory": _memory(gguf, info, context, num_seqs),
         "tensors": [{"name": t.name, "type": _type_name(t.tensor_type),
                      "shape": [int(d) for d in reversed(t.shape)], "bytes": int(t.n_bytes)}
@@ -123,7 +124,8 @@ def render(report: dict[str, Any], show_tensors: bool, show_template: bool) -> s
               f"tokens, {tok['num_merges']} merges, add BOS {tok['add_bos_token']}",
               f"  special: {special or '-'}",
               "  token types: " + ", ".join(f"{k} {v}" for k, v in tok["token_types"].items())]
-    lines += ["", "chat template", _template_text(report["chat_template"], show_template)]
+    lines += ["", "chat template", _template_text(report["chat_template"], show_template,
+                                                   report["builtin_chat_template"])]
     mem = report["memory"]
     lines += ["", f"memory (KV cache for {mem['num_seqs']} sequence(s) of {mem['context']} tokens)",
               _indent(table(["compute dtype", "weights", "weights kept quantized", "KV per token",
@@ -142,9 +144,19 @@ def render(report: dict[str, Any], show_tensors: bool, show_template: bool) -> s
     return "\n".join(lines)
 
 
-def _template_text(template: str, show_whole: bool) -> str:
+def _builtin_template_name(gguf: GGUFFile) -> str:
+    """The built-in template the server uses when the file has none ('' when it has one)."""
+    from justapi.frontend.text.builtin_templates import builtin_template
+
+    if gguf.get("tokenizer.chat_template"):
+        return ""
+    return builtin_template(gguf.architecture,
+                            frozenset(gguf.get("tokenizer.ggml.tokens") or ())).name
+
+
+def _template_text(template: str, show_whole: bool, builtin: str) -> str:
     if not template:
-        return "  none (the server falls back to ChatML)"
+        return f"  none (the server uses its built-in {builtin} template)"
     if show_whole:
         return template
     first = template.strip().splitlines()[0]

@@ -81,10 +81,10 @@ def limits_of(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, An
 def eos_token_ids(model: str) -> tuple[int, ...]:
     """End-of-generation ids of a GGUF model (EOS, EOT, EOM and llama.cpp's end-of-turn list)."""
     from justapi.frontend.text.tokenizer import (
-        Tokenizer,  # tokenizers is heavy: only when needed
+        read_special_tokens,  # tokenizers is heavy: only when needed
     )
 
     if model.startswith("synthetic:"):
         logger.warning("model %r: no tokenizer path given, EOS is not enforced", model)
         return ()
-    return tuple(sorted(Tokenizer.from_gguf(GGUFFile(resolve_model_path(model))).eog_token_ids))
+    return tuple(sorted(read_special_tokens(GGUFFile(resolve_model_path(model))).eog_token_ids))

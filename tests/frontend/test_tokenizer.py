@@ -13,10 +13,16 @@ from pathlib import Path
 import pytest
 import regex
 
-from justapi.frontend.text.tokenizer import PRE_TOKENIZER_SPLITS, Tokenizer, resolve_pre_tokenizer
+from justapi.frontend.text.tokenizer import (
+    IGNORE_MERGES_FAMILIES,
+    PRE_TOKENIZER_SPLITS,
+    Tokenizer,
+    resolve_pre_tokenizer,
+)
 from justapi.model.gguf_file import GGUFFile, default_model_path
 from tests.support.gguf_tokenizers import (
     SPM_USER_DEFINED,
+    OverriddenGGUF,
     copy_tokenizer_gguf,
     train_sentencepiece,
     write_spm_gguf,
@@ -258,7 +264,7 @@ def test_every_process_builds_the_same_tokenizer(smol: Tokenizer) -> None:
 
 # -- other gpt2 pre-tokenizers, on the SmolLM2 vocabulary ------------------------------------
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "tekken", "gpt-4o"])
 def test_pre_tokenizers_match_hf(pre: str, tmp_path: Path, smol_gguf) -> None:
     path = copy_tokenizer_gguf(tmp_path / f"{pre}.gguf", smol_gguf, {"tokenizer.ggml.pre": pre})
     gguf_file = GGUFFile(str(path))
@@ -269,29 +275,15 @@ def test_pre_tokenizers_match_hf(pre: str, tmp_path: Path, smol_gguf) -> None:
             reference.encode(text, add_special_tokens=False), text
 
 
-class OverriddenGGUF(GGUFFile):
-    """A parsed GGUF seen with some metadata replaced (value None hides a key), without a copy."""
-
-    def __init__(self, base: GGUFFile, overrides: dict) -> None:  # noqa: no super(): no re-parse
-        self.path, self.reader, self.tensors = base.path, base.reader, base.tensors
-        self._overrides = overrides
-
-    def get(self, key: str, default=None):
-        if key in self._overrides:
-            value = self._overrides[key]
-            return default if value is None else value
-        return super().get(key, default)
-
-
 @pytest.mark.parametrize("pre", ["default", "gpt-2", "starcoder", "deepseek-llm", "deepseek-coder",
-                                 "qwen2", "llama-bpe"])
+                                 "qwen2", "llama-bpe", "tekken", "gpt-4o"])
 def test_pre_tokenizers_match_llamacpp_splits(pre: str, smol_gguf, hf_smol) -> None:
     ours = Tokenizer.from_gguf(OverriddenGGUF(smol_gguf, {"tokenizer.ggml.pre": pre}))
     family = resolve_pre_tokenizer(pre)
     for text in VARIED_TEXTS + random_texts(300, seed=11):
         assert ours.encode(text, add_special_tokens=False) == llamacpp_encode(
             hf_smol.backend_tokenizer, text, PRE_TOKENIZER_SPLITS[family], SMOL_SPECIALS,
-            ignore_merges=family == "llama3"), text
+            ignore_merges=family in IGNORE_MERGES_FAMILIES), text
 
 
 def test_llama3_adds_bos_unless_the_file_says_otherwise(smol_gguf) -> None:
@@ -300,6 +292,27 @@ def test_llama3_adds_bos_unless_the_file_says_otherwise(smol_gguf) -> None:
     without = Tokenizer.from_gguf(OverriddenGGUF(smol_gguf, {
         "tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": None}))
     assert without.encode("hi") == [1, *without.encode("hi", add_special_tokens=False)]
+
+
+@pytest.mark.parametrize("pre", ["tekken", "gpt-4o"])
+def test_cased_pre_tokenizers_keep_capitalised_words_whole(pre: str, smol_gguf) -> None:
+    """tekken / GPT-4o split 'ÀBCdef' as the models' regex does: capitals (any script) then
+    lower case, one word; llama.cpp's ASCII rewrite of the classes would cut after 'À'."""
+    family = resolve_pre_tokenizer(pre)
+    words = llamacpp_words("ÀBCdef ÉtéÜber", PRE_TOKENIZER_SPLITS[family])
+    assert words == ["ÀBCdef", " Été", "Über"]
+    ours = Tokenizer.from_gguf(OverriddenGGUF(smol_gguf, {"tokenizer.ggml.pre": pre}))
+    ids = ours.encode("ÀBCdef ÉtéÜber", add_special_tokens=False)
+    assert ours.decode(ids) == "ÀBCdef ÉtéÜber"
+
+
+def test_tekken_adds_bos_unless_the_file_says_otherwise(smol_gguf) -> None:
+    tekken = Tokenizer.from_gguf(OverriddenGGUF(smol_gguf, {
+        "tokenizer.ggml.pre": "tekken", "tokenizer.ggml.add_bos_token": None}))
+    assert tekken.encode("hi") == [1, *tekken.encode("hi", add_special_tokens=False)]
+    gpt4o = Tokenizer.from_gguf(OverriddenGGUF(smol_gguf, {
+        "tokenizer.ggml.pre": "gpt-4o", "tokenizer.ggml.add_bos_token": None}))
+    assert gpt4o.encode("hi") == gpt4o.encode("hi", add_special_tokens=False)
 
 
 def test_unknown_pre_tokenizer_is_refused(smol_gguf) -> None:

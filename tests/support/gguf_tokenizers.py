@@ -1,8 +1,10 @@
 """Test helpers: small GGUF files that carry a tokenizer (and tiny dummy weights).
 
 Owns: writing a SentencePiece (`llama`) tokenizer GGUF trained on the spot with the
-`sentencepiece` package, and copying the SmolLM2 tokenizer into a variant GGUF (other
-`tokenizer.ggml.pre`, no chat template...). Does not own: model weights (workers/weights/synthetic.py).
+`sentencepiece` package, a SentencePiece reference rebuilt from a GGUF's vocabulary, copying the
+SmolLM2 tokenizer into a variant GGUF (other `tokenizer.ggml.pre`, no chat template...) and
+OverriddenGGUF (a parsed file seen with some keys replaced). Does not own: model weights
+(workers/weights/synthetic.py).
 """
 from __future__ import annotations
 
@@ -70,6 +72,36 @@ def sentencepiece_vocab(processor: Any) -> tuple[list[str], list[float], list[in
     return tokens, scores, [int(t) for t in types]
 
 
+def sentencepiece_from_gguf(gguf_file: GGUFFile) -> Any:
+    """A SentencePiece processor over the file's own vocabulary (pieces, scores, types), as the
+    reference for a `llama` tokenizer: BPE, byte fallback, whitespace escaped as '▁', the file's
+    dummy-prefix flag. llama.cpp's converter stores a user-defined whitespace piece ('▁▁') as real
+    spaces; it is spelled back here, since SentencePiece matches pieces after escaping."""
+    import sentencepiece as spm
+    from sentencepiece import sentencepiece_model_pb2 as model_pb2
+
+    kinds = model_pb2.ModelProto.SentencePiece
+    type_of = {1: kinds.NORMAL, 2: kinds.UNKNOWN, 3: kinds.CONTROL, 4: kinds.USER_DEFINED,
+               5: kinds.UNUSED, 6: kinds.BYTE}
+    proto = model_pb2.ModelProto()
+    for token, score, token_type in zip(gguf_file.get("tokenizer.ggml.tokens"),
+                                        gguf_file.get("tokenizer.ggml.scores"),
+                                        gguf_file.get("tokenizer.ggml.token_type"), strict=True):
+        piece = proto.pieces.add()
+        piece.piece = token.replace(" ", "\u2581") if token_type == 4 else token
+        piece.score, piece.type = float(score), type_of[int(token_type)]
+    proto.trainer_spec.model_type = model_pb2.TrainerSpec.BPE
+    proto.trainer_spec.byte_fallback = True
+    proto.trainer_spec.vocab_size = len(proto.pieces)
+    proto.trainer_spec.unk_id = int(gguf_file.get("tokenizer.ggml.unknown_token_id", 0))
+    proto.normalizer_spec.name = "identity"
+    proto.normalizer_spec.add_dummy_prefix = bool(
+        gguf_file.get("tokenizer.ggml.add_space_prefix", True))
+    proto.normalizer_spec.remove_extra_whitespaces = False
+    proto.normalizer_spec.escape_whitespaces = True
+    return spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
+
+
 def write_spm_gguf(path: Path, processor: Any, add_space_prefix: bool = True,
                    chat_template: str | None = None) -> Path:
     tokens, scores, types = sentencepiece_vocab(processor)
@@ -102,6 +134,20 @@ def copy_tokenizer_gguf(path: Path, source: GGUFFile, overrides: dict[str, Any])
             _add_value(writer, key, value)
     _finish(writer)
     return path
+
+
+class OverriddenGGUF(GGUFFile):
+    """A parsed GGUF seen with some metadata replaced (value None hides a key), without a copy."""
+
+    def __init__(self, base: GGUFFile, overrides: dict[str, Any]) -> None:  # noqa: no re-parse
+        self.__dict__.update(base.__dict__)
+        self._overrides = overrides
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key in self._overrides:
+            value = self._overrides[key]
+            return default if value is None else value
+        return super().get(key, default)
 
 
 def _add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:

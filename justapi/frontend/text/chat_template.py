@@ -1,9 +1,11 @@
 """Chat templates: OpenAI-style message lists -> the model's prompt text, via the GGUF's own
-`tokenizer.chat_template` rendered in jinja2's immutable sandbox, as HF's apply_chat_template does.
+`tokenizer.chat_template` rendered in jinja2's immutable sandbox, as HF's apply_chat_template does
+(a file without one gets its architecture's built-in template, builtin_templates.py).
 
-Owns: message validation, the sandboxed environment (HF's variables, filters and whitespace
-options) and the limits that make a bad template a ValueError instead of a hang, a memory blow-up
-or an escape. Does not own: tokenizing the result (tokenizer.py) or the OpenAI request schema.
+Owns: message validation (tool-call arguments as objects, as templates expect), the sandboxed
+environment (HF's variables, filters and whitespace options) and the limits that make a bad
+template a ValueError instead of a hang, a memory blow-up or an escape. Does not own: tokenizing
+the result (tokenizer.py) or the OpenAI request schema.
 """
 from __future__ import annotations
 
@@ -25,15 +27,12 @@ from jinja2.compiler import CodeGenerator, Frame
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+from justapi.frontend.text.builtin_templates import CHATML_TEMPLATE, builtin_template
 from justapi.model.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+__all__ = ["CHATML_TEMPLATE", "ChatTemplate", "ChatTemplateError", "validate_messages"]
 ROLES = ("system", "user", "assistant", "tool")
 PASSTHROUGH_KEYS = ("name", "tool_calls", "tool_call_id")
 RENDER_TIMEOUT_S = 2.0
@@ -70,10 +69,12 @@ class ChatTemplate:
     """One model's chat template, compiled once; `render` is safe to call from any thread."""
 
     def __init__(self, source: str, special_tokens: dict[str, str] | None = None,
-                 timeout_s: float = RENDER_TIMEOUT_S) -> None:
+                 timeout_s: float = RENDER_TIMEOUT_S, name: str = "custom") -> None:
         if not isinstance(source, str) or not source.strip():
             raise ChatTemplateError("chat template must be a non-empty string")
         self.source = source
+        self.name = name
+        """'gguf' (the file's own), a built-in's name ('gemma', 'ChatML'...) or 'custom'."""
         self._special_tokens = dict(special_tokens or {})
         self._timeout_s = timeout_s
         try:
@@ -83,13 +84,18 @@ class ChatTemplate:
 
     @classmethod
     def from_gguf(cls, gguf_file: GGUFFile, special_tokens: dict[str, str]) -> ChatTemplate:
-        """The file's `tokenizer.chat_template`, or ChatML (logged) when it has none.
-        special_tokens: bos_token / eos_token ... as text (Tokenizer.template_tokens)."""
+        """The file's `tokenizer.chat_template`, or else its architecture's built-in template;
+        logs which. special_tokens: bos_token / eos_token ... as text (Tokenizer.template_tokens)."""
         source = gguf_file.get("tokenizer.chat_template")
-        if not source:
-            logger.warning("%s has no tokenizer.chat_template; using ChatML", gguf_file.path)
-            source = CHATML_TEMPLATE
-        return cls(source, special_tokens)
+        if source:
+            logger.info("chat template: %s's own tokenizer.chat_template", gguf_file.path)
+            return cls(str(source), special_tokens, name="gguf")
+        architecture = gguf_file.architecture
+        builtin = builtin_template(architecture,
+                                   frozenset(gguf_file.get("tokenizer.ggml.tokens") or ()))
+        logger.warning("%s has no tokenizer.chat_template; using the built-in %s template "
+                       "(architecture %r)", gguf_file.path, builtin.name, architecture)
+        return cls(builtin.source, special_tokens, name=builtin.name)
 
     def render(self, messages: Any, add_generation_prompt: bool = True,
                tools: list[dict[str, Any]] | None = None, **extra: Any) -> str:
@@ -146,9 +152,31 @@ def _validate_message(message: Any, index: int) -> dict[str, Any]:
     if role not in ROLES:
         raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
     checked = {key: message[key] for key in PASSTHROUGH_KEYS if message.get(key) is not None}
+    if isinstance(checked.get("tool_calls"), list):
+        checked["tool_calls"] = [_tool_call_with_object_arguments(call)
+                                 for call in checked["tool_calls"]]
     checked["role"] = role
     checked["content"] = _content_text(message.get("content"), role, message, where)
     return checked
+
+
+def _tool_call_with_object_arguments(call: Any) -> Any:
+    """OpenAI sends a call's arguments as a JSON string; templates (Qwen, Llama 3, Mistral)
+    write them with `| tojson`, as HF documents: a string that holds a JSON object becomes
+    that object (a copy: the request is not changed). Anything else passes as it came."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    function = call["function"]
+    arguments = function.get("arguments")
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 def _content_text(content: Any, role: str, message: dict[str, Any], where: str) -> str:

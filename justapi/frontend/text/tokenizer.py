@@ -8,6 +8,7 @@ or streaming text (detokenizer.py).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
@@ -32,6 +33,16 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Mistral's tekken (Nemo, Small 3) and GPT-4o's (Phi-4): the models' own tokenizer.json regexes.
+# llama.cpp rewrites their letter classes for its regex engine ([^a-z] letters for \p{Lu}...),
+# which splits non-ASCII capitals differently; these follow the models.
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
+          rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 # DeepSeek's letter class (cased letters), written as escapes: several of its characters are
 # canonical singletons (U+1F7D, U+2126, U+212A...) that editors silently normalize.
 _DEEPSEEK_LETTERS = (
@@ -55,6 +66,8 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     "gpt-2": (_GPT2,),
     "llama3": (_LLAMA3,),
     "qwen2": (_QWEN2,),
+    "tekken": (_TEKKEN,),
+    "gpt-4o": (_GPT4O,),
     # StarCoder / SmolLM: every digit on its own, then GPT-2's split.
     "starcoder": (r"\p{N}", _GPT2),
     "deepseek-llm": (r"[\r\n]", rf"\s?[{_DEEPSEEK_LETTERS}]+",
@@ -71,9 +84,12 @@ PRE_TOKENIZER_ALIASES = {
     "command-r": "starcoder", "codeshell": "starcoder", "exaone": "starcoder",
     "minerva": "starcoder",
     "deepseek-llm": "deepseek-llm", "deepseek-coder": "deepseek-coder", "default": "default",
+    "tekken": "tekken", "gpt-4o": "gpt-4o", "llama4": "gpt-4o",
 }
 # Families whose merges are skipped for a word that is itself a token (llama.cpp ignore_merges).
-IGNORE_MERGES_FAMILIES = frozenset({"llama3"})
+IGNORE_MERGES_FAMILIES = frozenset({"llama3", "tekken"})
+# Byte-level families that add BOS unless the file says otherwise (llama.cpp forces add_bos).
+ADD_BOS_FAMILIES = frozenset({"llama3", "tekken"})
 # Tokens that end a turn whatever the file's eot/eom ids say (llama.cpp's list).
 END_OF_GENERATION_NAMES = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
@@ -104,23 +120,13 @@ class Tokenizer:
                  special: SpecialTokens) -> None:
         self._backend = backend
         self._tokens = tokens
-        self._token_ids = backend.get_vocab(with_added_tokens=True)
         self.special = special
         self._plain_backend: tokenizers.Tokenizer | None = None  # special tokens as plain text
         self._plain_lock = threading.Lock()
 
     @classmethod
     def from_gguf(cls, gguf_file: GGUFFile) -> Tokenizer:
-        model = gguf_file.get("tokenizer.ggml.model")
-        tokens = gguf_file.get("tokenizer.ggml.tokens")
-        if model is None or not tokens:
-            raise ValueError(f"{gguf_file.path}: no tokenizer in the GGUF metadata "
-                             "(tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
-        token_types = list(gguf_file.get("tokenizer.ggml.token_type")
-                           or [TOKEN_NORMAL] * len(tokens))
-        if len(token_types) != len(tokens):
-            raise ValueError(f"{gguf_file.path}: {len(token_types)} token types for "
-                             f"{len(tokens)} tokens")
+        model, tokens, token_types = _vocabulary(gguf_file)
         if model == "gpt2":
             backend = _build_byte_level(gguf_file, tokens, token_types)
         elif model == "llama":
@@ -170,6 +176,11 @@ class Tokenizer:
         """Id of a vocabulary entry spelled as stored (e.g. 'Ġthe', '▁the', '<|im_end|>')."""
         return self._token_ids.get(token)
 
+    @functools.cached_property
+    def _token_ids(self) -> dict[str, int]:
+        """Spelling -> id, built on first use (a second for a 262k vocabulary)."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
     def id_to_token(self, token_id: int) -> str:
         self._check_ids([token_id])
         return self._tokens[token_id]
@@ -216,6 +227,27 @@ class Tokenizer:
                 plain.encode_special_tokens = True
                 self._plain_backend = plain
             return self._plain_backend
+
+
+def read_special_tokens(gguf_file: GGUFFile) -> SpecialTokens:
+    """The file's special tokens (end-of-generation ids included) as Tokenizer.from_gguf reads
+    them, without building the tokenizer: for processes that need only when to stop."""
+    model, tokens, token_types = _vocabulary(gguf_file)
+    return _read_special_tokens(gguf_file, model, tokens, token_types)
+
+
+def _vocabulary(gguf_file: GGUFFile) -> tuple[str, list[str], list[int]]:
+    """(tokenizer.ggml.model, tokens, token types), checked to be present and to agree."""
+    model = gguf_file.get("tokenizer.ggml.model")
+    tokens = gguf_file.get("tokenizer.ggml.tokens")
+    if model is None or not tokens:
+        raise ValueError(f"{gguf_file.path}: no tokenizer in the GGUF metadata "
+                         "(tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
+    token_types = list(gguf_file.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens))
+    if len(token_types) != len(tokens):
+        raise ValueError(f"{gguf_file.path}: {len(token_types)} token types for "
+                         f"{len(tokens)} tokens")
+    return str(model), list(tokens), token_types
 
 
 # -- building the backend ---------------------------------------------------------------------
@@ -359,7 +391,7 @@ def _read_special_tokens(gguf_file: GGUFFile, model: str, tokens: Sequence[str],
         return int(value)
 
     pre = gguf_file.get("tokenizer.ggml.pre")
-    default_bos = model == "llama" or PRE_TOKENIZER_ALIASES.get(pre or "") == "llama3"
+    default_bos = model == "llama" or PRE_TOKENIZER_ALIASES.get(pre or "") in ADD_BOS_FAMILIES
     eos_id = token_id("eos_token_id")
     eog = {i for i in (eos_id, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None}
     eog.update(i for i, t in enumerate(tokens) if t in END_OF_GENERATION_NAMES)
