@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from justapi.ops.timeline import Timeline
 from justapi.wire.protocol import StepPlan, StepResult, offsets
 from workers.kv.pool import KVPool
 from workers.model.attention import AttentionBackend, AttentionBatch
@@ -42,6 +43,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.draft = draft  # speculative decoding's draft model (workers/spec/draft.py), if any
         self.verifier = Verifier(self.sampler)
+        self.timeline = Timeline("worker")  # off; the worker process hands in its own
 
     @property
     def block_size(self) -> int:
@@ -57,6 +59,7 @@ class ModelRunner:
         else:
             result = self._sample(plan, self.forward_logits(plan))  # one logits row per sample
         self.forget(plan.finished_request_ids)
+        self.timeline.mark("sample_end", plan.step_id)
         return result
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
@@ -84,13 +87,16 @@ class ModelRunner:
         batch = AttentionBatch(plan.start_positions.astype(np.int64), plan.num_tokens.astype(np.int64),
                                plan.num_blocks.astype(np.int64), plan.block_ids, self.block_size,
                                tree)
+        self.timeline.mark("forward_start", plan.step_id, plan.num_seqs)
         with torch.inference_mode():
             meta = self.backend.prepare(batch)
             token_ids = torch.from_numpy(plan.token_ids.astype(np.int64)).to(self.model.device)
             kv_layers = [self.pool.layer(i) for i in range(self.pool.shape.num_layers)]
             hidden = self.model.forward(token_ids, kv_layers, self.backend, meta)
             rows = torch.from_numpy(logit_rows(plan)).to(hidden.device)
-            return self.model.logits(hidden[rows])
+            logits = self.model.logits(hidden[rows])
+        self.timeline.mark("forward_end", plan.step_id, len(plan.token_ids))
+        return logits
 
     # ------------------------------------------------------------------ request state
 
