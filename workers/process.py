@@ -133,6 +133,7 @@ class Worker:
         if isinstance(message, Shutdown):
             self.stop.set()
         elif isinstance(message, StepPlan):
+            self.timeline.mark_cpu(message.step_id)
             self.timeline.mark("plan_in", message.step_id, message.num_seqs)
             transport.send(self.sock, self.execute(message))
             self.timeline.mark("result_out", message.step_id)

@@ -156,6 +156,7 @@ class EngineClient:
                 logger.warning("dropped malformed message from scheduler: %s", exc)
                 continue
             if isinstance(message, TokenDeltas):
+                self.timeline.mark_cpu(message.step_id)
                 self.timeline.mark("deltas_in", message.step_id, len(message.request_ids))
                 self._dispatch(message)
             elif isinstance(message, SchedulerStats):

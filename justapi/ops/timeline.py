@@ -40,6 +40,12 @@ class Timeline:
         if self.is_enabled:
             self.events.append((time.monotonic_ns(), event, step_id, count))
 
+    def mark_cpu(self, step_id: int = -1) -> None:
+        """The event "cpu" with this process's CPU time so far (ns, all threads) as its count:
+        two of them give the CPU a stretch of steps cost, whatever else ran on the host."""
+        if self.is_enabled:
+            self.events.append((time.monotonic_ns(), "cpu", step_id, time.process_time_ns()))
+
     def dump(self) -> str | None:
         """Write the ring to DIR/<role><index>-<pid>.json; the path, or None when disabled."""
         if not self.is_enabled:

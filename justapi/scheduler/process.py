@@ -134,6 +134,7 @@ class SchedulerProcess:
         if not self._is_own(sender, message):
             return
         if isinstance(message, StepResult):
+            self.timeline.mark_cpu(message.step_id)
             self.timeline.mark("result_in", message.step_id, message.worker_id)
             self.health.on_step_result(message.worker_id)
             if message.error:

@@ -7,10 +7,12 @@ ignore_eos), stop it, read the three processes' timelines and print the median f
 decode step: worker busy (prepare, forward, sample, send) and idle (result to the scheduler,
 the scheduler, plan to the worker), the frontend's part, and the same step in the in-process
 engine (LLMEngine, the same weights, B sequences at a time). Served and offline runs take
-turns (served, offline, then offline, served, ...) and the best of each is compared.
+turns (served, offline, then offline, served, ...) and the best of each is compared;
+`--versus FLAG` adds a second served configuration to the turns (overlap on and off).
 
     python -m tools.bench timeline [--batches 1,4,16] [--turns 1] [--weights fp32]
-    python -m tools.bench timeline --serve-arg=--no-overlap     # any extra server flag
+    python -m tools.bench timeline --versus=--no-overlap --turns 2
+    python -m tools.bench timeline --serve-arg=--cpu-spin=0     # any extra server flag
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ PROG = "python -m tools.bench timeline"
 @dataclass
 class Run:
     tok_s: float
-    step: Breakdown
+    step: Breakdown  # its median full-batch decode step
 
 
 def read_dir(directory: str) -> dict[str, list[Event]]:
@@ -46,7 +48,7 @@ def read_dir(directory: str) -> dict[str, list[Event]]:
     return out
 
 
-def served(args: argparse.Namespace, batch: int) -> Run:
+def served(args: argparse.Namespace, batch: int, flags: list[str]) -> Run:
     bench = ["--workload", "batch", "--ignore-eos", "--num-requests", str(batch * args.rounds),
              "--concurrency", str(batch), "--max-tokens", str(args.max_tokens),
              "--prompt-tokens", str(args.prompt_tokens)]
@@ -54,7 +56,8 @@ def served(args: argparse.Namespace, batch: int) -> Run:
         os.environ[TIMELINE_ENV] = directory
         try:
             with ServedPool("--log-level", "warning", "--model", args.model, "--weights",
-                            args.weights, "--max-seqs", str(max(16, batch)), *args.serve_arg) as pool:
+                            args.weights, "--max-seqs", str(max(16, batch)),
+                            "--ready-timeout-s", "900", *flags) as pool:
                 summary = run_bench(pool.base_url, bench)["summary"]
         finally:
             del os.environ[TIMELINE_ENV]
@@ -92,18 +95,16 @@ def offline(args: argparse.Namespace, batch: int) -> Run:
     return Run(float(done.stdout.strip().splitlines()[-1]), offline_breakdown(events, batch))
 
 
-def report(batch: int, serves: list[Run], offlines: list[Run]) -> float:
-    """Print one batch size's figures; return best served / best offline tok/s."""
-    best_s = max(serves, key=lambda r: r.tok_s)
-    best_o = max(offlines, key=lambda r: r.tok_s)
-    ratio = best_s.tok_s / best_o.tok_s
-    s, o = best_s.step, best_o.step
-    print(f"\n## {batch} stream(s): served {best_s.tok_s:.1f} tok/s, offline {best_o.tok_s:.1f} "
-          f"tok/s -> {ratio:.2f} (runs: served {' / '.join(f'{r.tok_s:.1f}' for r in serves)}; "
-          f"offline {' / '.join(f'{r.tok_s:.1f}' for r in offlines)})")
-    print(f"decode step, median ms ({s.num_steps} served / {o.num_steps} offline steps): "
-          f"period {s.get('period'):.2f} served vs {o.get('period'):.2f} offline "
-          f"({o.get('period') / s.get('period'):.2f})")
+def report_served(name: str, runs: list[Run], offline: Run) -> float:
+    """Print one served configuration's figures against the best offline run; return best
+    served / best offline tok/s."""
+    best = max(runs, key=lambda r: r.tok_s)
+    ratio = best.tok_s / offline.tok_s
+    s, o = best.step, offline.step
+    print(f"{name}: {best.tok_s:.1f} tok/s -> {ratio:.2f} of offline (runs "
+          f"{' / '.join(f'{r.tok_s:.1f}' for r in runs)}); decode step period "
+          f"{s.get('period'):.2f} ms over {s.num_steps} steps ({o.get('period') / s.get('period'):.2f} "
+          f"of offline's)")
     print(f"  worker busy: prepare {s.get('prepare'):.2f} | forward {s.get('forward'):.2f} "
           f"(offline {o.get('forward'):.2f}) | sample {s.get('sample'):.2f} "
           f"(offline {o.get('sample'):.2f}) | send {s.get('send'):.2f}")
@@ -113,7 +114,25 @@ def report(batch: int, serves: list[Run], offlines: list[Run]) -> float:
           f"{s.get('to_worker'):.2f})")
     print(f"  beside the next step: scheduler update + deltas {s.get('update'):.2f} | deltas -> "
           f"frontend {s.get('to_frontend'):.2f} | frontend deltas -> SSE {s.get('frontend'):.2f}")
+    print(f"  CPU ms per step: worker {s.get('cpu_worker'):.2f} | scheduler "
+          f"{s.get('cpu_scheduler'):.2f} | frontend {s.get('cpu_frontend'):.2f}")
     return ratio
+
+
+def run_batch(args: argparse.Namespace, batch: int, configs: dict[str, list[str]]) -> dict[str, float]:
+    """Every configuration and the offline engine in turns (the order reversed each turn);
+    prints the figures and returns each configuration's served / offline ratio."""
+    runs: dict[str, list[Run]] = {name: [] for name in [*configs, "offline"]}
+    for turn in range(args.turns):
+        for name in (list(runs) if turn % 2 == 0 else list(runs)[::-1]):
+            runs[name].append(offline(args, batch) if name == "offline"
+                              else served(args, batch, configs[name]))
+    best = max(runs["offline"], key=lambda r: r.tok_s)
+    print(f"\n## {batch} stream(s): offline {best.tok_s:.1f} tok/s (runs "
+          f"{' / '.join(f'{r.tok_s:.1f}' for r in runs['offline'])}); decode step period "
+          f"{best.step.get('period'):.2f} ms, forward {best.step.get('forward'):.2f}, sample "
+          f"{best.step.get('sample'):.2f} ({best.step.num_steps} steps)")
+    return {name: report_served(name, runs[name], best) for name in configs}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,26 +146,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="requests per stream")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--turns", type=int, default=1, help="turns of (served, offline)")
+    parser.add_argument("--turns", type=int, default=1, help="turns of (served..., offline)")
     parser.add_argument("--serve-arg", action="append", default=[],
                         help="an extra flag for every server (repeat it)")
+    parser.add_argument("--versus", default="",
+                        help="also serve with this flag added, in the same turns (e.g. "
+                             "--versus=--no-overlap): the pair's figures side by side")
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     print(f"load average {os.getloadavg()[0]:.2f}; weights {args.weights}; server flags "
           f"{' '.join(args.serve_arg) or '(defaults)'}")
-    ratios = {}
-    for batch in [int(b) for b in args.batches.split(",")]:
-        serves: list[Run] = []
-        offlines: list[Run] = []
-        for turn in range(args.turns):
-            for kind in (("served", "offline") if turn % 2 == 0 else ("offline", "served")):
-                if kind == "served":
-                    serves.append(served(args, batch))
-                else:
-                    offlines.append(offline(args, batch))
-        ratios[batch] = report(batch, serves, offlines)
-    print("\nserved / offline tok/s: " + ", ".join(f"batch {b}: {r:.2f}" for b, r in ratios.items())
-          + f" (target >= 0.90); load average {os.getloadavg()[0]:.2f}")
+    configs = {"served": list(args.serve_arg)}
+    if args.versus:
+        configs[f"served {args.versus}"] = [*args.serve_arg, args.versus]
+    ratios = {batch: run_batch(args, batch, configs)
+              for batch in [int(b) for b in args.batches.split(",")]}
+    for name in configs:
+        print(f"\n{name} / offline tok/s: " + ", ".join(
+            f"batch {b}: {r[name]:.2f}" for b, r in ratios.items()) + " (target >= 0.90)")
+    print(f"load average {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ the one monotonic clock and splits the worker's step period (plan in -> next pla
 busy part (prepare, forward, sample, send) and its idle wait for the next plan, which is
 itself split into the result's trip to the scheduler, the scheduler, and the plan's trip back
 (with overlap the plan is already waiting: the wait is only its receipt). The frontend's part
-(deltas to the frontend, deltas to SSE text) runs beside the worker's next step.
+(deltas to the frontend, deltas to SSE text) runs beside the worker's next step; each
+process's CPU time per step says what it takes from the worker's cores.
 Owns: that arithmetic. Does not own: the runs (timeline.py) or the events (the processes).
 """
 from __future__ import annotations
@@ -73,6 +74,9 @@ def served_breakdown(worker: list[Event], scheduler: list[Event], frontend: list
             parts["update"].append(s["deltas_out"][step][0] - s["result_in"][step][0])
         if step in s["deltas_out"] and step in f["deltas_in"]:
             parts["to_frontend"].append(f["deltas_in"][step][0] - s["deltas_out"][step][0])
+        for name, table in (("cpu_worker", w), ("cpu_scheduler", s), ("cpu_frontend", f)):
+            if step in table["cpu"] and nxt in table["cpu"]:  # CPU time between two steps
+                parts[name].append(table["cpu"][nxt][1] - table["cpu"][step][1])
     _frontend_parts(frontend, parts)
     num = len(parts["period"])
     return Breakdown(num, {k: _median_ms(v) for k, v in parts.items()}, waiting / num if num else 0.0)
