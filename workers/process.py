@@ -27,6 +27,7 @@ from justapi.config.spec import SpecConfig
 from justapi.launch.child import ChildSpec, StopFlag, report, start_child
 from justapi.launch.shm_pool import available_memory_bytes
 from justapi.model.gguf_file import GGUFFile
+from justapi.ops.timeline import Timeline
 from justapi.wire import transport
 from justapi.wire.ids import HEARTBEAT_INTERVAL_S, heartbeat_identity, worker_identity
 from justapi.wire.protocol import (
@@ -99,6 +100,7 @@ class Worker:
             draft.model.warm_up(sched.max_batched_tokens, sampled_rows)
         self.runner = ModelRunner(self.model, self.pool, make_backend(self.device, block_size),
                                   Sampler(), worker_id=spec.index, draft=draft)
+        self.timeline = self.runner.timeline = Timeline.from_env("worker", spec.index)
         self.copier = BlockCopier(self.pool, spec.index)  # PD: KV hand-offs into our pool
         self.wire = self.link.wire_copies(self.pool, spec.index)  # copies between hosts (Ray)
         self.context = zmq.Context()
@@ -131,7 +133,10 @@ class Worker:
         if isinstance(message, Shutdown):
             self.stop.set()
         elif isinstance(message, StepPlan):
+            self.timeline.mark_cpu(message.step_id)
+            self.timeline.mark("plan_in", message.step_id, message.num_seqs)
             transport.send(self.sock, self.execute(message))
+            self.timeline.mark("result_out", message.step_id)
         elif isinstance(message, CopyBlocks):
             transport.send(self.sock, self.copier.execute(message))
         elif isinstance(message, (ReadBlocks, WriteBlocks)) and self.wire is not None:
@@ -190,6 +195,7 @@ class Worker:
 
     def close(self) -> None:
         self.stop.set()
+        self.timeline.dump()
         if self._beat.is_alive():
             self._beat.join(timeout=2 * HEARTBEAT_INTERVAL_S)
         self.sock.close(0)

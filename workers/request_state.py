@@ -16,3 +16,6 @@ class RequestState:
     params: SamplingParams
     num_prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)  # every token known, position-indexed
+    last_sampled: tuple[int, int] | None = None
+    """(position, token) this worker sampled last: what a placeholder at that position in the
+    next plan stands for (overlap: planned before the scheduler saw the token)."""

@@ -3,7 +3,9 @@
 Keeps per-request state (sampling params, token history for penalties) learned from
 `plan.new_requests` and dropped on `plan.finished_request_ids`. Each chunk's tokens overwrite
 the history at their positions (truncate to the chunk's start, then extend), so a rollback
-after rejected speculative tokens, or a recompute after preemption, leaves it right.
+after rejected speculative tokens, or a recompute after preemption, leaves it right. The last
+token sampled for a request is kept with its position: a PLACEHOLDER_TOKEN at that position in
+a plan made before its result (overlap) stands for it.
 Steps with speculative drafts (or a draft model) go through workers/spec/step.py.
 Owns: that state, turning a plan into tensors, picking logit rows. Does not own: block
 allocation or scheduling (the scheduler), the forward math (model.py), sampling (sampler.py),
@@ -16,7 +18,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from justapi.wire.protocol import StepPlan, StepResult, offsets
+from justapi.ops.timeline import Timeline
+from justapi.wire.protocol import PLACEHOLDER_TOKEN, StepPlan, StepResult, offsets
 from workers.kv.pool import KVPool
 from workers.model.attention import AttentionBackend, AttentionBatch
 from workers.model.forward import DecoderModel
@@ -42,6 +45,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.draft = draft  # speculative decoding's draft model (workers/spec/draft.py), if any
         self.verifier = Verifier(self.sampler)
+        self.timeline = Timeline("worker")  # off; the worker process hands in its own
 
     @property
     def block_size(self) -> int:
@@ -57,6 +61,7 @@ class ModelRunner:
         else:
             result = self._sample(plan, self.forward_logits(plan))  # one logits row per sample
         self.forget(plan.finished_request_ids)
+        self.timeline.mark("sample_end", plan.step_id)
         return result
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> StepResult:
@@ -65,6 +70,8 @@ class ModelRunner:
         ends = plan.start_positions[sampled] + plan.num_tokens[sampled]
         rows = [self._sampling_row(rid, int(end)) for rid, end in zip(ids, ends)]
         out = self.sampler.sample(logits, rows) if rows else SamplerOutput(np.zeros(0, np.int32))
+        for request_id, end, token in zip(ids, ends.tolist(), out.token_ids.tolist()):
+            self.requests[request_id].last_sampled = (end, token)  # a placeholder's meaning
         result = StepResult(step_id=plan.step_id, worker_id=self.worker_id, request_ids=ids,
                             num_sampled=np.ones(len(ids), np.int32), sampled_token_ids=out.token_ids)
         if out.logprobs is None or out.top_ids is None or out.top_logprobs is None:
@@ -77,24 +84,48 @@ class ModelRunner:
         of every sampled sequence i, in plan order: [sum over sampled (1 + drafts), vocab].
         `tree` masks the sequences whose drafts form a token tree."""
         if plan.num_seqs == 0:
-            self._learn(plan)
+            self._learn(plan, plan.token_ids)
             return torch.zeros(0, self.model.params.vocab_size)
-        self._check(plan)
-        self._learn(plan)
+        tokens = self._resolve(plan)
+        self._check(plan, tokens)
+        self._learn(plan, tokens)
         batch = AttentionBatch(plan.start_positions.astype(np.int64), plan.num_tokens.astype(np.int64),
                                plan.num_blocks.astype(np.int64), plan.block_ids, self.block_size,
                                tree)
+        self.timeline.mark("forward_start", plan.step_id, plan.num_seqs)
         with torch.inference_mode():
             meta = self.backend.prepare(batch)
-            token_ids = torch.from_numpy(plan.token_ids.astype(np.int64)).to(self.model.device)
+            token_ids = torch.from_numpy(tokens.astype(np.int64)).to(self.model.device)
             kv_layers = [self.pool.layer(i) for i in range(self.pool.shape.num_layers)]
             hidden = self.model.forward(token_ids, kv_layers, self.backend, meta)
             rows = torch.from_numpy(logit_rows(plan)).to(hidden.device)
-            return self.model.logits(hidden[rows])
+            logits = self.model.logits(hidden[rows])
+        self.timeline.mark("forward_end", plan.step_id, len(plan.token_ids))
+        return logits
 
     # ------------------------------------------------------------------ request state
 
-    def _learn(self, plan: StepPlan) -> None:
+    def _resolve(self, plan: StepPlan) -> np.ndarray:
+        """plan.token_ids with each PLACEHOLDER_TOKEN replaced by the token this worker sampled
+        at that position in the request's previous step (planned before its result)."""
+        tokens = plan.token_ids
+        holes = np.flatnonzero(tokens == PLACEHOLDER_TOKEN)
+        if not len(holes):
+            return tokens
+        tokens = tokens.copy()
+        tok_off = offsets(plan.num_tokens)
+        seqs = np.searchsorted(tok_off, holes, side="right") - 1
+        for hole, seq in zip(holes.tolist(), seqs.tolist()):
+            request_id = plan.request_ids[seq]
+            position = int(plan.start_positions[seq]) + hole - int(tok_off[seq])
+            state = self.requests.get(request_id)
+            if state is None or state.last_sampled is None or state.last_sampled[0] != position:
+                raise ValueError(f"step {plan.step_id}: request {request_id!r} has no sampled "
+                                 f"token at position {position} for its placeholder")
+            tokens[hole] = state.last_sampled[1]
+        return tokens
+
+    def _learn(self, plan: StepPlan, token_ids: np.ndarray) -> None:
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(
                 new.sampling, new.num_prompt_tokens, [int(t) for t in new.token_ids])
@@ -111,7 +142,7 @@ class ModelRunner:
                 raise ValueError(f"request {request_id!r}: chunk starts at position {start} but only "
                                  f"{len(state.token_ids)} tokens are known")
             del state.token_ids[start:]
-            state.token_ids.extend(plan.token_ids[tok_off[i]:tok_off[i + 1]].tolist())
+            state.token_ids.extend(token_ids[tok_off[i]:tok_off[i + 1]].tolist())
 
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -124,14 +155,14 @@ class ModelRunner:
         history = state.token_ids[:position] if state.params.has_penalties else []  # only penalties read it
         return SamplingRow(state.params, np.asarray(history, dtype=np.int64), state.num_prompt_tokens, position)
 
-    def _check(self, plan: StepPlan) -> None:
+    def _check(self, plan: StepPlan, token_ids: np.ndarray) -> None:
         p = self.model.params
         ends = plan.start_positions.astype(np.int64) + plan.num_tokens
         if int(ends.max()) > p.max_context:
             bad = int(np.argmax(ends))
             raise ValueError(f"request {plan.request_ids[bad]!r} reaches position {int(ends[bad]) - 1}, "
                              f"beyond the context length {p.max_context}")
-        if len(plan.token_ids) and (plan.token_ids.min() < 0 or plan.token_ids.max() >= p.vocab_size):
+        if len(token_ids) and (token_ids.min() < 0 or token_ids.max() >= p.vocab_size):
             raise ValueError(f"token id out of range [0, {p.vocab_size}) in step {plan.step_id}")
         if len(plan.block_ids) and (plan.block_ids.min() < 0
                                     or plan.block_ids.max() >= self.pool.shape.num_blocks):

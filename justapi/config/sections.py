@@ -72,6 +72,10 @@ class SchedulerConfig:
                                        "route-balance-rel).")
     route_balance_rel: float = option(1.5, "...and by more than this factor (SGLang's "
                                            "cache-aware balance thresholds).")
+    overlap: bool = option(True, "Plan a worker's next step while its current one runs, so it "
+                                 "starts as soon as that is done (not with speculative decoding, "
+                                 "nor on PD prefill workers); --no-overlap: one step at a time.",
+                           decls=("--overlap/--no-overlap",))
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_prefill", "max_decode", "chunk_size", "max_batched_tokens",
@@ -79,6 +83,7 @@ class SchedulerConfig:
             check_number(getattr(self, name), name.replace("_", "-"), low=1, integer=True)
         check_choice(self.policy, "policy", POLICIES)
         check_bool(self.scheduled, "scheduled")
+        check_bool(self.overlap, "overlap")
         check_number(self.route_balance_rel, "route-balance-rel", low=1.0)
 
 

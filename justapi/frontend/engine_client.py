@@ -17,6 +17,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from justapi.ops.timeline import Timeline
 from justapi.wire import transport
 from justapi.wire.codec import ProtocolError, decode
 from justapi.wire.protocol import (
@@ -95,11 +96,13 @@ class EngineClient:
         self.stats: SchedulerStats | None = None
         self.stats_received_s = 0.0
         self.scheduler_lost = False
+        self.timeline = Timeline.from_env("frontend")
 
     async def start(self) -> None:
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
     async def close(self) -> None:
+        self.timeline.dump()
         if self._reader is not None:
             self._reader.cancel()
         self._to_scheduler.close(0)
@@ -115,6 +118,7 @@ class EngineClient:
         stream = RequestStream(request.request_id, len(request.prompt_token_ids))
         self._streams[request.request_id] = stream
         transport.send(self._to_scheduler, request)
+        self.timeline.mark("submit")
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -152,6 +156,8 @@ class EngineClient:
                 logger.warning("dropped malformed message from scheduler: %s", exc)
                 continue
             if isinstance(message, TokenDeltas):
+                self.timeline.mark_cpu(message.step_id)
+                self.timeline.mark("deltas_in", message.step_id, len(message.request_ids))
                 self._dispatch(message)
             elif isinstance(message, SchedulerStats):
                 self.stats = message

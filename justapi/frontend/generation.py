@@ -83,6 +83,7 @@ class Generation:
                 output = self._process(delta)
                 if output.text or output.token_ids or output.finish_reason:
                     yield output
+                    self._engine.timeline.mark("sse_out", -1, len(output.token_ids))
                 if self.finish_reason:
                     return
         finally:

@@ -38,7 +38,10 @@ class WorkerHealth:
     """The KV pool's state as the worker last reported it."""
     step_id: int = -1
     step_sent_s: float | None = None
-    """When the step in flight was sent; None when the worker is idle."""
+    """When the oldest step in flight could start (sent, or the step before it came back);
+    None when the worker is idle."""
+    later_step_ids: list[int] = field(default_factory=list)
+    """Steps sent after step_id, still in flight (overlap: the next one is sent early)."""
     fatal: str = ""
     """A fatal condition reported since the last verdict (turned unhealthy by newly_unhealthy)."""
     num_restarts: int = 0
@@ -96,14 +99,23 @@ class HealthMonitor:
 
     def on_step_sent(self, worker_id: int, step_id: int, now_s: float | None = None) -> None:
         worker = self.workers.get(worker_id)
-        if worker is not None:
+        if worker is None:
+            return
+        if worker.step_sent_s is None:
             worker.step_id, worker.step_sent_s = step_id, _now(now_s)
+        else:  # queued behind the step in flight: its time starts when that one is back
+            worker.later_step_ids.append(step_id)
 
     def on_progress(self, worker_id: int, now_s: float | None = None) -> None:
-        """A step result came back: the worker is idle and making progress."""
+        """A step result came back: the worker is making progress, and idle unless a step
+        was queued behind it (that one starts now)."""
         worker = self.workers.get(worker_id)
-        if worker is not None:
-            worker.last_progress_s = _now(now_s)
+        if worker is None:
+            return
+        worker.last_progress_s = _now(now_s)
+        if worker.later_step_ids:
+            worker.step_id, worker.step_sent_s = worker.later_step_ids.pop(0), _now(now_s)
+        else:
             worker.step_sent_s = None
 
     def report_fatal(self, worker_id: int, reason: str) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 
 from justapi.config.sections import SchedulerConfig
 from justapi.scheduler.request import Request
-from justapi.wire.protocol import NewRequest, StepPlan
+from justapi.wire.protocol import PLACEHOLDER_TOKEN, NewRequest, StepPlan
 
 
 class StepBatch:
@@ -124,8 +124,9 @@ class StepBatch:
         block_ids = array.array("i")
         for req, start, n, d, needed in zip(self.reqs, self.starts, self.num_tokens,
                                             self.num_drafts, self.num_blocks):
-            if n == 1:
-                token_ids.append(req.token_ids[start])
+            if n == 1:  # a decode; past the known tokens: the token a step in flight samples
+                token_ids.append(req.token_ids[start] if start < len(req.token_ids)
+                                 else PLACEHOLDER_TOKEN)
             else:
                 token_ids.extend(req.token_ids[start:start + n - d])
                 if d:

@@ -13,6 +13,7 @@ from collections import defaultdict
 
 from justapi.scheduler.request import Request, RequestStatus
 from justapi.scheduler.state import SchedulerState
+from justapi.scheduler.worker_state import InFlightStep
 
 
 def check_state(state: SchedulerState) -> None:
@@ -21,13 +22,18 @@ def check_state(state: SchedulerState) -> None:
         cache.check_invariants()
     for queue in state.queues.values():
         queue.check_invariants()
-    in_flight = {r.request_id for w in state.workers.values() if w.in_flight
-                 for r in w.in_flight.reqs} | state.handoffs.in_flight_request_ids()
+    in_flight = {r.request_id for w in state.workers.values() for step in w.in_flight
+                 for r in step.reqs} | state.handoffs.in_flight_request_ids()
     holders: dict[int, set[str]] = defaultdict(set)
     for req in state.requests.values():
         _check_request(state, req, req.request_id in in_flight)
         for block_id in req.block_ids:
             holders[block_id].add(req.request_id)
+    for worker in state.workers.values():  # overlap: duplicates a step in flight may still read
+        _check_steps(worker.in_flight)
+        for step in worker.in_flight:
+            for block_id, holder in step.deferred_blocks:
+                holders[block_id].add(holder)
     for holder, block_ids in state.handoffs.holdings():  # PD copies in flight
         for block_id in block_ids:
             holders[block_id].add(holder)
@@ -57,6 +63,7 @@ def _check_request(state: SchedulerState, req: Request, is_in_flight: bool) -> N
         _check_handoff(state, req)
         return
     assert req.status is RequestStatus.RUNNING, f"{rid}: finished but still tracked"
+    assert not req.is_finishing or is_in_flight, f"{rid}: finishing with no step in flight"
     worker = state.workers[req.worker_id]
     assert worker.is_healthy and worker.running.get(rid) is req and rid in worker.known
     assert state.pool_running[req.pool_id].get(rid) is req and req.queue_entry is None
@@ -67,6 +74,21 @@ def _check_request(state: SchedulerState, req: Request, is_in_flight: bool) -> N
     needed = state.kv.num_blocks_for(req.num_computed_tokens)
     assert len(req.block_ids) >= needed, f"{rid}: {len(req.block_ids)} blocks < {needed} needed"
     _check_cached_path(state, req)
+
+
+def _check_steps(steps: list[InFlightStep]) -> None:
+    """Steps in flight on one worker: in dispatch order; a request is in at most one that has
+    not started (all but the oldest), and the latest step that has it is its last_step_id."""
+    assert [s.step_id for s in steps] == sorted(s.step_id for s in steps)
+    latest: dict[str, int] = {}
+    for step in steps:
+        for req in step.reqs:
+            assert req.request_id not in latest or step is steps[-1], \
+                f"{req.request_id}: in more than two steps in flight"
+            latest[req.request_id] = step.step_id
+    for step in steps:
+        for req in step.reqs:
+            assert req.last_step_id == latest[req.request_id], f"{req.request_id}: last step"
 
 
 def _check_cached_path(state: SchedulerState, req: Request) -> None:

@@ -7,6 +7,9 @@ Continuous (`scheduled=True`), decode-first like vLLM's "running before waiting"
      max_seqs, max_prefill, the token budget and the pool's blocks allow, and while this
      worker runs fewer than its fair share of the pool's requests (running + waiting over
      the pool's healthy workers, rounded up).
+With overlap (overlap.py) the worker's current step is still in flight: its requests join the
+next step when can_plan_ahead allows (a sampled one with a placeholder token), and one that
+cannot get blocks waits for its step to land instead of being preempted.
 Static (`scheduled=False`): when a worker has nothing running it admits a whole batch (each
 request with blocks reserved for its full length, so it is never preempted); no request
 joins until every one of them has finished.
@@ -21,6 +24,7 @@ Owns: those choices. Does not own: the state they change (SchedulerState), budge
 from __future__ import annotations
 
 from justapi.scheduler.batch import StepBatch
+from justapi.scheduler.overlap import can_plan_ahead
 from justapi.scheduler.policy import AdmissionOrder, choose_victim, has_newer_holder
 from justapi.scheduler.request import Request, RequestStatus
 from justapi.scheduler.state import SchedulerState
@@ -58,6 +62,8 @@ class StepPlanner:
         for req in list(worker.running.values()):
             if req.status is not RUNNING:
                 continue  # preempted while this loop ran
+            if req.is_in_flight and not can_plan_ahead(req):
+                continue  # overlap: it waits for its step in flight to land
             num_computed = req.num_computed_tokens
             if num_computed < len(req.token_ids) - 1:
                 prefills.append(req)
@@ -128,6 +134,8 @@ class StepPlanner:
             if victim is not None:
                 self._preempt(victim, batch)
                 continue
+            if req.is_in_flight:  # overlap: never preempted under its running step
+                return False
             if has_newer_holder(req, holders):
                 self._reserve(req)
             else:

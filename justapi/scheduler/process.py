@@ -21,6 +21,7 @@ import zmq
 
 from justapi.health.watch import HealthWatch
 from justapi.launch.child import ChildSpec, StopFlag, report, start_child
+from justapi.ops.timeline import Timeline
 from justapi.scheduler.admin import AdminServer
 from justapi.scheduler.factory import build_scheduler
 from justapi.scheduler.worker_links import open_links
@@ -68,6 +69,7 @@ class SchedulerProcess:
         self.health = HealthWatch(spec.config.ops, hosts=self.links.hosts)
         self.core: Any = None
         self._last_stats_s = 0.0
+        self.timeline = Timeline.from_env("scheduler")
 
     # ---------------------------------------------------------------- start-up
     def wait_for_workers(self, timeout_s: float) -> None:
@@ -86,8 +88,10 @@ class SchedulerProcess:
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> None:
+        mark = self.timeline.mark
         while not self.stop.is_set:
             self.poller.poll(POLL_TIMEOUT_MS)
+            mark("wake")
             for _, message in transport.drain(self.inbox):
                 self._on_frontend(message)
             for sender, message in transport.drain(self.workers, routed=True):
@@ -95,6 +99,7 @@ class SchedulerProcess:
             self._between_steps()
             for worker_id, order in self.core.schedule():  # schedule
                 self._execute(worker_id, order)  # execute: plans and copy orders out
+                mark("plan_out", getattr(order, "step_id", -1), worker_id)
             self._maybe_push_stats()
         self._stop_workers()
 
@@ -129,11 +134,14 @@ class SchedulerProcess:
         if not self._is_own(sender, message):
             return
         if isinstance(message, StepResult):
+            self.timeline.mark_cpu(message.step_id)
+            self.timeline.mark("result_in", message.step_id, message.worker_id)
             self.health.on_step_result(message.worker_id)
             if message.error:
                 logger.error("worker %d step %d failed: %s", message.worker_id, message.step_id,
                              message.error)
             self._send_deltas(self.core.update(message))
+            self.timeline.mark("deltas_out", message.step_id)
         elif isinstance(message, BlocksCopied):  # a KV copy (PD hand-off, import) is in place
             self._send_deltas(self.core.copy_done(message))
         elif isinstance(message, Heartbeat):
@@ -214,6 +222,7 @@ class SchedulerProcess:
                 pass
 
     def close(self) -> None:
+        self.timeline.dump()
         self.health.close()
         self.admin.close()
         self.links.close()

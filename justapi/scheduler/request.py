@@ -9,6 +9,12 @@ verification are all that rule.
                 0                num_prompt    num_tokens   num_tokens + num_draft_tokens
     computed:   [0, num_computed_tokens)  -- KV written at the slots of block_ids
 
+With overlap (overlap.py) a step may be planned while the request's previous step is still
+in flight: num_computed_tokens then counts that step's tokens too, and when it samples the
+request (num_computed_tokens == num_tokens) the next step's input is a placeholder the worker
+fills with what it sampled. A request that finishes while a later step still computes it keeps
+its blocks (is_finishing) until that step lands.
+
 Owns: the per-request fields. Does not own: blocks (BlockPool/KvCacheManager), queues.
 """
 from __future__ import annotations
@@ -38,7 +44,7 @@ class Request:
                  "cache_node", "num_cached_blocks", "num_cached_tokens", "has_reported",
                  "is_in_flight", "is_abort_pending", "finish_reason", "num_preemptions",
                  "queue_entry", "enqueued_step", "draft_parents", "spec_acceptance",
-                 "spec_idle_steps", "spec_propose")
+                 "spec_idle_steps", "spec_propose", "last_step_id", "waits_for_token")
 
     def __init__(self, request_id: str, sampling: SamplingParams, prompt_token_ids: array.array,
                  seq: int, priority: int = 0) -> None:
@@ -65,6 +71,8 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the cache (first admission)
         self.has_reported = False  # a delta was sent (num_cached_tokens goes with the first)
         self.is_in_flight = False  # in a step whose result has not come back
+        self.last_step_id = -1  # the latest step that computes it (overlap: a later one may land last)
+        self.waits_for_token = False  # no step is planned for it before its last token is known
         self.is_abort_pending = False  # aborted while in flight: finish when the result returns
         self.finish_reason = ""
         self.num_preemptions = 0
@@ -103,6 +111,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_finishing(self) -> bool:
+        """Finished (and reported) while a later step still computes it: it keeps its blocks
+        until that step lands, and that step's tokens are dropped."""
+        return bool(self.finish_reason) and self.status is not RequestStatus.FINISHED
 
     def token_bytes(self) -> bytes:
         """int32 bytes of the known tokens (radix tree keys)."""

@@ -6,15 +6,18 @@ ignore_eos) an end-of-generation id -> "stop"; max_tokens reached, or the contex
 An abort that arrived while the request was in flight finishes it here ("abort"), after
 the worker is done writing its blocks. Newly full computed blocks enter the prefix cache
 as soon as the result is back, so concurrent requests with a shared prefix share them.
+With overlap (overlap.py) a request a later step still computes is finished, aborted or
+failed at once but keeps its blocks until that step lands, whose tokens for it are dropped.
 Owns: those rules. Does not own: the step's choice (planner.py) or the message shapes.
 """
 from __future__ import annotations
 
 from justapi.scheduler.deltas import DeltaBuilder
+from justapi.scheduler.overlap import finish_or_hold, land, later_step
 from justapi.scheduler.request import Request
 from justapi.scheduler.spec.tree import follow, max_depth
 from justapi.scheduler.state import SchedulerState
-from justapi.scheduler.worker_state import InFlightStep
+from justapi.scheduler.worker_state import InFlightStep, WorkerState
 from justapi.wire.protocol import (
     FINISH_ABORT,
     FINISH_ERROR,
@@ -32,21 +35,22 @@ class ResultApplier:
     def __init__(self, state: SchedulerState) -> None:
         self.state = state
         self.kv = state.kv
+        self.worker: WorkerState | None = None  # whose result is being applied
 
     def apply(self, result: StepResult) -> TokenDeltas:
         worker = self.state.workers.get(result.worker_id)
         if worker is None:
             raise ValueError(f"StepResult from unknown worker {result.worker_id}")
-        step = worker.in_flight
+        step = worker.in_flight[0] if worker.in_flight else None
         if step is None or step.step_id != result.step_id:
             if result.step_id in worker.discarded_step_ids:  # late answer of an unhealthy worker
                 worker.discarded_step_ids.discard(result.step_id)
                 return DeltaBuilder(result.step_id).build()
             raise ValueError(f"worker {result.worker_id} answered step {result.step_id}, "
                              f"expected {step.step_id if step else 'none'}")
-        worker.in_flight = None
-        for req in step.reqs:
-            req.is_in_flight = False
+        del worker.in_flight[0]
+        land(self.state, step)
+        self.worker = worker
         deltas = DeltaBuilder(result.step_id)
         error = result.error or self._malformed(step, result)
         if error:
@@ -65,12 +69,26 @@ class ResultApplier:
 
     def _fail_step(self, step: InFlightStep, error: str, deltas: DeltaBuilder) -> None:
         for req in step.reqs:
-            if req.is_abort_pending:
+            if req.is_finishing:
+                self._drop(req)
+            elif req.is_abort_pending:
                 self._finish(req, FINISH_ABORT, [], deltas)
             else:
                 self.state.counters.num_errors += 1
-                self.state.finish(req, FINISH_ERROR)
+                finish_or_hold(self.state, req, FINISH_ERROR)
                 deltas.add_error(req, FINISH_ERROR, error)
+
+    def _drop(self, req: Request) -> None:
+        """A finishing request's later step landed: its work is dropped; once no step
+        computes it any more its blocks go."""
+        if not req.is_in_flight:
+            self.state.finish(req, req.finish_reason)
+
+    def _cache(self, req: Request, num_written: int) -> None:
+        """Cache the request's full blocks below num_written (a step in flight may read a
+        duplicate it gives up: released when that step lands)."""
+        later = later_step(self.worker, req)
+        self.kv.cache_computed(req, num_written, later.deferred_blocks if later else None)
 
     def _apply_chunks(self, step: InFlightStep, result: StepResult, deltas: DeltaBuilder) -> None:
         sampled = result.sampled_token_ids.tolist()
@@ -80,16 +98,21 @@ class ResultApplier:
         index = -1  # of the request among the sampled ones
         bs = self.state.block_size
         add_one = deltas.add_one
-        for req, num_drafts, is_sampled in zip(step.reqs, step.num_drafts, step.is_sampled):
+        for req, num_drafts, is_sampled, end in zip(step.reqs, step.num_drafts, step.is_sampled,
+                                                    step.ends):
             if not is_sampled:  # a prefill chunk short of the prompt's end
-                if req.is_abort_pending:
+                if req.is_finishing:
+                    self._drop(req)
+                elif req.is_abort_pending:
                     self._finish(req, FINISH_ABORT, [], deltas)
                 else:
-                    self.kv.cache_computed(req)
+                    self._cache(req, end)
                 continue
             count = next(counts)
             index += 1
-            if req.is_abort_pending:
+            if req.is_finishing:  # finished at an earlier step: this token is never emitted
+                self._drop(req)
+            elif req.is_abort_pending:
                 self._finish(req, FINISH_ABORT, [], deltas)
             elif count == 1 and num_drafts == 0 and not req.draft_token_ids:
                 # The hot path (decode, or a prompt's last chunk): one token, _append inlined.
@@ -101,10 +124,10 @@ class ResultApplier:
                     reason = self._clamp(req, FINISH_STOP)
                 elif len(token_ids) >= req.final_len:
                     reason = self._clamp(req, FINISH_LENGTH)
-                if req.num_computed_tokens // bs > req.num_cached_blocks:
-                    self.kv.cache_computed(req)
+                if end // bs > req.num_cached_blocks:
+                    self._cache(req, end)
                 if reason:
-                    self.state.finish(req, reason)
+                    finish_or_hold(self.state, req, reason)
                 add_one(req, token, reason, position)
             else:
                 self._accept(req, num_drafts, sampled[position:position + count], deltas, position)
@@ -140,7 +163,7 @@ class ResultApplier:
         emitted = tokens[:len(req.token_ids) - num_before]
         self.kv.cache_computed(req)
         if reason:
-            self.state.finish(req, reason)
+            finish_or_hold(self.state, req, reason)
         deltas.add(req, emitted, reason, first_index)
 
     def _append(self, req: Request, tokens: list[int]) -> str:
@@ -164,7 +187,7 @@ class ResultApplier:
     def _finish(self, req: Request, reason: str, tokens: list[int], deltas: DeltaBuilder) -> None:
         if reason == FINISH_ABORT:
             self.state.counters.num_aborted += 1
-        self.state.finish(req, reason)
+        finish_or_hold(self.state, req, reason)
         deltas.add(req, tokens, reason)
 
 

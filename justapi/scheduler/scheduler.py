@@ -3,9 +3,11 @@
     add_request / abort_request  <- frontend     schedule() -> [(worker_id, StepPlan)]
     update(StepResult) -> TokenDeltas            mark_worker_unhealthy(worker_id)
 
-A worker has at most one step in flight; its requests are not rescheduled until the result
-is back, and an abort of an in-flight request is deferred to that result (the worker may
-still be writing its blocks). No clocks, sockets or threads: times arrive in messages.
+A worker has at most one step in flight - two with overlap (overlap.py: the next step is
+planned while the current one runs, a decoding request's next input then being a placeholder
+the worker fills in); a request is in at most one step that has not started. An abort of an
+in-flight request is deferred to its last step's result (the worker may still be writing its
+blocks). No clocks, sockets or threads: times arrive in messages.
 With pools on several hosts (a HostMap passed in) the router weighs prefixes cached on other
 hosts and a request's prefix may be copied in first (cluster/imports.py).
 Owns: the public API and step dispatch. Does not own: step choice (planner.py), results
@@ -26,6 +28,7 @@ from justapi.scheduler.cluster.hosts import HostMap
 from justapi.scheduler.cluster.imports import NoImports, PrefixImports
 from justapi.scheduler.deltas import DeltaBuilder
 from justapi.scheduler.invariants import check_state
+from justapi.scheduler.overlap import OVERLAP_DEPTH, release_deferred
 from justapi.scheduler.planner import StepPlanner
 from justapi.scheduler.policy import sort_key
 from justapi.scheduler.request import Request, RequestStatus
@@ -69,6 +72,7 @@ class Scheduler:
         self.router = Router(self.state, hosts)
         self.imports: PrefixImports | NoImports = (
             NoImports() if hosts is None else PrefixImports(self.state, self.router, hosts))
+        self.depth = OVERLAP_DEPTH if config.overlap and self.state.spec is None else 1
 
     # ------------------------------------------------------------------ frontend side
     def add_request(self, request: SubmitRequest) -> None:
@@ -115,6 +119,8 @@ class Scheduler:
         req = self.state.requests.get(request_id)
         if req is None:
             return None
+        if req.is_finishing:  # its finish is reported; its last step is still out
+            return None
         if req.is_in_flight:
             req.is_abort_pending = True
             return None
@@ -145,17 +151,25 @@ class Scheduler:
 
     # ------------------------------------------------------------------ worker side
     def schedule(self) -> list[tuple[int, WorkerOrder]]:
-        """Plans for every healthy worker with no step in flight that has something to do;
-        the least loaded is planned first, so it takes the next waiting request. Import
-        copies go first (they may go to busy workers: they run after the step)."""
-        idle = sorted((w for w in self.state.workers.values() if w.is_idle),
+        """Plans for every healthy worker with room for a step (none in flight; with overlap,
+        fewer than two) that has something to do; the least loaded is planned first, so it
+        takes the next waiting request. Import copies go first (they may go to busy workers:
+        they run after the step)."""
+        free = sorted((w for w in self.state.workers.values()
+                       if w.is_healthy and len(w.in_flight) < self.depth_of(w)),
                       key=lambda w: (len(w.running), w.worker_id))
         out: list[tuple[int, WorkerOrder]] = list(self.imports.take_orders())
-        for worker in idle:
-            batch = self._plan(worker)
-            if len(batch) or batch.new_requests or worker.pending_drops:
+        for worker in free:
+            while len(worker.in_flight) < self.depth_of(worker):
+                batch = self._plan(worker)
+                if not (len(batch) or batch.new_requests or worker.pending_drops):
+                    break
                 out.append((worker.worker_id, self._dispatch(worker, batch)))
         return out
+
+    def depth_of(self, worker: WorkerState) -> int:
+        """Steps the worker may have in flight (PdScheduler: 1 on prefill workers)."""
+        return self.depth
 
     def _plan(self, worker: WorkerState) -> StepBatch:
         return self.planner.plan(worker)
@@ -166,9 +180,12 @@ class Scheduler:
         plan = batch.build(state.step_id, state.pool.base(worker.pool_id),
                            list(worker.pending_drops))
         worker.pending_drops.clear()
-        for req, start, num_tokens in zip(batch.reqs, batch.starts, batch.num_tokens):
-            req.num_computed_tokens = start + num_tokens
+        step_id = state.step_id
+        ends = [start + num_tokens for start, num_tokens in zip(batch.starts, batch.num_tokens)]
+        for req, end in zip(batch.reqs, ends):
+            req.num_computed_tokens = end
             req.is_in_flight = True
+            req.last_step_id = step_id
         counters = state.counters
         num_tokens = state.config.max_batched_tokens - batch.budget_tokens
         num_prefill = sum(n for n, p in zip(batch.num_tokens, batch.is_prefill) if p)
@@ -179,8 +196,8 @@ class Scheduler:
         worker.num_steps += 1
         worker.num_scheduled_tokens += num_tokens
         sampled = [req.request_id for req, s in zip(batch.reqs, batch.is_sampled) if s]
-        worker.in_flight = InFlightStep(state.step_id, batch.reqs, batch.num_drafts,
-                                        batch.is_sampled, sampled)
+        worker.in_flight.append(InFlightStep(step_id, batch.reqs, batch.num_drafts,
+                                             batch.is_sampled, sampled, ends))
         return plan
 
     def update(self, result: StepResult) -> TokenDeltas:
@@ -210,13 +227,16 @@ class Scheduler:
     def _lose_worker(self, worker: WorkerState, deltas: DeltaBuilder) -> None:
         state = self.state
         worker.is_healthy = False
-        if worker.in_flight is not None:
-            worker.discarded_step_ids.add(worker.in_flight.step_id)
-            for req in worker.in_flight.reqs:
+        for step in worker.in_flight:
+            worker.discarded_step_ids.add(step.step_id)
+            for req in step.reqs:
                 req.is_in_flight = False
-            worker.in_flight = None
+            release_deferred(state, step)
+        worker.in_flight.clear()
         for req in list(worker.running.values()):
-            if req.is_abort_pending:
+            if req.is_finishing:  # reported already
+                state.finish(req, req.finish_reason)
+            elif req.is_abort_pending:
                 state.finish(req, FINISH_ABORT)
                 state.counters.num_aborted += 1
                 deltas.add(req, [], FINISH_ABORT)

@@ -22,7 +22,7 @@ def collect_stats(state: SchedulerState) -> dict[str, float]:
     in_use = sum(pool.num_in_use(p) for p in pool.pool_ids)
     out["num_requests_running"] = sum(len(r) for r in state.pool_running.values())
     out["num_requests_waiting"] = sum(len(q) for q in state.queues.values())
-    out["num_steps_in_flight"] = sum(w.in_flight is not None for w in state.workers.values())
+    out["num_steps_in_flight"] = sum(len(w.in_flight) for w in state.workers.values())
     out["num_workers_healthy"] = sum(w.is_healthy for w in state.workers.values())
     out["kv_usage"] = in_use / num_blocks if num_blocks else 0.0
     out["kv_blocks_total"] = num_blocks
@@ -36,7 +36,7 @@ def collect_stats(state: SchedulerState) -> dict[str, float]:
         prefix = f"worker_{worker.worker_id}_"
         out[prefix + "num_requests_running"] = len(worker.running)
         out[prefix + "is_healthy"] = float(worker.is_healthy)
-        out[prefix + "is_busy"] = float(worker.in_flight is not None)
+        out[prefix + "is_busy"] = float(bool(worker.in_flight))
         out[prefix + "is_draining"] = float(worker.is_draining)
         out[prefix + "num_steps"] = worker.num_steps
         out[prefix + "num_scheduled_tokens"] = worker.num_scheduled_tokens

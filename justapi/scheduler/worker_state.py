@@ -21,6 +21,10 @@ class InFlightStep:
     num_drafts: list[int]
     is_sampled: list[bool]
     sampled_request_ids: list[str]
+    ends: list[int] = field(default_factory=list)  # per chunk: KV is written below this position
+    deferred_blocks: list[tuple[int, str]] = field(default_factory=list)
+    """(block id, holder) released when this step lands: a cached duplicate the request gave
+    up while this step may still read it (overlap.py)."""
 
 
 @dataclass(eq=False)
@@ -29,7 +33,7 @@ class WorkerState:
     pool_id: int
     role: str = ROLE_MIXED  # mixed | prefill | decode (topology.py)
     running: dict[str, Request] = field(default_factory=dict)  # admission order
-    in_flight: InFlightStep | None = None
+    in_flight: list[InFlightStep] = field(default_factory=list)  # oldest first (overlap: 2)
     known: set[str] = field(default_factory=set)  # requests the worker holds state for
     pending_drops: dict[str, None] = field(default_factory=dict)  # for finished_request_ids
     discarded_step_ids: set[int] = field(default_factory=set)  # steps lost to ill health
@@ -40,7 +44,7 @@ class WorkerState:
 
     @property
     def is_idle(self) -> bool:
-        return self.is_healthy and self.in_flight is None
+        return self.is_healthy and not self.in_flight
 
     @property
     def is_accepting(self) -> bool:

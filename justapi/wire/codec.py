@@ -10,6 +10,7 @@ Owns: encoding rules and the type registry. Does not own: sockets (justapi/wire/
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Callable, Sequence, TypeVar, Union
@@ -18,8 +19,9 @@ import numpy as np
 import orjson
 
 _REGISTRY: dict[str, type] = {}
-_FIELD_TYPES: dict[type, dict[str, Any]] = {}
+_FIELD_CHECKS: dict[type, dict[str, tuple[Callable[[Any], bool], Any]]] = {}
 _ALLOWED_DTYPES = {"<i4", "<i8", "<f4", "<f2", "|u1", "|b1", "<u4"}
+_DTYPES = {name: np.dtype(name) for name in _ALLOWED_DTYPES}
 _FRAME_KEY = "__frame__"
 _TYPE_KEY = "__type__"
 MAX_ARRAY_DIMS = 4
@@ -138,16 +140,17 @@ def _decode_dataclass(value: dict, buffers: list[memoryview], used: set[int], de
 def _check_field_types(cls: type, kwargs: dict[str, Any]) -> None:
     """A peer could send any JSON value for any field: refuse one of the wrong type here, so
     no process ever works on a str where an int or an array belongs."""
-    hints = _FIELD_TYPES.get(cls)
-    if hints is None:
+    checks = _FIELD_CHECKS.get(cls)
+    if checks is None:
         try:
             hints = typing.get_type_hints(cls)
         except (NameError, TypeError):  # an annotation we cannot resolve: the class checks it
             hints = {}
-        _FIELD_TYPES[cls] = hints
+        checks = _FIELD_CHECKS[cls] = {name: (_make_check(hint), hint)
+                                       for name, hint in hints.items()}
     for name, value in kwargs.items():
-        hint = hints.get(name, Any)
-        if not _has_type(value, hint):
+        check, hint = checks.get(name, (_accept, Any))
+        if not check(value):
             raise ProtocolError(f"{cls.__name__}.{name} must be {_type_name(hint)}, got "
                                 f"{type(value).__name__}")
 
@@ -155,28 +158,42 @@ def _check_field_types(cls: type, kwargs: dict[str, Any]) -> None:
 def _has_type(value: Any, hint: Any) -> bool:
     """isinstance for the annotations messages use: int, float, str, bool, np.ndarray,
     dataclasses, X | None, list[X], tuple[X, ...], dict[K, V]; anything else is accepted."""
+    return _make_check(hint)(value)
+
+
+def _accept(value: Any) -> bool:
+    return True
+
+
+def _make_check(hint: Any) -> Callable[[Any], bool]:
+    """_has_type's test for one annotation, worked out once per message field."""
     if hint is Any:
-        return True
+        return _accept
     origin = typing.get_origin(hint)
     if origin is Union or origin is types.UnionType:
-        return any(_has_type(value, arg) for arg in typing.get_args(hint))
+        options = [_make_check(arg) for arg in typing.get_args(hint)]
+        return lambda value: any(check(value) for check in options)
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return lambda value: isinstance(value, int) and not isinstance(value, bool)
     if origin in (list, tuple, set, frozenset):  # all travel as JSON arrays
         args = [a for a in typing.get_args(hint) if a is not Ellipsis]
-        return isinstance(value, list) and (
-            len(set(args)) != 1 or all(_has_type(v, args[0]) for v in value))
+        if len(set(args)) != 1:
+            return lambda value: isinstance(value, list)
+        item = _make_check(args[0])
+        return lambda value: isinstance(value, list) and all(item(v) for v in value)
     if origin is dict:
         key_value = typing.get_args(hint)
-        return isinstance(value, dict) and (
-            len(key_value) != 2 or all(_has_type(v, key_value[1]) for v in value.values()))
+        if len(key_value) != 2:
+            return lambda value: isinstance(value, dict)
+        entry = _make_check(key_value[1])
+        return lambda value: isinstance(value, dict) and all(entry(v) for v in value.values())
     if hint in (list, tuple):
-        return isinstance(value, list)
+        return lambda value: isinstance(value, list)
     if isinstance(hint, type):
-        return isinstance(value, hint)
-    return True  # Literal, TypeVar...: left to the class's own checks
+        return lambda value: isinstance(value, hint)
+    return _accept  # Literal, TypeVar...: left to the class's own checks
 
 
 def _type_name(hint: Any) -> str:
@@ -187,13 +204,13 @@ def _decode_array(ref: dict, buffers: list[memoryview], used: set[int]) -> np.nd
     index, dtype, shape = ref.get(_FRAME_KEY), ref.get("dtype"), ref.get("shape")
     if not isinstance(index, int) or not 1 <= index < len(buffers) or index in used:
         raise ProtocolError(f"bad array frame index {index!r}")
-    if dtype not in _ALLOWED_DTYPES:
+    np_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else None
+    if np_dtype is None:
         raise ProtocolError(f"array dtype {dtype!r} not allowed")
     if (not isinstance(shape, list) or len(shape) > MAX_ARRAY_DIMS
             or not all(isinstance(d, int) and d >= 0 for d in shape)):
         raise ProtocolError(f"bad array shape {shape!r}")
-    np_dtype = np.dtype(dtype)
-    expected = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
+    expected = math.prod(shape) * np_dtype.itemsize
     buffer = buffers[index]
     if buffer.nbytes != expected:
         raise ProtocolError(f"array frame has {buffer.nbytes} bytes, shape {shape} needs {expected}")

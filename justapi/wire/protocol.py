@@ -14,6 +14,9 @@ import numpy as np
 from justapi.sampling import SamplingParams
 from justapi.wire.codec import ProtocolError, register
 
+PLACEHOLDER_TOKEN = -1
+"""In StepPlan.token_ids (overlap): the token the worker sampled at this position in the
+request's previous step, which the scheduler has not seen yet."""
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 _EMPTY_F32 = np.zeros(0, dtype=np.float32)
 
@@ -74,6 +77,8 @@ class StepPlan:
     parents precede children; empty means every sequence's drafts are a chain. num_propose[i]
     asks the worker's draft model for up to that many tokens for the request's next step
     (empty: none); the block table then also covers those look-ahead positions.
+    A token id PLACEHOLDER_TOKEN (-1) stands for the token the worker itself sampled at that
+    position in the request's previous step (overlap: planned before that step's result).
 
         token_ids: | seq 0 chunk | seq 1 (decode: 1 token) | seq 2 chunk ... |
         block_ids: | seq 0 table ........ | seq 1 table | seq 2 table ...... |

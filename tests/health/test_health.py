@@ -71,6 +71,21 @@ def test_a_step_that_returns_in_time_is_not_hung():
     assert monitor.table(20.0)[0]["step_age_s"] == 0.0
 
 
+def test_a_step_queued_behind_another_is_timed_from_when_that_one_returns():
+    """Overlap sends step 2 while step 1 runs: step 2's clock starts when step 1 is back, so
+    a step 2 that hangs is caught, and one that does not is not."""
+    monitor = HealthMonitor(step_timeout_s=10.0)
+    monitor.add_worker(0, pool_id=0, now_s=0.0)
+    monitor.on_step_sent(0, step_id=1, now_s=0.0)
+    monitor.on_step_sent(0, step_id=2, now_s=0.0)
+    monitor.on_progress(0, now_s=8.0)  # step 1 back; step 2 starts
+    monitor.on_heartbeat(Heartbeat(worker_id=0, time_s=0.0), now_s=17.0)
+    assert monitor.newly_unhealthy(17.0) == [] and monitor.table(17.0)[0]["step_age_s"] == 9.0
+    monitor.on_heartbeat(Heartbeat(worker_id=0, time_s=0.0), now_s=18.5)
+    (worker_id, reason), = monitor.newly_unhealthy(18.5)
+    assert worker_id == 0 and reason.startswith("step 2 in flight for 10s (hung")
+
+
 def test_first_fatal_report_wins_and_a_rejoin_starts_a_fresh_row():
     monitor = HealthMonitor()
     monitor.add_worker(0, pool_id=0, now_s=0.0, pid=100, device="cuda:0")

@@ -20,7 +20,7 @@ from justapi.scheduler.sim.harness import Harness
 from justapi.scheduler.sim.simulation import Simulation
 from justapi.scheduler.sim.trace import TraceRequest, TraceSpec, generate_trace
 from justapi.scheduler.topology import ModelLimits, Topology
-from justapi.wire.protocol import CopyBlocks, PoolInfo, Ready
+from justapi.wire.protocol import CopyBlocks, PoolInfo, Ready, StepPlan
 
 V = 64
 EOS = (1,)
@@ -54,8 +54,9 @@ def random_trace(rng: random.Random, num_requests: int, max_prompt: int) -> list
 
 def build_pd(config: dict, block_size: int, pool_blocks: int, layout: tuple[int, int, bool],
              prefix_cache: bool = True, lease_s: float = 30.0) -> PdScheduler:
+    """overlap (decode workers plan ahead) only when the config asks for it."""
     topology = Topology.pd(pool_blocks, *layout)
-    return PdScheduler(SchedulerConfig(**config),
+    return PdScheduler(SchedulerConfig(**{"overlap": False, **config}),
                        CacheConfig(block_size=block_size, enable_prefix_cache=prefix_cache),
                        topology, ModelLimits(4096, EOS), lease_s=lease_s)
 
@@ -78,14 +79,15 @@ def check_no_leak(sched: Scheduler) -> None:
     sched.check_invariants()
 
 
-@pytest.mark.parametrize("seed", range(120))
-def test_random_traces_match_the_reference(seed):
+@pytest.mark.parametrize("seed, overlap", [(s, False) for s in range(120)]
+                         + [(s, True) for s in range(1000, 1040)])
+def test_random_traces_match_the_reference(seed, overlap):
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     max_prompt = rng.choice([8, 24, 48])
     pool_blocks = math.ceil((max_prompt + 20) / block_size) + rng.choice([0, 1, 4, 16, 200])
-    sched = build_pd(random_config(rng), block_size, pool_blocks, rng.choice(LAYOUTS),
-                     prefix_cache=rng.random() < 0.8)
+    sched = build_pd({**random_config(rng), "overlap": overlap}, block_size, pool_blocks,
+                     rng.choice(LAYOUTS), prefix_cache=rng.random() < 0.8)
     result = Simulation(sched, vocab_size=V, check_invariants=True).run(
         random_trace(rng, rng.randint(4, 18), max_prompt))
     cap = min(4096, pool_blocks * block_size)
@@ -127,7 +129,8 @@ def test_same_outputs_as_the_colocated_scheduler(seed):
 
 # ---------------------------------------------------------------------- chaos
 class Chaos:
-    """Drives a PdScheduler by hand: plans and copies complete in random order, workers die
+    """Drives a PdScheduler by hand: plans and copies complete in random order (a worker's
+    plans in the order it got them: with overlap it may have two), workers die
     (their orders are lost: a dead worker writes nothing) and come back, aborts, a clock that
     lets leases lapse. At least one worker stays alive."""
 
@@ -156,7 +159,12 @@ class Chaos:
         elif roll < 0.04 and self.sched.state.requests:
             self.h.abort(rng.choice(sorted(self.sched.state.requests)))
         elif self.pending and roll < 0.65:
-            worker_id, order = self.pending.pop(rng.randrange(len(self.pending)))
+            index = rng.randrange(len(self.pending))
+            worker_id, order = self.pending[index]
+            if isinstance(order, StepPlan):  # its worker's oldest plan
+                index = next(i for i, (w, o) in enumerate(self.pending)
+                             if w == worker_id and isinstance(o, StepPlan))
+            worker_id, order = self.pending.pop(index)
             self.h.complete(worker_id, order)  # type: ignore[arg-type]
         else:
             self.now_s += rng.choice([0.1, 1.0, 5.0])
@@ -187,14 +195,15 @@ class Chaos:
             self.sched.add_worker(Ready(worker_id, 1, "fake", V, 4096, info))
 
 
-@pytest.mark.parametrize("seed", range(60))
-def test_chaos_loses_nothing_and_leaks_nothing(seed):
+@pytest.mark.parametrize("seed, overlap", [(s, False) for s in range(60)]
+                         + [(s, True) for s in range(500, 520)])
+def test_chaos_loses_nothing_and_leaks_nothing(seed, overlap):
     rng = random.Random(7000 + seed)
     block_size = rng.choice([2, 4])
     max_prompt = rng.choice([8, 24])
     pool_blocks = math.ceil((max_prompt + 20) / block_size) + rng.choice([1, 4, 64])
-    sched = build_pd(random_config(rng), block_size, pool_blocks, rng.choice(LAYOUTS),
-                     lease_s=rng.choice([3.0, 30.0, 1e9]))
+    sched = build_pd({**random_config(rng), "overlap": overlap}, block_size, pool_blocks,
+                     rng.choice(LAYOUTS), lease_s=rng.choice([3.0, 30.0, 1e9]))
     chaos = Chaos(rng, sched)
     prompts: dict[str, tuple[list[int], int, bool]] = {}
     for i, item in enumerate(random_trace(rng, rng.randint(4, 14), max_prompt)):

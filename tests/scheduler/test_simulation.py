@@ -55,9 +55,11 @@ def random_trace(rng: random.Random, num_requests: int, max_prompt: int) -> list
 
 def build(config: dict, block_size: int, pool_blocks: int, num_workers: int, shared: bool,
           prefix_cache: bool = True, max_context: int = 4096) -> Scheduler:
+    """One step in flight per worker unless the config asks for overlap."""
     topology = (Topology.shared_pool(pool_blocks, num_workers) if shared
                 else Topology.pool_per_worker(pool_blocks, num_workers))
-    return Scheduler(SchedulerConfig(**config), CacheConfig(block_size=block_size,
+    return Scheduler(SchedulerConfig(**{"overlap": False, **config}),
+                     CacheConfig(block_size=block_size,
                                                             enable_prefix_cache=prefix_cache),
                      topology, ModelLimits(max_context, EOS))
 
@@ -87,16 +89,17 @@ def check_no_leak(sched: Scheduler) -> None:
     sched.check_invariants()
 
 
-@pytest.mark.parametrize("seed", range(240))
-def test_random_traces(seed):
+@pytest.mark.parametrize("seed, overlap", [(s, False) for s in range(240)]
+                         + [(s, True) for s in range(2000, 2060)])
+def test_random_traces(seed, overlap):
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     max_prompt = rng.choice([8, 24, 48])
     # Tiny pools force preemption: just enough for the longest request, or a little more.
     pool_blocks = math.ceil((max_prompt + 24) / block_size) + rng.choice([0, 1, 4, 16, 200])
     num_workers, shared = rng.choice([(1, True), (2, True), (3, True), (2, False)])
-    sched = build(random_config(rng), block_size, pool_blocks, num_workers, shared,
-                  prefix_cache=rng.random() < 0.8)
+    sched = build({**random_config(rng), "overlap": overlap}, block_size, pool_blocks,
+                  num_workers, shared, prefix_cache=rng.random() < 0.8)
     result = Simulation(sched, vocab_size=V, check_invariants=True).run(
         random_trace(rng, rng.randint(4, 18), max_prompt))
     check_result(sched, result)
@@ -122,6 +125,10 @@ def test_outputs_do_not_depend_on_how_requests_are_scheduled(seed):
         (dict(max_prefill=1, policy="lpm"), 8, 16, 3, True, True),
         (dict(max_decode=2, policy="priority"), 4, 20, 2, False, False),
         (dict(scheduled=False, max_seqs=5), 4, 64, 2, True, True),
+        (dict(overlap=True), 16, 512, 1, True, True),  # the next step planned while one runs
+        (dict(overlap=True, chunk_size=7, max_seqs=3), 2, 34, 1, True, True),
+        (dict(overlap=True, max_prefill=1, policy="lpm"), 8, 16, 3, True, True),
+        (dict(overlap=True, scheduled=False, max_seqs=5), 4, 64, 2, True, True),
     ]
     outputs = []
     for config, block_size, pool_blocks, workers, shared, cache in layouts:

@@ -13,7 +13,8 @@ import torch
 
 from justapi.model.gguf_file import GGUFFile
 from justapi.sampling import SamplingParams
-from justapi.wire.protocol import NewRequest, StepPlan
+from justapi.wire.protocol import PLACEHOLDER_TOKEN, NewRequest, StepPlan
+from workers.engine import LLMEngine
 from workers.kv.pool import KVPool, PoolShape
 from workers.model.attention import TorchCpuBackend, make_backend
 from workers.model.forward import DecoderModel
@@ -90,6 +91,59 @@ def test_chunked_prefill_samples_what_one_chunk_samples(model):
     runner.execute(StepPlan.build(1, [("a", 0, prompt[:10], blocks(0), False)], [new("a", prompt, GREEDY)]))
     two = runner.execute(StepPlan.build(2, [("a", 10, prompt[10:], blocks(0), True)]))
     assert one.sampled_token_ids.tolist() == two.sampled_token_ids.tolist()
+
+
+# ------------------------------------------------------------------------------ overlap
+
+
+def test_a_placeholder_is_the_token_sampled_at_its_position(model):
+    """A plan made before the last step's result names the token it sampled by a placeholder;
+    resolved in the runner, the step is the one with the token written out, beside a chunk of
+    another request."""
+    prompt, other = [5, 6, 7], list(range(20, 29))
+    first = StepPlan.build(1, [("a", 0, prompt, blocks(0), True)], [new("a", prompt, GREEDY)])
+    runner, reference = make_runner(model), make_runner(model)
+    token = int(runner.execute(first).sampled_token_ids[0])
+    reference.execute(first)
+    ahead = StepPlan.build(2, [("b", 0, other, blocks(16), True), ("a", 3, [PLACEHOLDER_TOKEN], blocks(0), True)],
+                           [new("b", other, GREEDY)])
+    spelled = StepPlan.build(2, [("b", 0, other, blocks(16), True), ("a", 3, [token], blocks(0), True)],
+                             [new("b", other, GREEDY)])
+    got, want = runner.execute(ahead), reference.execute(spelled)
+    assert got.sampled_token_ids.tolist() == want.sampled_token_ids.tolist()
+    assert runner.requests["a"].token_ids == prompt + [token]
+    assert runner.requests["a"].last_sampled == (4, int(got.sampled_token_ids[1]))
+
+
+@pytest.mark.parametrize("start", [4, 6])
+def test_a_placeholder_without_its_sampled_token_is_refused(model, start):
+    runner = make_runner(model)
+    runner.execute(StepPlan.build(1, [("a", 0, [5, 6, 7, 8], blocks(0), False)],
+                                  [new("a", [5, 6, 7, 8], GREEDY)]))  # nothing sampled yet
+    if start == 6:  # sampled at position 5, not 6
+        runner.execute(StepPlan.build(2, [("a", 4, [9], blocks(0), True)]))
+    with pytest.raises(ValueError, match=f"no sampled token at position {start}"):
+        runner.execute(StepPlan.build(3, [("a", start, [PLACEHOLDER_TOKEN], blocks(0), True)]))
+
+
+def test_engine_outputs_are_the_same_with_overlap(tiny_gguf):
+    """The real core planning ahead (placeholders, stops at N with N+1 computed) over the real
+    runner: the same greedy tokens and finish reasons as one step at a time."""
+    engine = LLMEngine(tiny_gguf(layers=2, type="Q8_0", context=64), block_size=4,
+                       num_blocks=64, max_seqs=2, progress=False)
+    prompts = [[3 + (i * 7 + j) % 90 for j in range(5 + 3 * i)] for i in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(3)]
+    plain = engine.generate(prompts, params)
+    stop = plain[2].token_ids[3]  # request 2 stops at its 4th token (or earlier: a repeat)
+    params[2] = dataclasses.replace(params[2], stop_token_ids=[stop])
+    plain = engine.generate(prompts, params)
+    engine.limits = dataclasses.replace(engine.limits, overlap=True)
+    ahead = engine.generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason) for o in ahead] == \
+        [(o.token_ids, o.finish_reason) for o in plain]
+    assert plain[2].finish_reason == "stop" and plain[2].token_ids[-1] == stop
+    assert engine.loop is not None and engine.loop.core.depth == 2
+    engine.close()
 
 
 @pytest.mark.parametrize("plan,new_requests,needle", [

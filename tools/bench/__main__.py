@@ -23,6 +23,7 @@ SCENARIOS = {
     "cross-host": "KV hand-off between network namespaces (--launcher ray; needs root)",
     "soak": "many requests with disconnects and aborts; nothing may leak",
     "tokenizer": "tokenizer, detokenizer and chat template speed",
+    "timeline": "where a served step's time goes (per-process timelines); serving vs offline",
 }
 USAGE = "usage: python -m tools.bench SCENARIO [flags]   (python -m tools.bench SCENARIO --help)"
 

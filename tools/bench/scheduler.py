@@ -47,7 +47,8 @@ def loaded_scheduler(args: argparse.Namespace, num_workers: int) -> Scheduler:
     rng = random.Random(0)
     per_worker = args.running // num_workers
     config = SchedulerConfig(max_seqs=per_worker, max_decode=per_worker, max_prefill=4,
-                             chunk_size=512, max_batched_tokens=per_worker + 2048)
+                             chunk_size=512, max_batched_tokens=per_worker + 2048,
+                             overlap=False)  # a round: one step per worker, planned and applied
     blocks_per_req = -(-(args.prompt_len + 400) // args.block_size)
     sched = Scheduler(config, CacheConfig(block_size=args.block_size),
                       Topology.shared_pool(args.running * blocks_per_req * 2, num_workers),

@@ -103,12 +103,17 @@ class KvCacheManager:
         return self.pool.allocate(pool_id, num_blocks, holder)
 
     # ------------------------------------------------------------------ caching / release
-    def cache_computed(self, req: Request) -> None:
-        """Insert the request's newly full computed blocks into its pool's tree.
+    def cache_computed(self, req: Request, num_written: int | None = None,
+                       deferred: list[tuple[int, str]] | None = None) -> None:
+        """Insert the request's newly full computed blocks into its pool's tree: those below
+        num_written (default num_computed_tokens; with overlap a step in flight has not
+        written its positions yet).
 
         Where another request cached the same block first, adopt the cached block and free
-        our duplicate (same tokens at the same positions after the same prefix = same KV)."""
-        full = req.num_computed_tokens // self.block_size
+        our duplicate (same tokens at the same positions after the same prefix = same KV) -
+        or, with `deferred`, hand it to that list (a step in flight may still read it)."""
+        written = req.num_computed_tokens if num_written is None else num_written
+        full = written // self.block_size
         if not self.enable_prefix_cache or full <= req.num_cached_blocks:
             return
         start = req.num_cached_blocks
@@ -120,7 +125,10 @@ class KvCacheManager:
             own_id = req.block_ids[index]
             if own_id != cached_id:
                 self.pool.acquire(cached_id, rid)
-                self.pool.release((own_id,), rid)
+                if deferred is None:
+                    self.pool.release((own_id,), rid)
+                else:
+                    deferred.append((own_id, rid))
                 req.block_ids[index] = cached_id
         req.cache_node = insertion.node
         req.num_cached_blocks = full

@@ -59,6 +59,10 @@ class PdScheduler(Scheduler):
         orders: list[tuple[int, WorkerOrder]] = list(self.handoff.order_copies())
         return orders + super().schedule()
 
+    def depth_of(self, worker: WorkerState) -> int:
+        """No overlap on prefill workers: a computed prompt is handed off, not decoded there."""
+        return 1 if worker.role == ROLE_PREFILL else self.depth
+
     def _plan(self, worker: WorkerState) -> StepBatch:
         batch = super()._plan(worker)
         if worker.role == ROLE_DECODE:
@@ -67,7 +71,7 @@ class PdScheduler(Scheduler):
 
     def update(self, result: StepResult) -> TokenDeltas:
         worker = self.state.workers.get(result.worker_id)
-        step = worker.in_flight if worker is not None else None
+        step = worker.in_flight[0] if worker is not None and worker.in_flight else None
         deltas = super().update(result)
         if worker is not None and step is not None and step.step_id == result.step_id \
                 and worker.role == ROLE_PREFILL:

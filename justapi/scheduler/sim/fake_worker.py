@@ -9,8 +9,8 @@ chunk's KV entries and, for sampled chunks, reads every position back through th
 drafts, then one corrected/bonus token; a token tree is walked from its root, the accepted
 path written at the positions of its tokens, as the real worker moves its KV). A `proposer`
 stands in for a draft model: asked for num_propose tokens, it returns a token tree that goes
-back in the StepResult. PD copy orders copy slots between stores. Any violation raises
-FakeWorkerError.
+back in the StepResult. PD copy orders copy slots between stores. A PLACEHOLDER_TOKEN (overlap) must name a position
+whose token this worker sampled. Any violation raises FakeWorkerError.
 Owns: the fake worker's request memory. Does not own: the model function (fake_model).
 """
 from __future__ import annotations
@@ -22,7 +22,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from justapi.scheduler.sim.fake_model import SEED_HASH, FakeKvStore, mix, next_token
-from justapi.wire.protocol import BlocksCopied, CopyBlocks, StepPlan, StepResult, offsets
+from justapi.wire.protocol import (
+    PLACEHOLDER_TOKEN,
+    BlocksCopied,
+    CopyBlocks,
+    StepPlan,
+    StepResult,
+    offsets,
+)
 
 
 class FakeWorkerError(AssertionError):
@@ -75,10 +82,11 @@ class FakeWorker:
         proposals: list[tuple[list[int], list[int]]] = []
         for i, rid in enumerate(plan.request_ids):
             parents = plan.parents_of(i).tolist() if len(plan.draft_parents) and drafts[i] else None
-            chunk = Chunk(rid, int(plan.start_positions[i]),
-                          plan.token_ids[tok_off[i]:tok_off[i + 1]].astype(np.int64),
-                          int(drafts[i]), plan.block_ids[blk_off[i]:blk_off[i + 1]],
-                          parents, int(propose[i]))
+            start = int(plan.start_positions[i])
+            chunk_tokens = self._resolve(plan.step_id, rid, start,
+                                         plan.token_ids[tok_off[i]:tok_off[i + 1]].astype(np.int64))
+            chunk = Chunk(rid, start, chunk_tokens, int(drafts[i]),
+                          plan.block_ids[blk_off[i]:blk_off[i + 1]], parents, int(propose[i]))
             self._check_chunk(plan.step_id, chunk)
             if parents is None:
                 self._write(chunk.start, chunk.tokens, chunk.table)
@@ -91,6 +99,17 @@ class FakeWorker:
                 proposals.append(self._propose(chunk))
         result = self._result(plan.step_id, sampled_ids, counts, tokens)
         return _with_proposals(result, proposals) if any(p[0] for p in proposals) else result
+
+    def _resolve(self, step_id: int, rid: str, start: int, tokens: np.ndarray) -> np.ndarray:
+        """Placeholders -> the tokens this worker sampled at those positions."""
+        holes = np.flatnonzero(tokens == PLACEHOLDER_TOKEN)
+        known = self.requests.get(rid, [])
+        for hole in holes.tolist():
+            if start + hole >= len(known):
+                raise FakeWorkerError(f"step {step_id}: {rid!r} placeholder at position "
+                                      f"{start + hole} names no sampled token")
+            tokens[hole] = known[start + hole]
+        return tokens
 
     def _check_chunk(self, step_id: int, c: Chunk) -> None:
         rid, start, chunk, num_drafts, table = c.request_id, c.start, c.tokens, c.num_drafts, c.table

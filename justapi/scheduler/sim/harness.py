@@ -120,7 +120,8 @@ class Harness:
 
 def build_scheduler(pool_blocks: int = 64, num_workers: int = 1, shared_pool: bool = True,
                     **options: object) -> Scheduler:
-    """A Scheduler with small, test-friendly defaults (block_size 4, max_context 1024, EOS 1).
+    """A Scheduler with small, test-friendly defaults (block_size 4, max_context 1024, EOS 1,
+    one step in flight per worker: overlap=True plans the next while one runs).
 
     `options` go to CacheConfig, ModelLimits, SchedulerConfig or SpecConfig by field name."""
     topology = (Topology.shared_pool(pool_blocks, num_workers) if shared_pool
@@ -142,7 +143,7 @@ def build_pd_scheduler(pool_blocks: int = 64, num_prefill: int = 1, num_decode: 
 def _sections(topology: Topology, options: dict[str, object]) -> tuple[object, ...]:
     sections: dict[type, dict[str, object]] = {
         CacheConfig: {"block_size": 4}, ModelLimits: {"max_context": 1024, "eos_token_ids": (1,)},
-        SchedulerConfig: {}}
+        SchedulerConfig: {"overlap": False}}
     for name, value in options.items():
         owner = next((cls for cls in sections if name in {f.name for f in dataclasses.fields(cls)}),
                      None)

@@ -1,9 +1,9 @@
 """Replays a trace through the real Scheduler with fake workers on a modelled clock.
 
-Event loop: at time t, submit arrivals and due aborts, ask schedule() for plans, execute
-each on its FakeWorker at once and deliver its result at t + cost(plan) (a PD copy order is
-done at t + copy cost); jump to the next event (arrival, abort, step or copy completion) and
-repeat. The scheduler's clock (tick) is the modelled time. Records per-request queue time,
+Event loop: at time t, submit arrivals and due aborts, ask schedule() for plans, and deliver
+each one's result (executed on its FakeWorker then) at its start + cost(plan): a step starts
+at t, or when the worker's earlier step is done (overlap); a PD copy order is done at t + copy
+cost. Jump to the next event (arrival, abort, step or copy completion) and repeat. The scheduler's clock (tick) is the modelled time. Records per-request queue time,
 TTFT and TPOT in modelled seconds and in steps (plans dispatched so far, all workers).
 Owns: the event loop and the records. Does not own: scheduling (Scheduler), checks of
 plans (FakeWorker), the cost formula (StepCostModel).
@@ -51,6 +51,7 @@ class Simulation:
         self.workers = {w.worker_id: FakeWorker(w.worker_id, stores[w.pool_id], self.vocab_size)
                         for w in state.workers.values()}
         self.now_s = 0.0
+        self._busy_until: dict[int, float] = {}  # a worker runs its steps one after the other
         self._completions: list[tuple[float, int, int, StepPlan | CopyBlocks]] = []
         self._aborts: list[tuple[float, str]] = []
         self._result = SimResult()
@@ -123,7 +124,8 @@ class Simulation:
                 result.records[new.request_id].scheduled(self.now_s, result.num_steps)
             if self.record_plans:
                 result.plans.append(PlanRecord.of(worker_id, plan, self.now_s))
-            done_s = self.now_s + self.cost.step_time_s(plan)
+            done_s = max(self.now_s, self._busy_until.get(worker_id, 0.0)) + self.cost.step_time_s(plan)
+            self._busy_until[worker_id] = done_s
             heapq.heappush(self._completions, (done_s, plan.step_id, worker_id, plan))
         self._after_change()
 
