@@ -16,6 +16,7 @@ from justapi.wire.codec import ProtocolError, register
 
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 _EMPTY_F32 = np.zeros(0, dtype=np.float32)
+_EMPTY_MASK = np.zeros((0, 0), dtype=np.int32)
 
 
 def _i32(values: object) -> np.ndarray:
@@ -37,6 +38,17 @@ def _check_parents(parents: np.ndarray, counts: np.ndarray, name: str) -> None:
     index = np.arange(len(parents)) - np.repeat(off[:-1], counts)  # draft index within its sequence
     if np.any(parents < -1) or np.any(parents >= index):
         raise ProtocolError(f"{name}: a parent must be -1 or an earlier draft of the same sequence")
+
+
+def _check_bitmask(rows: np.ndarray, bitmask: np.ndarray, sample_flags: np.ndarray,
+                   draft_counts: np.ndarray) -> None:
+    """One mask row per listed logits row, each listed row inside the step's logits rows."""
+    if bitmask.ndim != 2 or bitmask.dtype != np.int32 or bitmask.shape[0] != len(rows):
+        raise ProtocolError(f"StepPlan.token_bitmask must be int32 [{len(rows)}, words], got "
+                            f"{bitmask.dtype} {list(bitmask.shape)}")
+    num_rows = int(np.sum(1 + draft_counts[np.asarray(sample_flags, dtype=bool)]))
+    if len(rows) and (int(np.min(rows)) < 0 or int(np.max(rows)) >= num_rows):
+        raise ProtocolError(f"StepPlan.bitmask_rows must lie in [0, {num_rows})")
 
 
 # --------------------------------------------------------------------------------------
@@ -74,6 +86,10 @@ class StepPlan:
     parents precede children; empty means every sequence's drafts are a chain. num_propose[i]
     asks the worker's draft model for up to that many tokens for the request's next step
     (empty: none); the block table then also covers those look-ahead positions.
+    Structured outputs: token_bitmask row r allows the tokens whose bits are set (bit b of
+    word w = token 32 w + b; tokens past the last word are disallowed) at logits row
+    bitmask_rows[r], counted over the sampled sequences' 1 + num_draft_tokens[i] rows in plan
+    order (justapi/structured/masks.py); rows not listed are free.
 
         token_ids: | seq 0 chunk | seq 1 (decode: 1 token) | seq 2 chunk ... |
         block_ids: | seq 0 table ........ | seq 1 table | seq 2 table ...... |
@@ -92,6 +108,8 @@ class StepPlan:
     finished_request_ids: list[str] = field(default_factory=list)
     draft_parents: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum(drafts)] or []
     num_propose: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [num_seqs] or []
+    bitmask_rows: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [rows]
+    token_bitmask: np.ndarray = field(default_factory=lambda: _EMPTY_MASK)  # int32 [rows, words]
 
     def __post_init__(self) -> None:
         num_seqs = len(self.request_ids)
@@ -111,6 +129,9 @@ class StepPlan:
             raise ProtocolError("StepPlan.num_propose must be empty or one per sequence")
         if len(self.draft_parents):
             _check_parents(self.draft_parents, self.draft_counts, "StepPlan.draft_parents")
+        if len(self.bitmask_rows) or len(self.token_bitmask):
+            _check_bitmask(self.bitmask_rows, self.token_bitmask, self.sample_flags,
+                           self.draft_counts)
 
     @property
     def num_seqs(self) -> int:
