@@ -20,7 +20,7 @@ from justapi.frontend.openai_models import ChatCompletionRequest, ChatMessage
 from justapi.frontend.prompts import Prompt
 from justapi.frontend.serving import Serving
 from justapi.frontend.sse import stream_choices
-from justapi.frontend.tools.parser import ParsedDelta, ToolCallParser
+from justapi.frontend.tools.parser import FINISH_TOOL_CALLS, ToolReply, parse_reply
 from justapi.frontend.tools.render import chat_inputs
 from justapi.frontend.tools.request import (
     ToolPlan,
@@ -30,8 +30,6 @@ from justapi.frontend.tools.request import (
 )
 from justapi.sampling import MAX_TOP_LOGPROBS
 from justapi.wire.protocol import FINISH_STOP
-
-FINISH_TOOL_CALLS = "tool_calls"
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -112,7 +110,7 @@ class ChatChunks:
         self._logprobs = logprobs
         """top_logprobs width; None: the request asked for no logprobs."""
         self._plan = plan
-        self._parsers: dict[int, ToolCallParser] = {}
+        self._replies: dict[int, ToolReply] = {}
 
     def opening(self, index: int) -> dict | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""},
@@ -123,44 +121,34 @@ class ChatChunks:
             return {"index": index, "delta": {"content": output.text} if output.text else {},
                     "logprobs": self.logprobs(output),
                     "finish_reason": output.finish_reason or None}
-        parser = self._parsers.setdefault(index, ToolCallParser(self._plan.tool_format))
-        parsed = parser.feed(output.text)
-        if output.finish_reason:
-            tail = parser.finish()
-            parsed = ParsedDelta(parsed.content + tail.content, parsed.tool_calls + tail.tool_calls)
+        reply = self._replies.setdefault(index, ToolReply(self._plan.tool_format))
+        parsed = reply.add(output.text, output.finish_reason)
         delta: dict = {"content": parsed.content} if parsed.content else {}
         if parsed.tool_calls:
             delta["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
         if not (delta or output.logprobs or output.finish_reason):
             return None  # text held back (a possible call's start)
         return {"index": index, "delta": delta, "logprobs": self.logprobs(output),
-                "finish_reason": _finish_reason(output.finish_reason, parser)}
+                "finish_reason": reply.finish_reason(output.finish_reason) or None}
 
     def choice(self, index: int, output: GenerationOutput) -> dict:
         """One whole choice of a full response."""
         message: dict = {"role": "assistant", "content": output.text}
-        finish_reason = output.finish_reason or None
+        finish_reason = output.finish_reason
         if self._plan is not None:
-            parser = ToolCallParser(self._plan.tool_format)
-            content = parser.feed(output.text).content + parser.finish().content
-            if parser.calls and not parser.is_malformed:
-                message = {"role": "assistant", "content": content or None,
-                           "tool_calls": [call.to_openai() for call in parser.calls]}
-                finish_reason = _finish_reason(output.finish_reason, parser)
+            content, calls = parse_reply(self._plan.tool_format, output.text)
+            if calls:
+                message = {"role": "assistant", "content": content,
+                           "tool_calls": [call.to_openai() for call in calls]}
+                finish_reason = FINISH_TOOL_CALLS if finish_reason == FINISH_STOP \
+                    else finish_reason
         return {"index": index, "message": message, "logprobs": self.logprobs(output),
-                "finish_reason": finish_reason}
+                "finish_reason": finish_reason or None}
 
     def logprobs(self, output: GenerationOutput) -> dict | None:
         if self._logprobs is None:
             return None
         return chat_logprobs(self._serving, output.logprobs, self._logprobs)
-
-
-def _finish_reason(reason: str, parser: ToolCallParser) -> str | None:
-    """"tool_calls" for a reply that called and ended by itself (OpenAI's)."""
-    if reason == FINISH_STOP and parser.calls and not parser.is_malformed:
-        return FINISH_TOOL_CALLS
-    return reason or None
 
 
 def chat_logprobs(serving: Serving, entries: list[TokenLogprob], top_n: int) -> dict:

@@ -382,6 +382,10 @@ class SubmitGeneration:
     """Sampling fields the client left out: the frontend gives them the server's defaults (as
     for an HTTP request that omits them); `sampling` carries the others as set. Empty (a client
     that sent a whole SamplingParams, or one older than this field): `sampling` as sent."""
+    tool_options: str = ""
+    """With `messages`: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` as one JSON
+    object's text (JSON Schemas nest deeper than the codec allows a message to); "" for none.
+    The chunks then carry the calls in `tool_calls`."""
 
 
 @register("AbortGeneration")
@@ -416,6 +420,10 @@ class GenerationChunk:
     top_logprob_ids: np.ndarray | None = None  # int32 [num_new_tokens, n]
     top_logprobs: np.ndarray | None = None  # float32 [num_new_tokens, n]
     error: str | None = None
+    tool_calls: list = field(default_factory=list)
+    """A request with tool_options: tool call deltas in OpenAI's streaming shape ({index, id,
+    type, function: {name, arguments}} opens a call, {index, function: {arguments}} extends
+    it); `text` is then the reply's content without the calls."""
 
 
 @register("StatsReport")

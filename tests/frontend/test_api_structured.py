@@ -11,8 +11,11 @@ import openai
 import pydantic
 import pytest
 
+from justapi.client import AsyncClient, GenerationError, assemble_tool_calls
 from justapi.frontend.openai_models import ChatCompletionChunk, ChatCompletionResponse
+from justapi.sampling import StructuredOutput
 from justapi.wire.protocol import SubmitRequest
+from tests.frontend.test_client_unit import zmq_stack
 from tests.support.api_stack import MODEL, run, serving_stack, sse_events, tokenizer
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -250,4 +253,50 @@ def test_tools_and_an_output_constraint_together_are_400():
                 "messages": CHAT, "tools": [WEATHER_TOOL], "regex": "a", "tool_choice": "none",
                 "max_tokens": 2})
             assert none.status_code == 200  # no calls asked: the regex is the one constraint
+    run(scenario)
+
+
+def test_zmq_client_constraints_and_tool_calls():
+    schema = StructuredOutput("json_schema", SCHEMA_TEXT)
+
+    async def use(endpoint):
+        async with AsyncClient(endpoint) as client:
+            constrained = await client.complete("hi", max_tokens=4, structured=schema)
+            chunks = [c async for c in client.generate(
+                messages=CHAT, tools=[WEATHER_TOOL, CLOCK_TOOL], tool_choice="required",
+                max_tokens=200)]
+            completion = await client.complete(messages=CHAT, tools=[WEATHER_TOOL],
+                                               tool_choice="auto", max_tokens=200)
+            refusals = []
+            for options in ({"structured": StructuredOutput("regex", "(?=a)")},
+                            {"messages": CHAT, "tools": [WEATHER_TOOL],
+                             "structured": schema},
+                            {"messages": CHAT, "tool_choice": {"type": "function",
+                                                               "function": {"name": "nope"}},
+                             "tools": [WEATHER_TOOL]}):
+                prompt = None if "messages" in options else "hi"
+                with pytest.raises(GenerationError) as info:
+                    await client.complete(prompt, max_tokens=4, **options)
+                refusals.append(str(info.value))
+        return constrained, chunks, completion, refusals
+
+    async def scenario():
+        async with zmq_stack(_call_script, max_context=1024) as (stack, server):
+            constrained, chunks, completion, refusals = await use(server.endpoint)
+            assert stack.fake.submitted[0].sampling.structured == schema
+            assert constrained.finish_reason == "length"
+            calls = assemble_tool_calls(d for c in chunks for d in c.tool_calls)
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+                ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+            assert chunks[-1].finish_reason == "tool_calls"
+            assert "".join(c.text for c in chunks) == ""
+            assert stack.fake.submitted[1].sampling.structured.kind == "lark"
+            assert completion.finish_reason == "tool_calls" and completion.text == ""
+            assert [c["function"]["name"] for c in completion.tool_calls] == [
+                "get_weather", "get_time"]
+            assert completion.tool_calls[0]["id"].startswith("call_")
+            assert "look-around" in refusals[0]
+            assert "one output constraint" in refusals[1]
+            assert "nope" in refusals[2]
+            assert len(stack.fake.submitted) == 3  # the refused ones never ran
     run(scenario)

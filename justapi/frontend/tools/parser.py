@@ -19,8 +19,11 @@ from enum import Enum
 
 from justapi.frontend.tools.formats import ToolFormat, split_pieces
 from justapi.frontend.tools.json_scan import WHITESPACE, MalformedJson, ObjectScanner
+from justapi.wire.protocol import FINISH_STOP
 
 ARGUMENT_KEYS = ("arguments", "parameters")
+FINISH_TOOL_CALLS = "tool_calls"
+"""OpenAI's finish_reason of a reply that called tools and ended by itself."""
 _ID_ALPHABET = string.ascii_letters + string.digits
 
 
@@ -297,3 +300,34 @@ def _call_arguments(values: dict[str, str]) -> str:
     if raw.startswith('"'):
         return _string_value(raw) or ""
     return raw
+
+
+class ToolReply:
+    """One choice's reply as it streams: each output's text -> its content and tool call
+    deltas; and the finish reason the reply ends with."""
+
+    def __init__(self, tool_format: ToolFormat) -> None:
+        self.parser = ToolCallParser(tool_format)
+
+    def add(self, text: str, finish_reason: str = "") -> ParsedDelta:
+        parsed = self.parser.feed(text)
+        if finish_reason:
+            tail = self.parser.finish()
+            parsed = ParsedDelta(parsed.content + tail.content, parsed.tool_calls + tail.tool_calls)
+        return parsed
+
+    def finish_reason(self, reason: str) -> str:
+        """"tool_calls" for a reply that called and ended by itself (stop), else `reason`."""
+        parser = self.parser
+        return FINISH_TOOL_CALLS if reason == FINISH_STOP and parser.calls \
+            and not parser.is_malformed else reason
+
+
+def parse_reply(tool_format: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
+    """A whole reply -> (content, calls): content None when the reply is calls only; a reply
+    whose calls do not parse is all content."""
+    parser = ToolCallParser(tool_format)
+    content = parser.feed(text).content + parser.finish().content
+    if not parser.calls or parser.is_malformed:
+        return text, []
+    return content or None, parser.calls
