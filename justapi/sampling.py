@@ -49,7 +49,7 @@ class StructuredOutput:
     spec: str = ""
     """json_schema: the schema as JSON text; json_object: "" (any JSON object); regex: the
     pattern (Rust regex syntax, matched against the whole output); choice: a JSON list of the
-    allowed strings; lark: llguidance's Lark dialect (%json{...}, [lazy] rules, special tokens
+    allowed strings; lark: llguidance's Lark dialect (%json <schema>, [lazy] rules, special tokens
     as <|name|>); gbnf: a GBNF (llama.cpp) or EBNF grammar, converted to Lark (Lark passes)."""
     whitespace: str = "spaced"
     """JSON kinds only: one of JSON_WHITESPACE. A schema's own "x-guidance" options (llguidance's

@@ -38,8 +38,11 @@ def fill_masks(executor: llg.LLExecutor, items: Sequence[MaskItem], num_words: i
     counting rows of this array."""
     num_rows = sum(1 + len(item.drafts) for item in items)
     out = np.zeros((num_rows, num_words), dtype=np.int32)
+    plain = [(item.grammar.live, item.first_row) for item in items if not item.drafts]
+    if plain:
+        lnp.fill_next_token_bitmask_par(executor, plain, out)
     chains = [(item.grammar.live, item.first_row, [int(t) for t in item.drafts])
-              for item in items if not item.parents]
+              for item in items if item.drafts and not item.parents]
     if chains:
         lnp.fill_next_token_bitmask_par_with_draft_tokens(executor, chains, out)
     for item in items:
