@@ -188,6 +188,8 @@ class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None
+    """With messages: rendered as for a chat request that may call them."""
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     """Default: True for a prompt (BOS as the model asks), False for messages (the

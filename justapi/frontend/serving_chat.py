@@ -16,7 +16,7 @@ from justapi.frontend.choices import OutputRules, collect_choices, start_choices
 from justapi.frontend.constraints import request_constraint
 from justapi.frontend.errors import ApiError
 from justapi.frontend.generation import GenerationOutput, TokenLogprob
-from justapi.frontend.openai_models import ChatCompletionRequest, ChatMessage
+from justapi.frontend.openai_models import ChatCompletionRequest, ChatMessage, ToolDefinition
 from justapi.frontend.prompts import Prompt
 from justapi.frontend.serving import Serving
 from justapi.frontend.sse import stream_choices
@@ -58,7 +58,8 @@ async def create_chat_completion(serving: Serving, request: ChatCompletionReques
     logprobs = check_supported(request)
     plan = tool_plan(request, serving.tool_format)
     output_rules = chat_output_rules(serving, request, plan)
-    prompt = chat_prompt(serving, request, plan)
+    prompt = chat_prompt(serving, request.messages, request.tools, request.add_generation_prompt,
+                         describe_tools=plan is not None)
     param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
     requested = request.max_completion_tokens if request.max_completion_tokens is not None \
         else request.max_tokens
@@ -93,12 +94,14 @@ def chat_output_rules(serving: Serving, request: ChatCompletionRequest,
                        show_special_tokens=trigger_id is not None)
 
 
-def chat_prompt(serving: Serving, request: ChatCompletionRequest, plan: ToolPlan | None) -> Prompt:
-    """The messages (and tools) through the chat template, tool calls as its model writes them."""
-    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
-    messages, template_tools = chat_inputs(message_dicts(request.messages), tools,
-                                           serving.tool_format, describe_tools=plan is not None)
-    return serving.prompts.chat_prompt(messages, request.add_generation_prompt, template_tools)
+def chat_prompt(serving: Serving, messages: list[ChatMessage], tools: list[ToolDefinition] | None,
+                add_generation_prompt: bool, *, describe_tools: bool) -> Prompt:
+    """The messages (and tools) through the chat template, tool calls as its model writes them
+    (describe_tools: calls may be made, so a template that knows no tools is told of them)."""
+    tool_dicts = [tool.model_dump(exclude_none=True) for tool in tools or []]
+    inputs, template_tools = chat_inputs(message_dicts(messages), tool_dicts, serving.tool_format,
+                                         describe_tools)
+    return serving.prompts.chat_prompt(inputs, add_generation_prompt, template_tools)
 
 
 class ChatChunks:

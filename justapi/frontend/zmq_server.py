@@ -160,7 +160,9 @@ class ZmqServer:
         request = _chat_request(submit)
         plan = tool_plan(request, self._serving.tool_format)
         output = chat_output_rules(self._serving, request, plan)
-        return chat_prompt(self._serving, request, plan).token_ids, plan, output
+        prompt = chat_prompt(self._serving, request.messages, request.tools,
+                             request.add_generation_prompt, describe_tools=plan is not None)
+        return prompt.token_ids, plan, output
 
     async def _pump(self, key: SessionKey, generation: Generation,
                     reply: ToolReply | None) -> None:

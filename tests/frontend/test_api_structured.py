@@ -138,6 +138,9 @@ def test_tools_constrain_render_and_answer_with_tool_calls():
             prompt = tokenizer().decode(submitted.prompt_token_ids.tolist(),
                                         skip_special_tokens=False)
             assert "You can call the following tools:" in prompt and "Current weather" in prompt
+            tokenized = await stack.http.post("/tokenize", json={"messages": CHAT,
+                                                                 "tools": body["tools"]})
+            assert tokenized.json()["tokens"] == submitted.prompt_token_ids.tolist()
             auto = await stack.http.post("/v1/chat/completions", json={
                 **body, "tool_choice": "auto", "parallel_tool_calls": False})
             assert "tc_trigger[lazy]" in stack.fake.submitted[-1].sampling.structured.spec
