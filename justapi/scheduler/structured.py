@@ -62,17 +62,16 @@ class StructuredOutputs:
     def take_compiled(self, timeout_s: float = 0.0) -> list[tuple[Request, str]]:
         """Requests whose compile finished (waiting up to timeout_s for one), each with why it
         cannot run ("" when its matcher is ready)."""
-        if timeout_s > 0 and self.pending and not any(r.grammar.is_compiled  # type: ignore[union-attr]
-                                                      for r in self.pending.values()):
-            wait([r.grammar.future for r in self.pending.values()],  # type: ignore[union-attr]
-                 timeout=timeout_s, return_when=FIRST_COMPLETED)
-        done = [r for r in self.pending.values() if r.grammar.is_compiled]  # type: ignore[union-attr]
+        grammars = {rid: _grammar_of(req) for rid, req in self.pending.items()}
+        if timeout_s > 0 and grammars and not any(g.is_compiled for g in grammars.values()):
+            wait([g.future for g in grammars.values()], timeout=timeout_s,
+                 return_when=FIRST_COMPLETED)
         out = []
-        for req in done:
-            del self.pending[req.request_id]
-            error = req.grammar.start()  # type: ignore[union-attr]
-            self.num_failed += bool(error)
-            out.append((req, error))
+        for rid, grammar in grammars.items():
+            if grammar.is_compiled:
+                error = grammar.start()
+                self.num_failed += bool(error)
+                out.append((self.pending.pop(rid), error))
         return out
 
     def drop(self, request_id: str) -> Request | None:
@@ -112,7 +111,8 @@ class StructuredOutputs:
     def masks(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray] | None:
         """(bitmask_rows, token_bitmask) for the batch's constrained sampled sequences, or
         None when it has none (StepPlan's layout, justapi/structured/masks.py)."""
-        items, rows = [], []
+        items: list[MaskItem] = []
+        rows: list[int] = []
         logits_row = mask_row = 0
         for req, num_drafts, is_sampled in zip(batch.reqs, batch.num_drafts, batch.is_sampled):
             if not is_sampled:
@@ -145,3 +145,8 @@ class StructuredOutputs:
             "structured_mask_seconds": self.mask_seconds,
         })
         return out
+
+
+def _grammar_of(req: Request) -> RequestGrammar:
+    assert req.grammar is not None, f"{req.request_id} has no grammar"
+    return req.grammar
