@@ -138,16 +138,18 @@ def test_regex_and_choice_hold(pool):
     assert all(text in choices and reason == "stop" for text, reason in texts[4:])
 
 
-def test_required_tool_calls_parse_and_validate(pool):
+def test_tool_calls_parse_and_validate(pool):
     bodies = [{"messages": ASK_WEATHER, "tools": [WEATHER, TIME], "tool_choice": choice,
                "parallel_tool_calls": False, "max_tokens": MAX_TOKENS, "temperature": 0.8,
                "seed": seed}
               for seed, choice in enumerate(["required", "required",
                                              {"type": "function",
                                               "function": {"name": "get_time"}}])]
+    bodies.append({**bodies[0], "tool_choice": "auto", "parallel_tool_calls": True,
+                   "max_tokens": 32})
     replies = _all(pool, "/v1/chat/completions", bodies)
     schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, TIME)}
-    for reply in replies:
+    for reply in replies[:3]:
         choice = reply["choices"][0]
         if choice["finish_reason"] == "length":
             continue
@@ -156,6 +158,11 @@ def test_required_tool_calls_parse_and_validate(pool):
         jsonschema.validate(json.loads(call["function"]["arguments"]),
                             schemas[call["function"]["name"]])
     assert replies[2]["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+    auto = replies[3]["choices"][0]  # text, or calls that validate
+    for call in auto["message"].get("tool_calls") or []:
+        jsonschema.validate(json.loads(call["function"]["arguments"]),
+                            schemas[call["function"]["name"]])
+    assert auto["message"].get("tool_calls") or auto["message"]["content"]
 
 
 def test_streamed_tool_call_assembles_into_the_same_call(pool):
