@@ -50,14 +50,6 @@ def check(constraint: Constraint) -> None:
         raise ApiError(f"{constraint.param}: {exc}", param=constraint.param) from None
 
 
-def one_constraint(first: Constraint | None, second: Constraint | None) -> Constraint | None:
-    """Tool calls and an output constraint may not be asked together."""
-    if first is not None and second is not None:
-        raise ApiError(f"a request takes one output constraint; got {first.param} and "
-                       f"{second.param}", param=second.param)
-    return first or second
-
-
 def _constraints(request: OutputConstraintFields) -> Iterator[Constraint]:
     yield from _response_format(request)
     if request.structured_outputs is not None:

@@ -16,7 +16,6 @@ from justapi.frontend.errors import ApiError
 from justapi.frontend.text.tokenizer import Tokenizer
 
 
-
 class ChatRenderer(Protocol):
     """The chat template: messages (and tools) -> prompt text; ValueError for bad messages."""
 

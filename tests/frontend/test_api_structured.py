@@ -130,10 +130,12 @@ def test_tools_constrain_render_and_answer_with_tool_calls():
             assert [(c["type"], c["function"]["name"], c["function"]["arguments"]) for c in calls] \
                 == [("function", "get_weather", '{"city": "Paris"}'),
                     ("function", "get_time", "{}")]
-            assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+            assert all(c["id"].startswith("call_") for c in calls)
+            assert calls[0]["id"] != calls[1]["id"]
             submitted = stack.fake.submitted[-1]
             structured = submitted.sampling.structured
-            assert structured.kind == "lark" and '"get_time\\", \\"arguments\\": "' in structured.spec
+            assert structured.kind == "lark"
+            assert '"get_time\\", \\"arguments\\": "' in structured.spec
             assert "TEXT" not in structured.spec  # required: no free text
             prompt = tokenizer().decode(submitted.prompt_token_ids.tolist(),
                                         skip_special_tokens=False)
@@ -146,7 +148,8 @@ def test_tools_constrain_render_and_answer_with_tool_calls():
             assert "tc_trigger[lazy]" in stack.fake.submitted[-1].sampling.structured.spec
             assert "tc_call)*" not in stack.fake.submitted[-1].sampling.structured.spec
             assert auto.json()["choices"][0]["finish_reason"] == "tool_calls"
-            none = await stack.http.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
+            none = await stack.http.post("/v1/chat/completions",
+                                         json={**body, "tool_choice": "none"})
             assert none.json()["choices"][0]["message"] == {"role": "assistant",
                                                             "content": CALL_TEXT}
             assert stack.fake.submitted[-1].sampling.structured is None

@@ -102,7 +102,7 @@ def test_arguments_stream_as_the_model_writes_them():
 def test_key_order_and_string_arguments_are_tolerated():
     text = '{"tool_calls": [{"arguments": {"city": "Oslo"}, "name": "get_weather"}, ' \
            '{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}, {"name": "get_time"}]}'
-    content, calls, is_malformed, streamed = _parse(GENERIC, text, [2] * 200)
+    _, calls, is_malformed, streamed = _parse(GENERIC, text, [2] * 200)
     assert not is_malformed and streamed == calls
     assert [c["function"]["arguments"] for c in calls] == ['{"city": "Oslo"}', '{"tz": "UTC"}',
                                                            "{}"]
