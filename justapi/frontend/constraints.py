@@ -72,12 +72,12 @@ def _response_format(request: OutputConstraintFields) -> Iterator[Constraint]:
     response_format = request.response_format
     if response_format is None or response_format.type == "text":
         return
-    if response_format.type == "json_object":
-        yield _make("json_object", "", "response_format")
+    if response_format.schema_ is not None:  # llama-server's {"type": ..., "schema": {...}}
+        yield _json_schema(response_format.schema_, "response_format.schema")
         return
     schema = response_format.json_schema.schema_ if response_format.json_schema else None
-    if schema is None:
-        yield _make("json_object", "", "response_format.json_schema")
+    if response_format.type == "json_object" or schema is None:
+        yield _make("json_object", "", "response_format")
     else:
         yield _json_schema(schema, "response_format.json_schema.schema")
 

@@ -39,6 +39,8 @@ class JsonSchemaFormat(RequestModel):
 class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    """llama-server's spelling: the schema beside the type (json_object or json_schema)."""
 
 
 class StructuredOutputs(RequestModel):

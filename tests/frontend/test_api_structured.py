@@ -35,6 +35,9 @@ MAPPINGS = [
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "city", "schema": SCHEMA, "strict": True}}}, ("json_schema", SCHEMA_TEXT)),
     ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object", "schema": SCHEMA}},  # llama-server
+     ("json_schema", SCHEMA_TEXT)),
+    ({"response_format": {"type": "json_schema", "schema": SCHEMA}}, ("json_schema", SCHEMA_TEXT)),
     ({"structured_outputs": {"json": SCHEMA}}, ("json_schema", SCHEMA_TEXT)),
     ({"structured_outputs": {"json": SCHEMA_TEXT}}, ("json_schema", SCHEMA_TEXT)),
     ({"structured_outputs": {"regex": "[0-9]{3}"}}, ("regex", "[0-9]{3}")),
