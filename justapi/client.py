@@ -9,9 +9,10 @@ detokenization or stop strings (the frontend does them).
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -32,6 +33,8 @@ from justapi.wire.protocol import (
 )
 
 DEFAULT_STATS_TIMEOUT_S = 10.0
+TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls")
+"""Keyword options of a chat generation that go to the frontend as OpenAI's tool fields."""
 READER_YIELD_EVERY = 64
 
 
@@ -47,6 +50,9 @@ class Completion:
     num_cached_tokens: int
     logprobs: list[float] = field(default_factory=list)
     error: str | None = None
+    tool_calls: list[dict] = field(default_factory=list)
+    """With tools: the calls, as OpenAI's message.tool_calls ({id, type, function: {name,
+    arguments}}); finish_reason is then "tool_calls"."""
 
 
 class GenerationError(RuntimeError):
@@ -61,6 +67,7 @@ def make_submit(prompt: str | Sequence[int] | None, messages: list[dict] | None,
     request_id = options.pop("request_id", None) or uuid.uuid4().hex
     stop = options.pop("stop", None) or []
     add_special_tokens = options.pop("add_special_tokens", True)
+    tools = {name: options.pop(name) for name in TOOL_OPTIONS if name in options}
     unset: list[str] = []
     if sampling is None:
         sampling = SamplingParams(**options)
@@ -78,7 +85,8 @@ def make_submit(prompt: str | Sequence[int] | None, messages: list[dict] | None,
     return SubmitGeneration(client_request_id=request_id, sampling=sampling, prompt=text,
                             prompt_token_ids=token_ids, messages=list(messages or []),
                             stop=[stop] if isinstance(stop, str) else list(stop),
-                            add_special_tokens=add_special_tokens, unset_sampling=unset)
+                            add_special_tokens=add_special_tokens, unset_sampling=unset,
+                            tool_options=json.dumps(tools) if tools else "")
 
 
 def gather(request_id: str, chunks: Sequence[GenerationChunk]) -> Completion:
@@ -93,7 +101,22 @@ def gather(request_id: str, chunks: Sequence[GenerationChunk]) -> Completion:
                       token_ids=token_ids, finish_reason=last.finish_reason,
                       num_prompt_tokens=max(c.num_prompt_tokens for c in chunks),
                       num_cached_tokens=max(c.num_cached_tokens for c in chunks),
-                      logprobs=logprobs, error=last.error)
+                      logprobs=logprobs, error=last.error,
+                      tool_calls=assemble_tool_calls(d for c in chunks for d in c.tool_calls))
+
+
+def assemble_tool_calls(deltas: Iterable[dict]) -> list[dict]:
+    """OpenAI's streamed tool call deltas -> whole calls ({id, type, function: {name,
+    arguments}}), in index order."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        function = delta.get("function", {})
+        call = calls.setdefault(delta["index"], {"id": "", "type": "function",
+                                                 "function": {"name": "", "arguments": ""}})
+        call["id"] = delta.get("id") or call["id"]
+        call["function"]["name"] = function.get("name") or call["function"]["name"]
+        call["function"]["arguments"] += function.get("arguments", "")
+    return [calls[index] for index in sorted(calls)]
 
 
 def _dealer(context: zmq.Context, endpoint: str, server_public_key: bytes | None) -> zmq.Socket:
@@ -147,8 +170,9 @@ class Client:
                  messages: list[dict] | None = None, sampling: SamplingParams | None = None,
                  **options: Any) -> Stream:
         """Start a generation; iterate the result for chunks (the last has finish_reason).
-        Options: stop, add_special_tokens, request_id, and SamplingParams fields (those
-        left out take the server's defaults)."""
+        Options: stop, add_special_tokens, request_id, SamplingParams fields (those left
+        out take the server's defaults; `structured` constrains the output), and with
+        messages OpenAI's tools, tool_choice and parallel_tool_calls."""
         submit = make_submit(prompt, messages, sampling, options)
         request_id = submit.client_request_id
         if request_id in self._pending:

@@ -27,6 +27,53 @@ BUILTIN_SAMPLING_DEFAULTS: dict[str, float] = {
 """llama-server's defaults: what a request that leaves a field out gets when neither the
 server's config nor the model's GGUF names one. The fields listed here are the defaulted ones."""
 SOURCE_CONFIG, SOURCE_GGUF, SOURCE_BUILTIN = "config", "gguf", "builtin"
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "lark", "gbnf")
+"""What a StructuredOutput's spec is (see StructuredOutput.spec)."""
+JSON_WHITESPACE = ("spaced", "compact", "flexible")
+"""Whitespace a JSON constraint allows: `{"a": 1, "b": [1, 2]}` (spaced: one line, the separators
+of json.dumps), `{"a":1,"b":[1,2]}` (compact), or between tokens either nothing, one space, or
+one or two newlines and at most 20 spaces/tabs (flexible: llama.cpp's bound)."""
+MAX_STRUCTURED_SPEC_CHARS = 1 << 20
+"""Longest schema / grammar text a request may carry."""
+
+
+@register("StructuredOutput")
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output's text (structured outputs), checked structurally here; the
+    grammar itself is checked by justapi.structured.check_structured (the frontend's job) and
+    compiled in the scheduler (justapi/structured/). Docs: docs/structured-outputs.md."""
+
+    kind: str
+    """One of STRUCTURED_KINDS."""
+    spec: str = ""
+    """json_schema: the schema as JSON text; json_object: "" (any JSON object); regex: the
+    pattern (Rust regex syntax, matched against the whole output); choice: a JSON list of the
+    allowed strings; lark: llguidance's Lark dialect (%json <schema>, [lazy] rules, special tokens
+    as <|name|>); gbnf: a GBNF (llama.cpp) or EBNF grammar, converted to Lark (Lark passes)."""
+    whitespace: str = "spaced"
+    """JSON kinds only: one of JSON_WHITESPACE. A schema's own "x-guidance" options (llguidance's
+    JSON options, e.g. coerce_one_of) override it."""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in STRUCTURED_KINDS,
+               f"structured output kind must be one of {list(STRUCTURED_KINDS)}, got {self.kind!r}")
+        _check(isinstance(self.spec, str), f"structured output spec must be a string, got "
+                                           f"{type(self.spec).__name__}")
+        _check(len(self.spec) <= MAX_STRUCTURED_SPEC_CHARS,
+               f"structured output spec has {len(self.spec)} characters, the limit is "
+               f"{MAX_STRUCTURED_SPEC_CHARS}")
+        _check(bool(self.spec) != (self.kind == "json_object"),
+               "a json_object constraint takes no spec" if self.kind == "json_object"
+               else f"a {self.kind} constraint needs a spec")
+        _check(self.whitespace in JSON_WHITESPACE,
+               f"structured output whitespace must be one of {list(JSON_WHITESPACE)}, got "
+               f"{self.whitespace!r}")
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """What its compiled grammar depends on (the compile cache's key)."""
+        return (self.kind, self.spec, self.whitespace)
 
 
 @register("SamplingParams")
@@ -64,8 +111,15 @@ class SamplingParams:
     """(token id, bias) pairs, sorted by id: the bias is added to the token's logit before
     penalties and sampling, greedy included (logprobs stay the model's own). A dict
     {id: bias} is accepted too."""
+    structured: StructuredOutput | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (None: free text). The
+    request finishes with "stop" when the grammar is complete."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured, dict):  # to_dict() / JSON
+            object.__setattr__(self, "structured", _structured_from(self.structured))
+        _check(self.structured is None or isinstance(self.structured, StructuredOutput),
+               f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         if not isinstance(self.stop_token_ids, tuple):  # lists arrive from JSON
             _check(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids must be a list")
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -109,7 +163,7 @@ class SamplingParams:
         out = dataclasses.asdict(self)
         out["stop_token_ids"] = list(self.stop_token_ids)
         out["logit_bias"] = [list(pair) for pair in self.logit_bias]
-        return out
+        return out  # structured: a dict (asdict), which __post_init__ turns back
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
@@ -201,6 +255,12 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     _check(len({token_id for token_id, _ in pairs}) == len(pairs),
            "logit_bias names a token id twice")
     return tuple(pairs)
+
+
+def _structured_from(data: dict[str, Any]) -> StructuredOutput:
+    known = {f.name for f in dataclasses.fields(StructuredOutput)}
+    _check(set(data) <= known, f"unknown structured output field(s): {sorted(set(data) - known)}")
+    return StructuredOutput(**data)
 
 
 def _is_number(value: object) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -21,6 +21,9 @@ from justapi.model.gguf_file import GGUFFile, resolve_model_path
 from justapi.sampling import SamplingParams
 from workers.cpu_memory import keep_freed_memory
 from workers.engine_loop import LoopLimits, SchedulerLoop
+
+if TYPE_CHECKING:
+    from justapi.scheduler.structured import StructuredOutputs
 from workers.kv.pool import KVPool, PoolShape
 from workers.model.attention import make_backend, require_cuda
 from workers.runner import ModelRunner
@@ -83,6 +86,7 @@ class LLMEngine:
                                  self.max_context)
         self.loop: SchedulerLoop | None = None  # the last generate call's (its core's stats)
         self.num_preemptions = 0  # over all generate calls: the core preempted to free blocks
+        self._structured: StructuredOutputs | None = None  # structured outputs, on first use
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -100,7 +104,8 @@ class LLMEngine:
         """Run every prompt to completion, batched; outputs in prompt order."""
         params = self._per_prompt(sampling, len(prompts))
         token_ids = [self._prompt_ids(prompt, p) for prompt, p in zip(prompts, params)]
-        self.loop = SchedulerLoop(self.runner, self.loop_limits(), self.speculative)
+        structured = self.structured_outputs() if any(p.structured for p in params) else None
+        self.loop = SchedulerLoop(self.runner, self.loop_limits(), self.speculative, structured)
         outs = self.loop.generate(token_ids, params)
         self.num_preemptions += int(self.loop.stats()["num_preemptions"])
         for out in outs:
@@ -108,6 +113,19 @@ class LLMEngine:
                 raise RuntimeError(f"generation failed: {out.error}")
         return [Output(self.decode(o.token_ids), o.token_ids, prompt, o.finish_reason)
                 for prompt, o in zip(token_ids, outs)]
+
+    def structured_outputs(self) -> StructuredOutputs:
+        """Grammars against this model's vocabulary (built on first use, kept: the compile
+        cache then serves every later generate call)."""
+        if self._structured is None:
+            from justapi.scheduler.structured import StructuredOutputs
+            from justapi.structured.compiler import GrammarCompiler
+            from justapi.structured.tokenizer import from_tokenizer
+
+            vocab = self.model.params.vocab_size
+            compiler = GrammarCompiler(lambda: from_tokenizer(self.tokenizer, vocab))
+            self._structured = StructuredOutputs(compiler, self.eos_token_ids)
+        return self._structured
 
     def loop_limits(self) -> LoopLimits:
         """The core's budgets and limits, with the end-of-generation ids now in force."""

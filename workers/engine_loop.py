@@ -7,6 +7,7 @@ Owns: that loop and collecting each request's tokens. Does not own: the core or 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +19,11 @@ from justapi.scheduler.scheduler import Scheduler
 from justapi.scheduler.topology import ModelLimits, Topology
 from justapi.wire.protocol import StepPlan, SubmitRequest, TokenDeltas, offsets
 from workers.runner import ModelRunner
+
+if TYPE_CHECKING:
+    from justapi.scheduler.structured import StructuredOutputs
+
+GRAMMAR_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -56,8 +62,10 @@ class LoopOutput:
 class SchedulerLoop:
     """One core, fresh per loop: its prefix cache and counters cover this loop's requests."""
 
-    def __init__(self, runner: ModelRunner, limits: LoopLimits, spec: SpecConfig | None = None) -> None:
+    def __init__(self, runner: ModelRunner, limits: LoopLimits, spec: SpecConfig | None = None,
+                 structured: StructuredOutputs | None = None) -> None:
         self.core = limits.build_core(spec)
+        self.core.state.structured = structured  # grammars (None: constrained requests refused)
         self.runner = runner
         self.outputs: dict[str, LoopOutput] = {}
         self.num_steps = 0
@@ -75,8 +83,14 @@ class SchedulerLoop:
         return [self.outputs.pop(rid) for rid in ids]
 
     def step(self) -> None:
-        """The server's step: schedule, execute, update."""
+        """The server's step: schedule, execute, update (waiting for a grammar's compile when
+        nothing else can run)."""
+        self._record(self.core.poll_grammars())
         plans = self.core.schedule()
+        while not plans and self.core.state.structured is not None \
+                and self.core.state.structured.pending:
+            self._record(self.core.poll_grammars(timeout_s=GRAMMAR_WAIT_S))
+            plans = self.core.schedule()
         if not plans:
             raise RuntimeError("unfinished requests but no plan: the scheduler is stuck")
         for _, plan in plans:
@@ -87,7 +101,9 @@ class SchedulerLoop:
     def stats(self) -> dict[str, float]:
         return self.core.stats()
 
-    def _record(self, deltas: TokenDeltas) -> None:
+    def _record(self, deltas: TokenDeltas | None) -> None:
+        if deltas is None:
+            return
         off = offsets(deltas.num_new_tokens)
         for i, rid in enumerate(deltas.request_ids):
             out = self.outputs[rid]

@@ -24,7 +24,7 @@ from workers.kv.pool import KVPool
 from workers.model.attention import AttentionBackend, AttentionBatch
 from workers.model.forward import DecoderModel
 from workers.request_state import RequestState
-from workers.sampler import Sampler, SamplerOutput, SamplingRow
+from workers.sampler import Sampler, SamplerOutput, SamplingRow, apply_token_bitmask
 from workers.spec.draft import DraftModel
 from workers.spec.step import SpecContext, speculative_result, tree_layout
 from workers.spec.tree import TreeLayout
@@ -52,14 +52,19 @@ class ModelRunner:
         return self.pool.shape.block_size
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step: forward every chunk, sample the sequences whose sample flag is set
-        (verifying their drafts, workers/spec/step.py, when there are any or a draft model)."""
-        if self.draft is not None or np.any(plan.draft_counts > 0):
-            logits = self.forward_logits(plan, tree_layout(plan))  # [sum(1 + drafts), vocab]
+        """Run one step: forward every chunk, mask the constrained rows (structured outputs),
+        sample the sequences whose sample flag is set (verifying their drafts,
+        workers/spec/step.py, when there are any or a draft model)."""
+        is_speculative = self.draft is not None or bool(np.any(plan.draft_counts > 0))
+        # [sum over sampled (1 + drafts), vocab]: one row per sample without drafts
+        logits = self.forward_logits(plan, tree_layout(plan) if is_speculative else None)
+        if len(plan.bitmask_rows):
+            apply_token_bitmask(logits, plan.bitmask_rows, plan.token_bitmask)
+        if is_speculative:
             context = SpecContext(self.requests, self.pool, self.verifier, self.draft, self.worker_id)
             result = speculative_result(context, plan, logits)
         else:
-            result = self._sample(plan, self.forward_logits(plan))  # one logits row per sample
+            result = self._sample(plan, logits)
         self.forget(plan.finished_request_ids)
         self.timeline.mark("sample_end", plan.step_id)
         return result

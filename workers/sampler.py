@@ -4,7 +4,8 @@ Order (vLLM's): raw logprobs -> logit_bias -> penalties (repetition over prompt+
 presence and frequency over output only) -> greedy rows take the argmax -> temperature ->
 min_p -> top_k -> top_p -> exponential race (argmax of p / q, q ~ Exp(1)). Logprobs are those
 of the raw model distribution (log_softmax of the unprocessed logits), as vLLM reports by
-default.
+default - after a structured output's token bitmask (apply_token_bitmask, run by the runner
+before sampling), as in vLLM: tokens the grammar forbids have logprob -inf.
 A seeded row draws its noise from a generator seeded by (seed, position of the sampled token),
 so its tokens do not depend on the batch, the worker, or recompute after preemption.
 Owns: the sampling math. Does not own: parameter validation (justapi.sampling), token history.
@@ -97,6 +98,21 @@ def seeded_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
     return torch.empty(vocab).exponential_(generator=gen)
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -> None:
+    """Structured outputs, in place: logits[rows[r], t] = -inf unless bit t % 32 of word t // 32
+    of bitmask[r] is set (tokens past the mask's words, padding rows of the vocabulary, never
+    are). logits [num_rows, vocab]; rows int32 [R]; bitmask int32 [R, words]."""
+    with torch.inference_mode():
+        words = torch.from_numpy(np.ascontiguousarray(bitmask)).to(logits.device)  # [R, words]
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((words[:, :, None] >> shifts) & 1).reshape(len(rows), -1).bool()  # [R, 32 words]
+        vocab = logits.shape[1]
+        if allowed.shape[1] < vocab:
+            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        index = torch.from_numpy(rows.astype(np.int64)).to(logits.device)
+        logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))
+
+
 def _wants_logprobs(rows: list[SamplingRow]) -> bool:
     return any(r.params.logprobs is not None for r in rows)
 
@@ -113,6 +129,7 @@ def logprob_columns(raw: torch.Tensor, tokens: torch.Tensor,
             n = row.params.logprobs or 0
             top_ids[i, :n] = ids[i, :n].numpy()
             top_values[i, :n] = values[i, :n].numpy()
+        top_ids[top_values == -np.inf] = -1  # a token a grammar forbids is no alternative
     return chosen.numpy().astype(np.float32), top_ids, top_values
 
 

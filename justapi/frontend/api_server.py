@@ -47,7 +47,7 @@ from justapi.frontend.openai_models import (
     TokenizeResponse,
 )
 from justapi.frontend.serving import Serving
-from justapi.frontend.serving_chat import create_chat_completion, message_dicts
+from justapi.frontend.serving_chat import chat_prompt, create_chat_completion
 from justapi.frontend.serving_completions import create_completion
 from justapi.wire.protocol import SchedulerStats
 
@@ -200,7 +200,8 @@ def _tokenize(serving: Serving, body: TokenizeRequest) -> list[int]:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         return prompts.encode_text(body.prompt, add_special)
     assert body.messages is not None
-    prompt = prompts.chat_prompt(message_dicts(body.messages), body.add_generation_prompt)
+    prompt = chat_prompt(serving, body.messages, body.tools, body.add_generation_prompt,
+                         describe_tools=bool(body.tools))
     if body.add_special_tokens:  # the template's text tokenized with BOS as the model asks
         assert prompt.text is not None
         return prompts.encode_text(prompt.text, True)

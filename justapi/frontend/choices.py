@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 from justapi.frontend.errors import ApiError
 from justapi.frontend.generation import Generation, GenerationOutput
@@ -17,6 +18,7 @@ from justapi.frontend.openai_models import GenerationFields
 from justapi.frontend.prompts import Prompt
 from justapi.frontend.request_sampling import derive_seed
 from justapi.frontend.serving import Serving
+from justapi.sampling import StructuredOutput
 from justapi.wire.protocol import FINISH_ERROR
 
 logger = logging.getLogger(__name__)
@@ -24,9 +26,19 @@ logger = logging.getLogger(__name__)
 MAX_CHOICES = 64  # prompts x n of one request
 
 
+@dataclass(frozen=True)
+class OutputRules:
+    """What a request's output must be, beyond its sampling fields."""
+
+    structured: StructuredOutput | None = None
+    """The checked output constraint (response_format, tool calls, ...)."""
+    show_special_tokens: bool = False
+    """Keep special tokens in the text (a tool-call trigger that is one)."""
+
+
 def start_choices(serving: Serving, request: GenerationFields, prompts: list[Prompt],
-                  max_tokens: list[int], logprobs: int | None,
-                  arrival_s: float) -> list[Generation]:
+                  max_tokens: list[int], logprobs: int | None, arrival_s: float, *,
+                  output: OutputRules = OutputRules()) -> list[Generation]:
     """n choices per prompt, numbered prompt-major: choice index = prompt * n + j."""
     if len(prompts) * request.n > MAX_CHOICES:
         raise ApiError(f"prompts x n must be at most {MAX_CHOICES}, got "
@@ -37,8 +49,10 @@ def start_choices(serving: Serving, request: GenerationFields, prompts: list[Pro
     for prompt, limit in zip(prompts, max_tokens, strict=True):
         for j in range(request.n):
             seed = None if request.seed is None else derive_seed(request.seed, j)
-            sampling = rules.sampling_for(request, limit, logprobs, seed)
-            plans.append((prompt.token_ids, sampling, rules.text_options(sampling, stop)))
+            sampling = rules.sampling_for(request, limit, logprobs, seed,
+                                          structured=output.structured)
+            options = rules.text_options(sampling, stop, output.show_special_tokens)
+            plans.append((prompt.token_ids, sampling, options))
     serving.check_available(len(plans))  # everything validated: only now submit
     serving.log_request("HTTP", prompts, plans[0][1])
     return [serving.start(ids, sampling, options, arrival_s) for ids, sampling, options in plans]

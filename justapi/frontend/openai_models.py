@@ -27,7 +27,58 @@ class StreamOptions(RequestModel):
     """Send a last chunk with `usage` (and `choices: []`) before `data: [DONE]`."""
 
 
-class GenerationFields(RequestModel):
+class JsonSchemaFormat(RequestModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    """The JSON Schema the reply must validate against (omitted: any JSON object)."""
+    strict: bool | None = None
+    """Accepted; the schema is enforced either way."""
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    """llama-server's spelling: the schema beside the type (json_object or json_schema)."""
+
+
+class StructuredOutputs(RequestModel):
+    """vLLM's `structured_outputs` extra field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    """EBNF/GBNF (llama.cpp's) or llguidance's Lark."""
+    json_object: bool | None = None
+    structural_tag: Any = None
+    """Not supported: a value is refused."""
+
+
+class OutputConstraintFields(RequestModel):
+    """Constraints on the output's text, as OpenAI, vLLM, llama-server and SGLang spell
+    them; at most one per request (justapi/frontend/constraints.py)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    """vLLM's."""
+    guided_json: dict[str, Any] | str | None = None
+    """vLLM's older spellings of structured_outputs (removed there in v0.12)."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    json_schema: dict[str, Any] | str | None = None
+    """llama-server's (an object) and SGLang's (JSON text)."""
+    grammar: str | None = None
+    """llama-server's GBNF grammar."""
+    regex: str | None = None
+    """SGLang's."""
+    ebnf: str | None = None
+    """SGLang's (xgrammar's EBNF, GBNF-like)."""
+
+
+class GenerationFields(OutputConstraintFields):
     """What completions and chat completions share: model, sampling, stopping, streaming."""
 
     model: str | None = None
@@ -73,11 +124,49 @@ class TextPart(RequestModel):
     text: str
 
 
+class CalledFunction(RequestModel):
+    name: str
+    arguments: str | dict[str, Any]
+    """JSON text (OpenAI's); an object is accepted too."""
+
+
+class MessageToolCall(RequestModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    """tool messages: the call this is the result of."""
+    tool_calls: list[MessageToolCall] | None = None
+    """assistant messages: the calls it made."""
+
+
+class FunctionDefinition(RequestModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON Schema of the arguments object (omitted: no arguments)."""
+    strict: bool | None = None
+    """Accepted; with tool_choice required or a named tool the schema is enforced either way."""
+
+
+class ToolDefinition(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(GenerationFields):
@@ -89,11 +178,10 @@ class ChatCompletionRequest(GenerationFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     """Render the template's assistant header after the messages (vLLM's extension)."""
-    tools: list[dict[str, Any]] | None = None
-    """Not supported: a non-empty list is refused."""
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    """Only {"type": "text"} is supported."""
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: auto with tools, none without."""
+    parallel_tool_calls: bool = True
 
 
 class TokenizeRequest(RequestModel):
@@ -102,6 +190,8 @@ class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None
+    """With messages: rendered as for a chat request that may call them."""
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
     """Default: True for a prompt (BOS as the model asks), False for messages (the
@@ -171,16 +261,36 @@ class ChatLogprobs(ResponseModel):
     content: list[TokenLogprob] | None = None
 
 
+class ResponseFunction(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(ResponseModel):
+    id: str
+    type: Literal["function"]
+    function: ResponseFunction
+
+
 class AssistantMessage(ResponseModel):
     role: Literal["assistant"]
     content: str
 
 
+class AssistantToolCallsMessage(ResponseModel):
+    """A reply that called tools (a request with tools)."""
+
+    role: Literal["assistant"]
+    content: str | None
+    """Text before the calls; None when there is none."""
+    tool_calls: list[ResponseToolCall]
+
+
 class ChatChoice(ResponseModel):
     index: int
-    message: AssistantMessage
+    message: AssistantMessage | AssistantToolCallsMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort", "error"] | None = None
 
 
 class ChatCompletionResponse(ResponseModel):
@@ -192,16 +302,31 @@ class ChatCompletionResponse(ResponseModel):
     usage: Usage
 
 
+class DeltaFunction(ResponseModel):
+    name: str | None = None
+    arguments: str
+
+
+class DeltaToolCall(ResponseModel):
+    """A call's first delta has id, type and function.name; later ones argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class ChatDelta(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(ResponseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls", "abort", "error"] | None = None
 
 
 class ChatCompletionChunk(ResponseModel):

@@ -6,16 +6,21 @@ max_tokens <= max_context). Owns: those checks. Does not own: sampling or respon
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from justapi.frontend.errors import ApiError
 from justapi.frontend.text.tokenizer import Tokenizer
 
-ChatRenderer = Callable[[list[dict], bool], str]
-"""(messages, add_generation_prompt) -> prompt text; raises ValueError for bad messages."""
+
+class ChatRenderer(Protocol):
+    """The chat template: messages (and tools) -> prompt text; ValueError for bad messages."""
+
+    def __call__(self, messages: list[dict], add_generation_prompt: bool,
+                 tools: list[dict] | None = None) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -38,9 +43,10 @@ class Prompts:
         _check_unicode(text, param)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool) -> Prompt:
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> Prompt:
         try:
-            text = self.render_chat(messages, add_generation_prompt)
+            text = self.render_chat(messages, add_generation_prompt, tools)
         except ValueError as exc:
             raise ApiError(str(exc), param="messages") from None
         return Prompt(self.encode_text(text, False, "messages"), text)

@@ -12,7 +12,7 @@ from justapi.frontend.openai_models import GenerationFields
 from justapi.frontend.prompts import check_token_ids
 from justapi.frontend.text.detokenizer import StopStringMatcher
 from justapi.frontend.text.tokenizer import Tokenizer
-from justapi.sampling import SamplingDefaults, SamplingParams
+from justapi.sampling import SamplingDefaults, SamplingParams, StructuredOutput
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                    "frequency_penalty", "repetition_penalty")
@@ -39,9 +39,10 @@ class SamplingRules:
         self.defaults = defaults or SamplingDefaults.resolve()
 
     def sampling_for(self, request: GenerationFields, max_tokens: int, logprobs: int | None,
-                     seed: int | None) -> SamplingParams:
+                     seed: int | None, *,
+                     structured: StructuredOutput | None = None) -> SamplingParams:
         fields: dict = {"max_tokens": max_tokens, "seed": seed, "logprobs": logprobs,
-                        "ignore_eos": request.ignore_eos,
+                        "ignore_eos": request.ignore_eos, "structured": structured,
                         "stop_token_ids": tuple(request.stop_token_ids or ()),
                         "logit_bias": _bias_by_id(request.logit_bias or {})}
         for name in SAMPLING_FIELDS:
@@ -70,9 +71,11 @@ class SamplingRules:
                 raise ApiError(str(exc), param="stop") from None
         return tuple(stops)
 
-    def text_options(self, sampling: SamplingParams, stop: tuple[str, ...]) -> TextOptions:
+    def text_options(self, sampling: SamplingParams, stop: tuple[str, ...],
+                     show_special_tokens: bool = False) -> TextOptions:
         hidden = frozenset(self.tokenizer.eog_token_ids) | frozenset(sampling.stop_token_ids)
         return TextOptions(stop=stop, hidden_token_ids=hidden,
+                           skip_special_tokens=not show_special_tokens,
                            with_logprobs=sampling.logprobs is not None)
 
 

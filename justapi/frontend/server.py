@@ -20,6 +20,7 @@ from justapi.frontend.metrics import FrontendMetrics
 from justapi.frontend.serving import Serving, ServingConfig
 from justapi.frontend.text.chat_template import ChatTemplate
 from justapi.frontend.text.tokenizer import Tokenizer
+from justapi.frontend.tools.formats import detect_tool_format
 from justapi.frontend.zmq_server import ZmqServer
 from justapi.model.gguf_file import GGUFFile
 from justapi.model.info import model_sampling_defaults
@@ -82,7 +83,9 @@ def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettin
     config = ServingConfig(model_name=name, max_context=max_context, model_aliases=aliases,
                            max_in_flight=settings.max_in_flight,
                            log_requests=settings.log_requests, sampling_defaults=defaults)
-    return Serving(engine, tokenizer, template.render, config, metrics)
+    tool_format = detect_tool_format(template.source)
+    logger.info("tool calls in the %s format", tool_format.name)
+    return Serving(engine, tokenizer, template.render, config, metrics, tool_format=tool_format)
 
 
 class FrontendServer:

@@ -23,6 +23,7 @@ from justapi.frontend.metrics import FrontendMetrics
 from justapi.frontend.prompts import ChatRenderer, Prompt, Prompts
 from justapi.frontend.request_sampling import SamplingRules
 from justapi.frontend.text.tokenizer import Tokenizer
+from justapi.frontend.tools.formats import GENERIC, ToolFormat
 from justapi.sampling import SamplingDefaults, SamplingParams
 from justapi.wire.protocol import SubmitRequest
 
@@ -54,10 +55,13 @@ class Serving:
     """Everything a request handler needs; one per frontend process."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, render_chat: ChatRenderer,
-                 config: ServingConfig, metrics: FrontendMetrics) -> None:
+                 config: ServingConfig, metrics: FrontendMetrics, *,
+                 tool_format: ToolFormat = GENERIC) -> None:
+        """tool_format: how the chat template's model writes tool calls (formats.py)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
+        self.tool_format = tool_format
         self.metrics = metrics
         self.prompts = Prompts(tokenizer, render_chat, config.max_context)
         self.sampling_rules = SamplingRules(tokenizer, config.sampling_defaults)

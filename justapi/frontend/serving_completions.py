@@ -2,7 +2,9 @@
 
 Choices are numbered prompt-major (prompt p, sample j -> index p * n + j). `echo` prefixes
 the prompt text (cheap: it is known); prompt logprobs are not computed, so echo with
-logprobs is refused. Owns: the completion response/chunk shapes and their logprobs.
+logprobs is refused. Output constraints (response_format, vLLM's / llama-server's / SGLang's
+fields) apply as on chat (constraints.py). Owns: the completion response/chunk shapes and
+their logprobs.
 Does not own: limits and sampling checks, the stream loop (sse.py), text state.
 """
 from __future__ import annotations
@@ -10,7 +12,14 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from justapi.frontend.choices import MAX_CHOICES, collect_choices, start_choices, usage
+from justapi.frontend.choices import (
+    MAX_CHOICES,
+    OutputRules,
+    collect_choices,
+    start_choices,
+    usage,
+)
+from justapi.frontend.constraints import request_constraint
 from justapi.frontend.errors import ApiError
 from justapi.frontend.generation import GenerationOutput, TokenLogprob
 from justapi.frontend.openai_models import CompletionRequest
@@ -52,10 +61,13 @@ async def create_completion(serving: Serving, request: CompletionRequest,
     """A full response dict, or (stream=True) an async iterator of SSE event bytes."""
     serving.check_model(request.model)
     check_supported(request)
+    constraint = request_constraint(request)
     prompts = completion_prompts(serving, request.prompt, request.n)
     limits = [serving.prompts.max_tokens_for(request.max_tokens, len(p.token_ids))
               for p in prompts]
-    generations = start_choices(serving, request, prompts, limits, request.logprobs, arrival_s)
+    output = OutputRules(constraint.structured if constraint else None)
+    generations = start_choices(serving, request, prompts, limits, request.logprobs, arrival_s,
+                                output=output)
     header = {"id": serving.new_id("cmpl"), "object": "text_completion",
               "created": int(time.time()), "model": serving.config.model_name}
     echoes = [_echo_text(serving, p) if request.echo else "" for p in prompts for _ in

@@ -26,8 +26,9 @@ class ChoiceChunks(Protocol):
     def opening(self, index: int) -> dict | None:
         """The choice's first chunk before any output (chat: the role), or None for none."""
 
-    def delta(self, index: int, output: GenerationOutput) -> dict:
-        """The choice's chunk for one output that shows text, logprobs or a finish reason."""
+    def delta(self, index: int, output: GenerationOutput) -> dict | None:
+        """The choice's chunk for one output that shows text, logprobs or a finish reason
+        (None: nothing to show yet)."""
 
 
 def sse_event(payload: dict) -> bytes:
@@ -55,7 +56,9 @@ async def stream_choices(generations: Sequence[Generation], chunks: ChoiceChunks
                 break
             if not (output.text or output.finish_reason or output.logprobs):
                 continue  # tokens whose text is still held back (a partial character)
-            yield event(chunks.delta(index, output))
+            choice = chunks.delta(index, output)
+            if choice is not None:
+                yield event(choice)
         if include_usage:
             yield sse_event({**header, "choices": [], "usage": usage(prompt_lengths, generations)})
         yield SSE_DONE

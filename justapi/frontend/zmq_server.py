@@ -3,7 +3,8 @@
 One ROUTER socket in the frontend's event loop; each client is a DEALER whose identity
 namespaces its request ids, so clients can neither collide nor abort each other. Requests
 go through the same Serving rules as HTTP (tokenizer, chat template, context limit, stop
-strings); each running generation streams GenerationChunks back. A client that has gone
+strings, output constraints, tools); each running generation streams GenerationChunks back
+(with tools: the content as text, the calls as OpenAI's deltas). A client that has gone
 (the ROUTER cannot route to it any more) gets its generations aborted.
 Owns: client sessions (identity, request id) -> generation. Does not own: request rules
 (prompts.py, request_sampling.py), text state (generation.py), the client library.
@@ -11,21 +12,28 @@ Owns: client sessions (identity, request id) -> generation. Does not own: reques
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import cast
 
 import numpy as np
+import orjson
 import zmq
 import zmq.asyncio
 from pydantic import ValidationError
 
+from justapi.frontend.choices import OutputRules
+from justapi.frontend.constraints import Constraint, check
 from justapi.frontend.errors import ApiError, from_validation_errors
 from justapi.frontend.generation import Generation, GenerationOutput
-from justapi.frontend.openai_models import ChatMessage
+from justapi.frontend.openai_models import ChatCompletionRequest
 from justapi.frontend.prompts import Prompt
 from justapi.frontend.serving import Serving
-from justapi.frontend.serving_chat import message_dicts
+from justapi.frontend.serving_chat import chat_output_rules, chat_prompt
+from justapi.frontend.tools.parser import ToolReply
+from justapi.frontend.tools.request import ToolPlan, tool_plan
+from justapi.sampling import SamplingParams, StructuredOutput
 from justapi.wire import transport
 from justapi.wire.codec import ProtocolError, decode, encode
 from justapi.wire.protocol import (
@@ -40,6 +48,7 @@ from justapi.wire.protocol import (
 logger = logging.getLogger(__name__)
 
 READER_YIELD_EVERY = 64
+TOOL_OPTIONS = ("tools", "tool_choice", "parallel_tool_calls")
 SessionKey = tuple[bytes, str]  # (client identity, client_request_id)
 
 
@@ -108,50 +117,59 @@ class ZmqServer:
         try:
             if key in self._running:
                 raise ApiError(f"request id {submit.client_request_id!r} is already running")
-            generation = self._start(submit)
+            generation, reply = self._start(submit)
         except ApiError as exc:
             await self._send(identity, GenerationChunk(
                 submit.client_request_id, np.zeros(0, dtype=np.int32), "",
                 finish_reason=FINISH_ERROR, error=exc.message))
             return
         self._running[key] = generation
-        task = asyncio.ensure_future(self._pump(key, generation))
+        task = asyncio.ensure_future(self._pump(key, generation, reply))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _start(self, submit: SubmitGeneration) -> Generation:
+    def _start(self, submit: SubmitGeneration) -> tuple[Generation, ToolReply | None]:
         serving = self._serving
         rules = serving.sampling_rules
-        token_ids = self._prompt_ids(submit)
+        token_ids, plan, output = self._prompt(submit)
         filled = rules.defaults.apply(submit.sampling, submit.unset_sampling)
-        sampling = rules.check_sampling(filled)
+        sampling = rules.check_sampling(_constrained(filled, output.structured))
         serving.prompts.max_tokens_for(sampling.max_tokens, len(token_ids))  # the context rule
         stop = rules.stop_strings([str(s) for s in submit.stop])
         serving.check_available()
         serving.log_request("ZMQ", [Prompt(token_ids, submit.prompt or None)], sampling)
-        return serving.start(token_ids, sampling, rules.text_options(sampling, stop),
-                             time.perf_counter())
+        options = rules.text_options(sampling, stop, output.show_special_tokens)
+        generation = serving.start(token_ids, sampling, options, time.perf_counter())
+        return generation, ToolReply(plan.tool_format) if plan else None
 
-    def _prompt_ids(self, submit: SubmitGeneration) -> list[int]:
+    def _prompt(self, submit: SubmitGeneration) -> tuple[list[int], ToolPlan | None, OutputRules]:
+        """The prompt's token ids; with messages and tool_options, the tool plan and its
+        constraint too."""
         prompts = self._serving.prompts
         given = [bool(submit.prompt), len(submit.prompt_token_ids) > 0, bool(submit.messages)]
         if sum(given) != 1:
             raise ApiError("give exactly one of prompt, prompt_token_ids and messages")
+        if submit.tool_options and not submit.messages:
+            raise ApiError("tool_options need messages", param="tool_options")
         if submit.prompt:
-            return prompts.encode_text(submit.prompt, submit.add_special_tokens)
+            return prompts.encode_text(submit.prompt, submit.add_special_tokens), None, \
+                OutputRules()
         if len(submit.prompt_token_ids):
-            return prompts.check_token_ids(submit.prompt_token_ids.tolist(), "prompt_token_ids")
-        try:
-            messages = [ChatMessage.model_validate(m) for m in submit.messages]
-        except ValidationError as exc:
-            raise from_validation_errors(exc.errors()) from None
-        return prompts.chat_prompt(message_dicts(messages), True).token_ids
+            return prompts.check_token_ids(submit.prompt_token_ids.tolist(),
+                                           "prompt_token_ids"), None, OutputRules()
+        request = _chat_request(submit)
+        plan = tool_plan(request, self._serving.tool_format)
+        output = chat_output_rules(self._serving, request, plan)
+        prompt = chat_prompt(self._serving, request.messages, request.tools,
+                             request.add_generation_prompt, describe_tools=plan is not None)
+        return prompt.token_ids, plan, output
 
-    async def _pump(self, key: SessionKey, generation: Generation) -> None:
+    async def _pump(self, key: SessionKey, generation: Generation,
+                    reply: ToolReply | None) -> None:
         identity, client_request_id = key
         try:
             async for output in generation.outputs():
-                chunk = _chunk(client_request_id, generation, output)
+                chunk = _chunk(client_request_id, generation, output, reply)
                 if not await self._send(identity, chunk):
                     return  # the client is gone: `finally` aborts the generation
         except Exception:  # one bad generation must not stop the endpoint
@@ -180,8 +198,40 @@ class ZmqServer:
                            num_in_flight=serving.engine.num_in_flight)
 
 
-def _chunk(client_request_id: str, generation: Generation,
-           output: GenerationOutput) -> GenerationChunk:
+def _chat_request(submit: SubmitGeneration) -> ChatCompletionRequest:
+    """The messages, and tool options, read as a chat request's (the same checks as HTTP)."""
+    try:
+        options = orjson.loads(submit.tool_options) if submit.tool_options else {}
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(f"tool_options is not JSON: {exc}", param="tool_options") from None
+    if not isinstance(options, dict) or set(options) - set(TOOL_OPTIONS):
+        raise ApiError(f"tool_options must be an object with keys among {list(TOOL_OPTIONS)}",
+                       param="tool_options")
+    try:
+        return ChatCompletionRequest.model_validate({"messages": submit.messages, **options})
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
+
+
+def _constrained(sampling: SamplingParams, structured: StructuredOutput | None) -> SamplingParams:
+    """The client's own constraint (checked here, as the HTTP fields are), or the tools'."""
+    if structured is None:
+        if sampling.structured is not None:
+            check(Constraint(sampling.structured, "sampling.structured"))
+        return sampling
+    if sampling.structured is not None:
+        raise ApiError("a request takes one output constraint; got tool_options and "
+                       "sampling.structured", param="sampling.structured")
+    return dataclasses.replace(sampling, structured=structured)
+
+
+def _chunk(client_request_id: str, generation: Generation, output: GenerationOutput,
+           reply: ToolReply | None) -> GenerationChunk:
+    text, finish_reason, tool_calls = output.text, output.finish_reason, []
+    if reply is not None:
+        parsed = reply.add(output.text, output.finish_reason)
+        text, finish_reason = parsed.content, reply.finish_reason(output.finish_reason)
+        tool_calls = [delta.to_openai() for delta in parsed.tool_calls]
     arrays = {}
     if output.logprobs:
         width = max(len(entry.top) for entry in output.logprobs)
@@ -194,7 +244,7 @@ def _chunk(client_request_id: str, generation: Generation,
                   "top_logprob_ids": top_ids, "top_logprobs": top_lps}
     return GenerationChunk(client_request_id=client_request_id,
                            token_ids=np.asarray(output.token_ids, dtype=np.int32),
-                           text=output.text, finish_reason=output.finish_reason,
+                           text=text, finish_reason=finish_reason, tool_calls=tool_calls,
                            num_prompt_tokens=generation.num_prompt_tokens,
                            num_cached_tokens=generation.num_cached_tokens,
                            error=output.error, **arrays)

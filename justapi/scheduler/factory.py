@@ -2,7 +2,8 @@
 workers' Ready messages (pools, block sizes, context lengths).
 
 End-of-generation ids come from `extra["eos_token_ids"]` when the launcher passes them,
-else from the GGUF tokenizer at `extra["model_path"]` (or the configured model).
+else from the GGUF tokenizer at `extra["model_path"]` (or the configured model), which then
+also gives the core its structured outputs (grammars against the model's vocabulary).
 With workers on several hosts (launcher = "ray", colocated) the Scheduler gets a HostMap:
 its router then weighs copy costs between pools and imports cached prefixes.
 Owns: that translation and its validation. Does not own: the shell (process.py).
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from justapi.config.serve import ServeConfig
 from justapi.model.gguf_file import GGUFFile, resolve_model_path
@@ -27,12 +28,32 @@ from justapi.scheduler.topology import (
 )
 from justapi.wire.protocol import Ready
 
+if TYPE_CHECKING:
+    from justapi.frontend.text.tokenizer import Tokenizer
+    from justapi.scheduler.structured import StructuredOutputs
+
 logger = logging.getLogger(__name__)
 
 
-def build_scheduler(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, Any]) -> Scheduler:
+def build_scheduler(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, Any],
+                    on_grammar: Callable[[], None] | None = None) -> Scheduler:
     """Scheduler, or PdScheduler with `pd` set (roles by worker index, pool handles from Ready);
-    for workers on several hosts (launcher = "ray", pools per host) a Scheduler with hosts."""
+    for workers on several hosts (launcher = "ray", pools per host) a Scheduler with hosts.
+    With the model's tokenizer at hand it serves structured outputs; on_grammar is called (in
+    a compile thread) whenever a grammar compile finishes."""
+    tokenizer = None
+    if extra.get("eos_token_ids") is None and readies:
+        model = str(extra.get("model_path") or config.model.model)
+        tokenizer = load_tokenizer(model)
+        extra = {**extra, "eos_token_ids": _eos_of(tokenizer, model)}
+    core = _build_core(config, readies, extra)
+    if tokenizer is not None:
+        vocab_size = min(r.vocab_size for r in readies)  # the logits' width
+        core.state.structured = structured_outputs(tokenizer, vocab_size, on_grammar)
+    return core
+
+
+def _build_core(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, Any]) -> Scheduler:
     if not readies:
         raise ValueError("cannot build a scheduler without a ready worker")
     pd = config.pd
@@ -79,12 +100,42 @@ def limits_of(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, An
 
 
 def eos_token_ids(model: str) -> tuple[int, ...]:
-    """End-of-generation ids of a GGUF model (EOS, EOT, EOM and llama.cpp's end-of-turn list)."""
-    from justapi.frontend.text.tokenizer import (
-        read_special_tokens,  # tokenizers is heavy: only when needed
-    )
+    """End-of-generation ids of a GGUF model (EOS, EOT, EOM and llama.cpp's end-of-turn list),
+    read from its special tokens without building the tokenizer."""
+    from justapi.frontend.text.tokenizer import read_special_tokens
 
     if model.startswith("synthetic:"):
         logger.warning("model %r: no tokenizer path given, EOS is not enforced", model)
         return ()
     return tuple(sorted(read_special_tokens(GGUFFile(resolve_model_path(model))).eog_token_ids))
+
+
+def _eos_of(tokenizer: Tokenizer | None, model: str) -> tuple[int, ...]:
+    if tokenizer is None:
+        logger.warning("model %r: no tokenizer path given, EOS is not enforced", model)
+        return ()
+    return tuple(sorted(tokenizer.eog_token_ids))
+
+
+def load_tokenizer(model: str) -> Tokenizer | None:
+    """The GGUF's tokenizer; None for an unmaterialized synthetic model name."""
+    from justapi.frontend.text.tokenizer import (
+        Tokenizer,  # tokenizers is heavy: only when needed
+    )
+
+    if model.startswith("synthetic:"):
+        return None
+    return Tokenizer.from_gguf(GGUFFile(resolve_model_path(model)))
+
+
+def structured_outputs(tokenizer: Tokenizer, vocab_size: int,
+                       on_grammar: Callable[[], None] | None) -> StructuredOutputs:
+    """Grammars against the model's vocabulary, vocab_size (the logits' width) wide; its
+    llguidance tokenizer is built on the first compile (keeping only the tokenizer's JSON)."""
+    from justapi.scheduler.structured import StructuredOutputs
+    from justapi.structured.compiler import GrammarCompiler
+    from justapi.structured.tokenizer import from_json
+
+    document, eos = tokenizer.to_json(), sorted(tokenizer.eog_token_ids)
+    compiler = GrammarCompiler(lambda: from_json(document, vocab_size, eos), on_done=on_grammar)
+    return StructuredOutputs(compiler, eos)

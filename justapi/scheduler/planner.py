@@ -46,6 +46,8 @@ class StepPlanner:
     def plan(self, worker: WorkerState) -> StepBatch:
         batch = StepBatch(self.config, self.state.block_size)
         self._prepare_spec(worker)
+        if self.state.structured is not None:
+            self._fit_grammar_drafts(worker)
         admits = self.state.admits(worker)  # draining or PD decode: only runs what it has
         if admits and not self.config.scheduled and not worker.running:
             self._admit_static(worker, batch)
@@ -116,6 +118,17 @@ class StepPlanner:
         levels = spec.prepare(decodes)
         if spec.uses_draft_model:
             self._prefill_propose = spec.nodes_for(levels)
+
+    def _fit_grammar_drafts(self, worker: WorkerState) -> None:
+        """Constrained decodes: drafts cut to the grammar, or the tokens it forces as drafts
+        (not beside a draft model: its drafts must stay its own proposals)."""
+        structured, spec = self.state.structured, self.state.spec
+        assert structured is not None
+        may_force = spec is None or not spec.uses_draft_model
+        for req in worker.running.values():
+            if (req.grammar is not None and req.status is RUNNING
+                    and req.num_computed_tokens >= len(req.token_ids) - 1):
+                structured.fit_drafts(req, may_force)
 
     def _lookahead(self, req: Request, batch: StepBatch, num_propose: int) -> None:
         """Blocks for the positions the worker's draft model writes while proposing num_propose

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from typing import Any
 
@@ -67,6 +68,12 @@ class SchedulerProcess:
         self.poller.register(self.workers, zmq.POLLIN)
         self.poller.register(self.admin.socket, zmq.POLLIN)
         self.health = HealthWatch(spec.config.ops, hosts=self.links.hosts)
+        # Structured outputs: grammar compiles finish in a pool thread, which writes a byte
+        # here so the loop (blocked on its sockets) wakes up to queue the request.
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self.poller.register(self._wake_read, zmq.POLLIN)
         self.core: Any = None
         self._last_stats_s = 0.0
         self.timeline = Timeline.from_env("scheduler")
@@ -84,7 +91,8 @@ class SchedulerProcess:
                         self.readies[message.worker_id] = message
                         self.health.on_ready(message)
         self.core = build_scheduler(self.spec.config, list(self.readies.values()),
-                                    {**self.spec.extra, "model_path": self.spec.model_path})
+                                    {**self.spec.extra, "model_path": self.spec.model_path},
+                                    on_grammar=self._wake)
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> None:
@@ -96,12 +104,29 @@ class SchedulerProcess:
                 self._on_frontend(message)
             for sender, message in transport.drain(self.workers, routed=True):
                 self._on_worker(sender, message)  # update: results -> deltas
+            self._take_grammars()
             self._between_steps()
             for worker_id, order in self.core.schedule():  # schedule
                 self._execute(worker_id, order)  # execute: plans and copy orders out
                 mark("plan_out", getattr(order, "step_id", -1), worker_id)
             self._maybe_push_stats()
         self._stop_workers()
+
+    def _wake(self) -> None:
+        """A grammar compile finished (called in the compile thread)."""
+        try:
+            os.write(self._wake_write, b"\0")
+        except (BlockingIOError, OSError):  # the pipe is full (the loop will look) or closed
+            pass
+
+    def _take_grammars(self) -> None:
+        """Queue requests whose grammar compiled; fail those whose grammar did not."""
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        self._send_deltas(self.core.poll_grammars())
 
     def _between_steps(self) -> None:
         """The admin socket, health verdicts (retire, fence), the core's clock (PD leases)."""
@@ -228,6 +253,10 @@ class SchedulerProcess:
         self.links.close()
         for sock in (self.inbox, self.outbox):
             sock.close(0)
+        if self.core is not None and self.core.state.structured is not None:
+            self.core.state.structured.compiler.close()
+        os.close(self._wake_read)
+        os.close(self._wake_write)
         self.context.term()
 
 

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import array
 import enum
+from typing import TYPE_CHECKING
 
 from justapi.sampling import SamplingParams
 from justapi.scheduler.kv.radix_node import RadixNode
 from justapi.scheduler.spec.budget import Acceptance
+
+if TYPE_CHECKING:
+    from justapi.structured.matcher import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -44,7 +48,8 @@ class Request:
                  "cache_node", "num_cached_blocks", "num_cached_tokens", "has_reported",
                  "is_in_flight", "is_abort_pending", "finish_reason", "num_preemptions",
                  "queue_entry", "enqueued_step", "draft_parents", "spec_acceptance",
-                 "spec_idle_steps", "spec_propose", "last_step_id", "waits_for_token")
+                 "spec_idle_steps", "spec_propose", "last_step_id", "waits_for_token",
+                 "grammar")
 
     def __init__(self, request_id: str, sampling: SamplingParams, prompt_token_ids: array.array,
                  seq: int, priority: int = 0) -> None:
@@ -85,6 +90,8 @@ class Request:
         self.spec_acceptance = Acceptance()
         self.spec_idle_steps = 0
         self.spec_propose = 0
+        # Structured outputs (justapi/scheduler/structured.py): the output's matcher; None = free.
+        self.grammar: RequestGrammar | None = None
 
     @property
     def num_tokens(self) -> int:

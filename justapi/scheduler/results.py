@@ -1,6 +1,7 @@
 """Applies a worker's StepResult: accept tokens, roll back rejected drafts, finish, cache.
 
-Finish checks, after each appended token, in this order: a stop token id or (unless
+Finish checks, after each appended token, in this order: a constrained request's grammar
+refuses it -> "error", or is complete -> "stop"; a stop token id or (unless
 ignore_eos) an end-of-generation id -> "stop"; max_tokens reached, or the context cap
 (min(model context, pool capacity)) reached -> "length". Tokens after a stop are dropped.
 An abort that arrived while the request was in flight finishes it here ("abort"), after
@@ -114,7 +115,7 @@ class ResultApplier:
                 self._drop(req)
             elif req.is_abort_pending:
                 self._finish(req, FINISH_ABORT, [], deltas)
-            elif count == 1 and num_drafts == 0 and not req.draft_token_ids:
+            elif count == 1 and num_drafts == 0 and not req.draft_token_ids and req.grammar is None:
                 # The hot path (decode, or a prompt's last chunk): one token, _append inlined.
                 token = sampled[position]
                 token_ids = req.token_ids
@@ -152,7 +153,10 @@ class ResultApplier:
         counters = self.state.counters
         counters.num_draft_tokens += num_drafts
         counters.num_accepted_draft_tokens += num_accepted
-        if self.state.spec is not None:
+        is_forced = req.grammar is not None and req.grammar.num_forced_drafts > 0
+        if self.state.structured is not None and is_forced:
+            self.state.structured.accepted(req, num_accepted)
+        elif self.state.spec is not None:  # (forced drafts say nothing of the proposer)
             self.state.spec.verified(req, depth, num_drafts, num_accepted)
         if num_accepted < num_drafts:  # rejected drafts: their KV slots are garbage (a tree's
             # accepted path was moved to the positions of its tokens by the worker)
@@ -162,16 +166,28 @@ class ResultApplier:
         reason = self._append(req, tokens)
         emitted = tokens[:len(req.token_ids) - num_before]
         self.kv.cache_computed(req)
+        error = req.grammar.error if reason == FINISH_ERROR and req.grammar is not None else ""
         if reason:
+            self.state.counters.num_errors += reason == FINISH_ERROR
             finish_or_hold(self.state, req, reason)
         deltas.add(req, emitted, reason, first_index)
+        if reason == FINISH_ERROR:
+            deltas.errors[req.request_id] = f"the grammar refused token {emitted[-1]}: {error}"
 
     def _append(self, req: Request, tokens: list[int]) -> str:
-        """Append tokens until one finishes the request; return the finish reason or ""."""
+        """Append tokens until one finishes the request; return the finish reason or "". A
+        constrained request's grammar consumes each: it ends it when complete ("stop") or
+        when it refuses the token ("error": the mask should have made that impossible)."""
         stop_ids = req.stop_ids
         token_ids = req.token_ids
+        grammar = req.grammar
         for token in tokens:
             token_ids.append(token)
+            if grammar is not None:
+                if not grammar.consume(token):
+                    return self._clamp(req, FINISH_ERROR)
+                if grammar.is_stopped:
+                    return self._clamp(req, FINISH_STOP)
             if token in stop_ids:
                 return self._clamp(req, FINISH_STOP)
             if len(token_ids) >= req.final_len:  # max_tokens or the context cap

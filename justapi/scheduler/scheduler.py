@@ -2,6 +2,7 @@
 
     add_request / abort_request  <- frontend     schedule() -> [(worker_id, StepPlan)]
     update(StepResult) -> TokenDeltas            mark_worker_unhealthy(worker_id)
+    poll_grammars() -> TokenDeltas | None        (structured outputs: compiles finished)
 
 A worker has at most one step in flight - two with overlap (overlap.py: the next step is
 planned while the current one runs, a decoding request's next input then being a placeholder
@@ -16,6 +17,7 @@ Owns: the public API and step dispatch. Does not own: step choice (planner.py), 
 from __future__ import annotations
 
 import array
+import dataclasses
 from collections.abc import Sequence
 from typing import Union
 
@@ -79,13 +81,16 @@ class Scheduler:
         """Queue a tokenized request; ValueError (naming the value) if it can never run."""
         state = self.state
         rid = request.request_id
-        if rid in state.requests:
+        if rid in state.requests or (state.structured is not None and rid in state.structured.pending):
             raise ValueError(f"request id {rid!r} is already in flight")
         tokens = _token_array(request.prompt_token_ids, rid)
         limit = state.limits.max_context
         if len(tokens) + 1 > limit:
             raise ValueError(f"request {rid!r}: prompt of {len(tokens)} tokens leaves no room "
                              f"for output in the context of {limit} tokens")
+        if request.sampling.structured is not None and state.structured is None:
+            raise ValueError(f"request {rid!r}: structured outputs need the model's tokenizer, "
+                             "which this server does not have")
         req = Request(rid, request.sampling, tokens, state.next_seq, int(request.priority))
         state.next_seq += 1
         req.sort_key = sort_key(state.config.policy, req.priority, req.seq)
@@ -96,11 +101,38 @@ class Scheduler:
         pool_id = self.router.choose_pool(req)
         if pool_id is None:
             raise ValueError(self._why_unplaceable(rid, len(tokens)))
-        state.place(req, pool_id)
-        state.requests[rid] = req
-        state.enqueue(req)
         state.counters.num_requests += 1
+        if state.structured is not None and request.sampling.structured is not None:
+            state.structured.hold(req)  # queued by poll_grammars() once its grammar compiled
+            return
+        self._queue(req, pool_id)
+
+    def _queue(self, req: Request, pool_id: int) -> None:
+        state = self.state
+        state.place(req, pool_id)
+        state.requests[req.request_id] = req
+        state.enqueue(req)
         self.imports.on_added(req)
+
+    def poll_grammars(self, timeout_s: float = 0.0) -> TokenDeltas | None:
+        """Queue the requests whose grammar has compiled (waiting up to timeout_s for one);
+        a grammar that failed to compile finishes its request with "error". The process
+        shell calls it every loop turn (the compile pool wakes the loop, process.py)."""
+        structured = self.state.structured
+        if structured is None or not structured.pending:
+            return None
+        deltas = DeltaBuilder(NOT_A_STEP)
+        for req, error in structured.take_compiled(timeout_s):
+            pool_id = None if error else self.router.choose_pool(req)
+            if pool_id is not None:
+                self._queue(req, pool_id)
+                continue
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = FINISH_ERROR
+            self.state.counters.num_errors += 1
+            deltas.add_error(req, FINISH_ERROR, error or self._why_unplaceable(
+                req.request_id, req.num_tokens))
+        return deltas.build() if len(deltas) else None
 
     def _why_unplaceable(self, rid: str, num_tokens: int) -> str:
         pools = [p for p in self.state.queues if self.state.healthy_workers(p)]
@@ -117,6 +149,15 @@ class Scheduler:
         from update() once the worker is done with its blocks)."""
         self.imports.on_abort(request_id)
         req = self.state.requests.get(request_id)
+        if req is None and self.state.structured is not None:
+            req = self.state.structured.drop(request_id)  # still waiting for its grammar
+            if req is not None:
+                req.status = RequestStatus.FINISHED
+                req.finish_reason = FINISH_ABORT
+                self.state.counters.num_aborted += 1
+                deltas = DeltaBuilder(NOT_A_STEP)
+                deltas.add(req, [], FINISH_ABORT)
+                return deltas.build()
         if req is None:
             return None
         if req.is_finishing:  # its finish is reported; its last step is still out
@@ -180,6 +221,9 @@ class Scheduler:
         plan = batch.build(state.step_id, state.pool.base(worker.pool_id),
                            list(worker.pending_drops))
         worker.pending_drops.clear()
+        masks = state.structured.masks(batch) if state.structured is not None else None
+        if masks is not None:
+            plan = dataclasses.replace(plan, bitmask_rows=masks[0], token_bitmask=masks[1])
         step_id = state.step_id
         ends = [start + num_tokens for start, num_tokens in zip(batch.starts, batch.num_tokens)]
         for req, end in zip(batch.reqs, ends):
@@ -309,7 +353,8 @@ class Scheduler:
     def has_work(self) -> bool:
         """Unfinished requests, or drops a worker has not been told about yet."""
         return bool(self.state.requests) or self.imports.has_work() or any(
-            w.pending_drops for w in self.state.workers.values() if w.is_healthy)
+            w.pending_drops for w in self.state.workers.values() if w.is_healthy) or bool(
+            self.state.structured is not None and self.state.structured.pending)
 
     def pool_ids(self) -> list[int]:
         return self.state.pool.pool_ids
@@ -317,6 +362,8 @@ class Scheduler:
     def stats(self) -> dict[str, float]:
         out = collect_stats(self.state)
         out.update(self.imports.stats())
+        if self.state.structured is not None:
+            out.update(self.state.structured.stats())
         return out
 
     def worker_roles(self) -> dict[int, str]:

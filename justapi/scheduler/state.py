@@ -13,6 +13,7 @@ counters. Does not own: the policy of who runs when (planner.py), block accounti
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from justapi.config.sections import CacheConfig, SchedulerConfig
 from justapi.scheduler.kv.block_pool import BlockPool
@@ -30,6 +31,9 @@ from justapi.scheduler.topology import (
 )
 from justapi.scheduler.waiting_queue import WaitingQueue
 from justapi.scheduler.worker_state import WorkerState
+
+if TYPE_CHECKING:
+    from justapi.scheduler.structured import StructuredOutputs
 
 
 @dataclass
@@ -68,6 +72,7 @@ class SchedulerState:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.handoffs = HandOffTable()  # PD only: requests between a prefill and a decode worker
         self.spec: Speculation | None = None  # speculative decoding, when on (scheduler.py)
+        self.structured: StructuredOutputs | None = None  # grammars (factory.py; None: refused)
         self.counters = Counters()
         self.step_id = 0
         self.next_seq = 0

@@ -19,6 +19,7 @@ PLACEHOLDER_TOKEN = -1
 request's previous step, which the scheduler has not seen yet."""
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 _EMPTY_F32 = np.zeros(0, dtype=np.float32)
+_EMPTY_MASK = np.zeros((0, 0), dtype=np.int32)
 
 
 def _i32(values: object) -> np.ndarray:
@@ -40,6 +41,17 @@ def _check_parents(parents: np.ndarray, counts: np.ndarray, name: str) -> None:
     index = np.arange(len(parents)) - np.repeat(off[:-1], counts)  # draft index within its sequence
     if np.any(parents < -1) or np.any(parents >= index):
         raise ProtocolError(f"{name}: a parent must be -1 or an earlier draft of the same sequence")
+
+
+def _check_bitmask(rows: np.ndarray, bitmask: np.ndarray, sample_flags: np.ndarray,
+                   draft_counts: np.ndarray) -> None:
+    """One mask row per listed logits row, each listed row inside the step's logits rows."""
+    if bitmask.ndim != 2 or bitmask.dtype != np.int32 or bitmask.shape[0] != len(rows):
+        raise ProtocolError(f"StepPlan.token_bitmask must be int32 [{len(rows)}, words], got "
+                            f"{bitmask.dtype} {list(bitmask.shape)}")
+    num_rows = int(np.sum(1 + draft_counts[np.asarray(sample_flags, dtype=bool)]))
+    if len(rows) and (int(np.min(rows)) < 0 or int(np.max(rows)) >= num_rows):
+        raise ProtocolError(f"StepPlan.bitmask_rows must lie in [0, {num_rows})")
 
 
 # --------------------------------------------------------------------------------------
@@ -79,6 +91,10 @@ class StepPlan:
     (empty: none); the block table then also covers those look-ahead positions.
     A token id PLACEHOLDER_TOKEN (-1) stands for the token the worker itself sampled at that
     position in the request's previous step (overlap: planned before that step's result).
+    Structured outputs: token_bitmask row r allows the tokens whose bits are set (bit b of
+    word w = token 32 w + b; tokens past the last word are disallowed) at logits row
+    bitmask_rows[r], counted over the sampled sequences' 1 + num_draft_tokens[i] rows in plan
+    order (justapi/structured/masks.py); rows not listed are free.
 
         token_ids: | seq 0 chunk | seq 1 (decode: 1 token) | seq 2 chunk ... |
         block_ids: | seq 0 table ........ | seq 1 table | seq 2 table ...... |
@@ -97,6 +113,8 @@ class StepPlan:
     finished_request_ids: list[str] = field(default_factory=list)
     draft_parents: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum(drafts)] or []
     num_propose: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [num_seqs] or []
+    bitmask_rows: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [rows]
+    token_bitmask: np.ndarray = field(default_factory=lambda: _EMPTY_MASK)  # int32 [rows, words]
 
     def __post_init__(self) -> None:
         num_seqs = len(self.request_ids)
@@ -116,6 +134,9 @@ class StepPlan:
             raise ProtocolError("StepPlan.num_propose must be empty or one per sequence")
         if len(self.draft_parents):
             _check_parents(self.draft_parents, self.draft_counts, "StepPlan.draft_parents")
+        if len(self.bitmask_rows) or len(self.token_bitmask):
+            _check_bitmask(self.bitmask_rows, self.token_bitmask, self.sample_flags,
+                           self.draft_counts)
 
     @property
     def num_seqs(self) -> int:
@@ -366,6 +387,10 @@ class SubmitGeneration:
     """Sampling fields the client left out: the frontend gives them the server's defaults (as
     for an HTTP request that omits them); `sampling` carries the others as set. Empty (a client
     that sent a whole SamplingParams, or one older than this field): `sampling` as sent."""
+    tool_options: str = ""
+    """With `messages`: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` as one JSON
+    object's text (JSON Schemas nest deeper than the codec allows a message to); "" for none.
+    The chunks then carry the calls in `tool_calls`."""
 
 
 @register("AbortGeneration")
@@ -400,6 +425,10 @@ class GenerationChunk:
     top_logprob_ids: np.ndarray | None = None  # int32 [num_new_tokens, n]
     top_logprobs: np.ndarray | None = None  # float32 [num_new_tokens, n]
     error: str | None = None
+    tool_calls: list = field(default_factory=list)
+    """A request with tool_options: tool call deltas in OpenAI's streaming shape ({index, id,
+    type, function: {name, arguments}} opens a call, {index, function: {arguments}} extends
+    it); `text` is then the reply's content without the calls."""
 
 
 @register("StatsReport")

@@ -75,8 +75,16 @@ CHAT_CASES = [
      "top_logprobs"),
     ("logprobs not a bool", {"messages": CHAT, "logprobs": 3}, "logprobs"),
     ("tools", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ("json response format", {"messages": CHAT, "response_format": {"type": "json_object"}},
-     "response_format"),
+    ("response format type", {"messages": CHAT, "response_format": {"type": "xml"}},
+     "response_format.type"),
+    ("unsupported schema keyword", {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+     "response_format.json_schema.schema"),
+    ("two constraints", {"messages": CHAT, "response_format": {"type": "json_object"},
+                         "regex": "[a-z]+"}, "regex"),
+    ("tool_choice names no tool", {"messages": CHAT, "tool_choice": {
+        "type": "function", "function": {"name": "f"}}, "tools": [
+        {"type": "function", "function": {"name": "g"}}]}, "tool_choice.function.name"),
     ("logit_bias key not a token id", {"messages": CHAT, "logit_bias": {"5.5": 1}}, "logit_bias"),
     ("unknown model", {"model": "nope", "messages": CHAT}, "model"),
 ]

@@ -138,6 +138,10 @@ class Tokenizer:
         _set_post_processor(backend, special, tokens)
         return cls(backend, tokens, special)
 
+    def to_json(self) -> str:
+        """The tokenizers JSON document (structured outputs build their vocabulary from it)."""
+        return self._backend.to_str()
+
     # -- vocabulary ---------------------------------------------------------------------------
 
     @property

@@ -26,13 +26,26 @@ def mix(prev_hash: int, token: int, position: int) -> int:
     return x ^ (x >> 29)
 
 
-def next_token(tokens: np.ndarray, hashes: np.ndarray, vocab_size: int) -> int:
-    """The model: tokens/hashes are the entries for positions [0, p], in order."""
+def next_token(tokens: np.ndarray, hashes: np.ndarray, vocab_size: int,
+               allowed: np.ndarray | None = None) -> int:
+    """The model: tokens/hashes are the entries for positions [0, p], in order. `allowed`
+    (the token ids a structured output's mask leaves, ascending) narrows the pick to them."""
     n = len(hashes)
     weights = np.arange(1, n + 1, dtype=np.uint64)
     with np.errstate(over="ignore"):
         checksum = int(np.sum(hashes * weights + tokens.astype(np.uint64), dtype=np.uint64))
-    return mix(int(hashes[-1]), checksum & 0xFFFFFFFF, n) % vocab_size
+    value = mix(int(hashes[-1]), checksum & 0xFFFFFFFF, n)
+    if allowed is None:
+        return value % vocab_size
+    if not len(allowed):
+        raise ValueError("the mask allows no token")
+    return int(allowed[value % len(allowed)])
+
+
+def allowed_ids(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Token ids a bitmask row (int32 words, bit b of word w = token 32 w + b) allows."""
+    bits = np.unpackbits(np.ascontiguousarray(mask_row).view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits[:vocab_size])
 
 
 class ReferenceModel:
@@ -48,9 +61,9 @@ class ReferenceModel:
             out.append(h)
         return out
 
-    def next_token(self, token_ids: Sequence[int]) -> int:
+    def next_token(self, token_ids: Sequence[int], allowed: np.ndarray | None = None) -> int:
         hashes = np.array(self.chain(token_ids), dtype=np.uint64)
-        return next_token(np.asarray(token_ids, dtype=np.int64), hashes, self.vocab_size)
+        return next_token(np.asarray(token_ids, dtype=np.int64), hashes, self.vocab_size, allowed)
 
     def generate(self, prompt: Sequence[int], max_tokens: int, stop_ids: frozenset[int],
                  max_len: int) -> tuple[list[int], str]:

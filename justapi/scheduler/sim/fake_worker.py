@@ -9,8 +9,9 @@ chunk's KV entries and, for sampled chunks, reads every position back through th
 drafts, then one corrected/bonus token; a token tree is walked from its root, the accepted
 path written at the positions of its tokens, as the real worker moves its KV). A `proposer`
 stands in for a draft model: asked for num_propose tokens, it returns a token tree that goes
-back in the StepResult. PD copy orders copy slots between stores. A PLACEHOLDER_TOKEN (overlap) must name a position
-whose token this worker sampled. Any violation raises FakeWorkerError.
+back in the StepResult. A structured output's token bitmask narrows the pick at its rows to
+the allowed ids (fake_model.next_token). PD copy orders copy slots between stores. A
+PLACEHOLDER_TOKEN (overlap) must name a position whose token this worker sampled. Any violation raises FakeWorkerError.
 Owns: the fake worker's request memory. Does not own: the model function (fake_model).
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from justapi.scheduler.sim.fake_model import SEED_HASH, FakeKvStore, mix, next_token
+from justapi.scheduler.sim.fake_model import SEED_HASH, FakeKvStore, allowed_ids, mix, next_token
 from justapi.wire.protocol import (
     PLACEHOLDER_TOKEN,
     BlocksCopied,
@@ -48,6 +49,7 @@ class Chunk:
     table: np.ndarray  # int32 [num_blocks]
     parents: list[int] | None = None  # the drafts' tree; None = a chain
     num_propose: int = 0
+    first_row: int = 0  # logits row of its last known token (then one per draft)
 
 
 Proposer = Callable[[str, list[int], int], tuple[list[int], list[int]]]
@@ -65,6 +67,7 @@ class FakeWorker:
         self.wants_logprobs: dict[str, bool] = {}
         self.num_steps = 0
         self.num_copies = 0
+        self._masks: dict[int, np.ndarray] = {}  # this step's bitmask rows by logits row
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.num_steps += 1
@@ -80,17 +83,20 @@ class FakeWorker:
         drafts, propose = plan.draft_counts, plan.propose_counts
         sampled_ids, counts, tokens = [], [], []
         proposals: list[tuple[list[int], list[int]]] = []
+        self._masks = {int(row): m for row, m in zip(plan.bitmask_rows, plan.token_bitmask)}
+        logits_row = 0  # the chunk's first logits row (StepPlan.bitmask_rows counts them)
         for i, rid in enumerate(plan.request_ids):
             parents = plan.parents_of(i).tolist() if len(plan.draft_parents) and drafts[i] else None
             start = int(plan.start_positions[i])
             chunk_tokens = self._resolve(plan.step_id, rid, start,
                                          plan.token_ids[tok_off[i]:tok_off[i + 1]].astype(np.int64))
             chunk = Chunk(rid, start, chunk_tokens, int(drafts[i]),
-                          plan.block_ids[blk_off[i]:blk_off[i + 1]], parents, int(propose[i]))
+                          plan.block_ids[blk_off[i]:blk_off[i + 1]], parents, int(propose[i]), logits_row)
             self._check_chunk(plan.step_id, chunk)
             if parents is None:
                 self._write(chunk.start, chunk.tokens, chunk.table)
             if plan.sample_flags[i]:
+                logits_row += 1 + int(drafts[i])
                 out = self._sample(chunk) if parents is None else self._sample_tree(chunk)
                 self.requests[rid].extend(out)
                 sampled_ids.append(rid)
@@ -158,7 +164,7 @@ class FakeWorker:
         out: list[int] = []
         for j in range(num_drafts + 1):
             tokens, hashes = self._read_back(table, last_known + j)
-            token = next_token(tokens, hashes, self.vocab_size)
+            token = next_token(tokens, hashes, self.vocab_size, self._allowed(c.first_row + j))
             out.append(token)
             if j == num_drafts or token != int(chunk[len(chunk) - num_drafts + j]):
                 break
@@ -176,7 +182,7 @@ class FakeWorker:
         out: list[int] = []
         while True:
             tokens, hashes = self._read_back(c.table, last)
-            token = next_token(tokens, hashes, self.vocab_size)
+            token = next_token(tokens, hashes, self.vocab_size, self._allowed(c.first_row + 1 + node))
             out.append(token)
             child = next((j for j, p in enumerate(c.parents)
                           if p == node and drafts[j] == token), None)
@@ -185,6 +191,11 @@ class FakeWorker:
             last += 1
             self._write(last, np.asarray([token], dtype=np.int64), c.table)
             node = child
+
+    def _allowed(self, logits_row: int) -> np.ndarray | None:
+        """The token ids a structured output's mask allows at that row (None: free)."""
+        mask = self._masks.get(logits_row)
+        return None if mask is None else allowed_ids(mask, self.vocab_size)
 
     def _propose(self, c: Chunk) -> tuple[list[int], list[int]]:
         if not c.num_propose or self.proposer is None:

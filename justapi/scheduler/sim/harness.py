@@ -23,6 +23,7 @@ from justapi.scheduler.topology import ModelLimits, Topology
 from justapi.wire.protocol import CopyBlocks, SubmitRequest, TokenDeltas, offsets
 
 _SPEC_FIELDS = {f.name for f in dataclasses.fields(SpecConfig)}
+GRAMMAR_WAIT_S = 0.05
 
 
 class Harness:
@@ -52,6 +53,13 @@ class Harness:
         self._check()
 
     def schedule(self) -> list[tuple[int, WorkerOrder]]:
+        """Plans, after queueing every request whose grammar compiles (structured outputs:
+        the harness waits for each compile, so a run's steps do not depend on thread timing)."""
+        structured = self.scheduler.state.structured
+        while structured is not None and structured.pending:
+            deltas = self.scheduler.poll_grammars(timeout_s=GRAMMAR_WAIT_S)
+            if deltas is not None:
+                self.record(deltas)
         plans = self.scheduler.schedule()
         self._check()
         return plans
