@@ -4,6 +4,8 @@ and a step's bitmask rows (drafts and trees equal one-at-a-time masks)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import llguidance as llg
 import llguidance.numpy as lnp
@@ -270,3 +272,13 @@ def test_parallel_rows_equal_sequential_rows() -> None:
     parallel = _rows(items, llg.LLExecutor(num_threads=2))
     assert np.array_equal(parallel, _rows(items))
     assert len(parallel) >= PARALLEL_MIN_ROWS
+
+
+def test_the_constraint_engine_is_torch_free() -> None:
+    code = ("import sys, justapi.structured.compiler, justapi.structured.masks, "
+            "justapi.structured.tokenizer, justapi.scheduler.structured; "
+            "found = [m for m in ('torch', 'workers', 'transformers') if m in sys.modules]; "
+            "assert not found, found")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
