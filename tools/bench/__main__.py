@@ -24,6 +24,7 @@ SCENARIOS = {
     "soak": "many requests with disconnects and aborts; nothing may leak",
     "tokenizer": "tokenizer, detokenizer and chat template speed",
     "timeline": "where a served step's time goes (per-process timelines); serving vs offline",
+    "structured": "structured outputs: constrained vs free decoding, grammar compile times",
 }
 USAGE = "usage: python -m tools.bench SCENARIO [flags]   (python -m tools.bench SCENARIO --help)"
 
