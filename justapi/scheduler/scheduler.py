@@ -181,10 +181,14 @@ class Scheduler:
         sampled = [req.request_id for req, s in zip(batch.reqs, batch.is_sampled) if s]
         worker.in_flight = InFlightStep(state.step_id, batch.reqs, batch.num_drafts,
                                         batch.is_sampled, sampled)
+        if self.planner.budget.is_enabled:
+            self.planner.budget.dispatched(worker.worker_id, state.step_id, batch.features())
         return plan
 
     def update(self, result: StepResult) -> TokenDeltas:
-        """Apply a worker's result; returns the step's coalesced deltas (maybe empty)."""
+        """Apply a worker's result; returns the step's coalesced deltas (maybe empty). Its
+        step time feeds the worker's step-cost fit (step_budget.py)."""
+        self.planner.budget.observe(result.worker_id, result.step_id, result.step_time_s)
         return self.results.apply(result)
 
     def copy_done(self, ack: BlocksCopied) -> TokenDeltas:
