@@ -301,6 +301,7 @@ class Scheduler:
     def stats(self) -> dict[str, float]:
         out = collect_stats(self.state)
         out.update(self.imports.stats())
+        out.update(self.planner.budget.stats())
         return out
 
     def worker_roles(self) -> dict[int, str]:

@@ -17,6 +17,8 @@ Owns: these rules and the per-worker fits. Does not own: the chunks (StepBatch, 
 """
 from __future__ import annotations
 
+import dataclasses
+
 from justapi.scheduler.step_cost import StepCost, StepCostFit, StepFeatures
 
 ITL_TARGET_AUTO = -1.0
@@ -67,3 +69,13 @@ class StepBudget:
 
     def allowance_s(self, cost: StepCost, decodes: StepFeatures) -> float:
         return prefill_allowance_s(self.itl_target_s, cost.step_s(decodes))
+
+    def stats(self) -> dict[str, float]:
+        """The fitted coefficients per worker: `worker_<id>_step_<coefficient>`."""
+        out: dict[str, float] = {}
+        for worker_id in self._fits:
+            cost = self.cost(worker_id)
+            if cost is not None:
+                for name, value in dataclasses.asdict(cost).items():
+                    out[f"worker_{worker_id}_step_{name}"] = value
+        return out
