@@ -73,6 +73,8 @@ def _scheduler_args(group: argparse._ArgumentGroup) -> None:
     for name in ("max_seqs", "max_prefill", "max_decode", "chunk_size", "max_batched_tokens"):
         group.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     group.add_argument("--policy", choices=("fcfs", "priority", "lpm"), default="fcfs")
+    group.add_argument("--itl-target-ms", type=float, default=defaults.itl_target_ms,
+                       help="stall-free step budget: -1 auto, 0 off (docs/scheduler.md)")
     group.add_argument("--no-scheduled", action="store_true", help="static batching")
     group.add_argument("--compare-static", action="store_true", help="also run static batching")
     group.add_argument("--pool-blocks", type=int, default=4096)
@@ -104,7 +106,7 @@ def build(args: argparse.Namespace, scheduled: bool) -> Scheduler:
     config = SchedulerConfig(max_seqs=args.max_seqs, max_prefill=args.max_prefill,
                              max_decode=args.max_decode, chunk_size=args.chunk_size,
                              max_batched_tokens=args.max_batched_tokens, policy=args.policy,
-                             scheduled=scheduled)
+                             scheduled=scheduled, itl_target_ms=args.itl_target_ms)
     topology = (Topology.pool_per_worker(args.pool_blocks, args.workers) if args.separate_pools
                 else Topology.shared_pool(args.pool_blocks, args.workers))
     return Scheduler(config, CacheConfig(block_size=args.block_size,

@@ -146,8 +146,11 @@ class Worker:
             logger.warning("ignored unexpected %s", type(message).__name__)
 
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step; its result reports the time it took (the scheduler's step costs)."""
         try:
-            return self.runner.execute(plan)
+            start = time.perf_counter()
+            result = self.runner.execute(plan)
+            return dataclasses.replace(result, step_time_s=time.perf_counter() - start)
         except Exception as exc:  # one bad step fails its requests, not the worker
             logger.error("step %d failed: %s", plan.step_id, traceback.format_exc())
             return StepResult(step_id=plan.step_id, worker_id=self.spec.index, request_ids=[],

@@ -71,6 +71,9 @@ class RequestRecord:
     'chunks' (one token per text chunk: exact only for servers that stream per token)."""
     prompt_tokens: int = 0
     prompt_tokens_source: str = "target"
+    output_text: str = ""
+    """The streamed text, when the caller asked to keep it (multi-turn: the next turn's
+    history)."""
 
 
 @dataclass
@@ -104,7 +107,8 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 
 async def send_request(client: httpx.AsyncClient, config: ClientConfig,
-                       request: BenchRequest, run_start: float) -> RequestRecord:
+                       request: BenchRequest, run_start: float,
+                       keep_text: bool = False) -> RequestRecord:
     """Stream one request; failures are recorded, never raised (cancellation excepted)."""
     start = time.perf_counter()
     record = RequestRecord(request.index, request.group, start_s=start - run_start,
@@ -126,6 +130,8 @@ async def send_request(client: httpx.AsyncClient, config: ClientConfig,
         record.error = str(exc)
         return record
     finish_record(record, state, time.perf_counter() - start, config.counter)
+    if keep_text:
+        record.output_text = "".join(state.texts)
     return record
 
 
@@ -244,13 +250,13 @@ async def run_requests(config: ClientConfig, requests: Sequence[BenchRequest],
                 progress.update(1)
 
             tasks = [asyncio.create_task(launch(r, o)) for r, o in zip(requests, pacing.offsets_s)]
-            interrupted = await _gather_until_sigint(tasks)
+            interrupted = await gather_until_sigint(tasks)
             duration_s = time.perf_counter() - run_start
     records.sort(key=lambda record: record.index)
     return RunResult(records, duration_s, interrupted)
 
 
-async def _gather_until_sigint(tasks: list[asyncio.Task[None]]) -> bool:
+async def gather_until_sigint(tasks: list[asyncio.Task[None]]) -> bool:
     """Wait for all tasks; the first SIGINT cancels them (a second one kills the process)."""
     loop = asyncio.get_running_loop()
     interrupted = False

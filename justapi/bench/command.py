@@ -5,7 +5,7 @@ latency CDF plot.
 
 Owns: the flags (one BenchOptions, each default written once there), planning a run, exit
 codes and where output goes. Does not own: HTTP/SSE and timing (client.py), workloads
-(workloads.py), statistics and formats (report.py). See docs/bench.md.
+(workloads.py, conversations.py), statistics and formats (report.py). See docs/bench.md.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import click
 
 from justapi.bench.client import (DEFAULT_BASE_URL, ENDPOINT_PATHS, BenchError, ClientConfig,
                                   Pacing, RunResult, resolve_model, run_requests)
+from justapi.bench.conversations import Conversation, build_conversations, run_conversations
 from justapi.bench.report import (bench_json, error_counts, format_summary, plot_cdf,
                                   require_matplotlib)
 from justapi.bench.workloads import (LENGTH_DISTRIBUTIONS, WORKLOADS, BenchRequest,
@@ -32,7 +33,7 @@ EXIT_OK, EXIT_ALL_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 # Per-workload defaults: (num_requests, concurrency); None concurrency = no cap.
 WORKLOAD_DEFAULTS: dict[str, tuple[int, int | None]] = {
     "batch": (64, 16), "shared-prefix": (64, 16), "single": (8, 1), "mixed": (64, 16),
-    "long-burst": (24, None)}
+    "long-burst": (24, None), "copy": (2, 1), "multi-turn": (16, 16)}
 EPILOG = """\b
 workload defaults (requests, concurrency):
   batch 64, 16          ~128-token prompts, 128 output tokens
@@ -42,6 +43,10 @@ workload defaults (requests, concurrency):
                         uniform, or log-uniform: long-tailed, most outputs short)
   long-burst 24, none   8 streams decode 256 tokens from t=0 while bursts of 4
                         ~1500-token prompts arrive every 2 s (ITL reported per group)
+  copy 2, 1             repeat a ~300-token passage the prompt holds (300 output tokens)
+  multi-turn 16, 16     16 conversations of --turns (4) turns: ~512-token context, then
+                        each turn the transcript + a ~32-token question, 64 output
+                        tokens (TTFT reported for turn 1 and turns 2+)
 
 \b
 examples:
@@ -73,6 +78,7 @@ class BenchOptions:
     decode_streams: int = 8
     burst_size: int = 4
     burst_interval_s: float = 2.0
+    turns: int = 4
     timeout_s: float = 600.0
     json: str | None = None
     plot: str | None = None
@@ -88,6 +94,8 @@ class RunPlan:
     pacing: Pacing
     settings: dict[str, Any]
     """The flags' values, echoed into the JSON report."""
+    conversations: list[Conversation] | None = None
+    """multi-turn: what to run instead of `requests`."""
 
 
 def plan_run(options: BenchOptions) -> RunPlan:
@@ -98,12 +106,17 @@ def plan_run(options: BenchOptions) -> RunPlan:
     workload = WorkloadOptions(
         options.workload, num_requests, options.seed, options.max_tokens, options.prompt_tokens,
         options.decode_streams, options.burst_size, options.burst_interval_s,
-        length_dist=options.length_dist)
+        length_dist=options.length_dist, turns=options.turns)
     sizer: PromptSizer = EstimateSizer()
     counter: TokenizerSizer | None = None
     if options.tokenizer_gguf:
         sizer = counter = load_tokenizer_sizer(options.tokenizer_gguf)
-    requests = build_workload(workload, sizer)
+    conversations = None
+    if options.workload == "multi-turn":
+        conversations = build_conversations(workload, sizer)
+        requests: list[BenchRequest] = []
+    else:
+        requests = build_workload(workload, sizer)
     if options.request_rate is not None:
         offsets: list[float | None] = list(
             poisson_arrivals(len(requests), options.request_rate, options.seed))
@@ -112,8 +125,8 @@ def plan_run(options: BenchOptions) -> RunPlan:
     client = ClientConfig(options.base_url, options.endpoint, options.model, options.api_key,
                           options.ignore_eos, options.temperature, options.timeout_s, counter)
     settings = {k: v for k, v in dataclasses.asdict(options).items() if k != "api_key"}
-    settings.update(num_requests=len(requests), concurrency=concurrency)
-    return RunPlan(client, requests, Pacing(offsets, concurrency), settings)
+    settings.update(num_requests=len(conversations or requests), concurrency=concurrency)
+    return RunPlan(client, requests, Pacing(offsets, concurrency), settings, conversations)
 
 
 def _concurrency(options: BenchOptions) -> int | None:
@@ -125,8 +138,8 @@ def _concurrency(options: BenchOptions) -> int | None:
         if concurrency not in (None, 1) or options.request_rate is not None:
             raise ValueError("--workload single sends one stream at a time: "
                              "drop --concurrency/--request-rate")
-    elif options.workload == "long-burst" and options.request_rate is not None:
-        raise ValueError("--workload long-burst sets its own arrival times: "
+    elif options.workload in ("long-burst", "multi-turn") and options.request_rate is not None:
+        raise ValueError(f"--workload {options.workload} sets its own arrival times: "
                          "drop --request-rate")
     if concurrency is None and options.request_rate is None:
         concurrency = WORKLOAD_DEFAULTS[options.workload][1]
@@ -137,6 +150,9 @@ async def execute(plan: RunPlan, show_progress: bool) -> tuple[str | None, RunRe
     """Check the server, pick the model, then run the workload."""
     model = await resolve_model(plan.client)
     client = replace(plan.client, model=model)
+    if plan.conversations is not None:
+        return model, await run_conversations(client, plan.conversations,
+                                              plan.pacing.concurrency, show_progress)
     return model, await run_requests(client, plan.requests, plan.pacing, show_progress)
 
 
@@ -194,14 +210,16 @@ def bench() -> None:
 @click.option("--api-key", envvar="OPENAI_API_KEY", help="Bearer token (default: $OPENAI_API_KEY).")
 @click.option("--workload", type=click.Choice(WORKLOADS), default=DEFAULTS.workload,
               show_default=True)
-@click.option("--num-requests", type=int, help="Requests to send (default: per workload).")
+@click.option("--num-requests", type=int,
+              help="Requests to send (multi-turn: conversations; default: per workload).")
 @click.option("--concurrency", type=int, help="Max requests in flight (default: per workload).")
 @click.option("--request-rate", type=float, help="Poisson arrivals, requests/s (seeded).")
 @click.option("--max-tokens", type=int, help="Output tokens (mixed: upper bound of 16..N).")
 @click.option("--length-dist", type=click.Choice(LENGTH_DISTRIBUTIONS),
               default=DEFAULTS.length_dist, show_default=True,
               help="mixed: output lengths uniform or log-uniform in 16..N.")
-@click.option("--prompt-tokens", type=int, help="Prompt size (shared-prefix: the prefix).")
+@click.option("--prompt-tokens", type=int, help="Prompt size (shared-prefix: the prefix; copy: "
+              "the passage; multi-turn: the first turn's context).")
 @click.option("--ignore-eos", is_flag=True, help="Send ignore_eos: exact output lengths.")
 @click.option("--temperature", type=float, default=DEFAULTS.temperature, show_default=True,
               help="Sampling temperature.")
@@ -214,6 +232,8 @@ def bench() -> None:
               help="long-burst: prompts per burst.")
 @click.option("--burst-interval-s", type=float, default=DEFAULTS.burst_interval_s,
               show_default=True, help="long-burst: seconds between bursts.")
+@click.option("--turns", type=int, default=DEFAULTS.turns, show_default=True,
+              help="multi-turn: turns per conversation.")
 @click.option("--timeout-s", type=float, default=DEFAULTS.timeout_s, show_default=True,
               help="Per-request read timeout.")
 @click.option("--json", metavar="FILE", help="Write all figures and per-request records.")

@@ -1,7 +1,8 @@
 """Seeded benchmark workloads for `justapi bench serve`: prompts, output lengths, arrival times.
 
 Owns: deterministic pseudo-text from word lists, prompt sizing (a tokens-per-word estimate,
-or exact sizing with a GGUF's tokenizer), the five workload shapes and Poisson arrivals.
+or exact sizing with a GGUF's tokenizer), the workload shapes and Poisson arrivals (multi-turn
+conversations: conversations.py).
 Does not own: HTTP, timing or statistics (client.py, report.py).
 """
 from __future__ import annotations
@@ -11,7 +12,8 @@ import random
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-WORKLOADS = ("batch", "shared-prefix", "single", "mixed", "long-burst")
+WORKLOADS = ("batch", "shared-prefix", "single", "mixed", "long-burst", "copy", "multi-turn")
+COPY_PROMPT = "Repeat the following passage word for word:\n\n{}\n"
 LENGTH_DISTRIBUTIONS = ("uniform", "log-uniform")
 """mixed: how output lengths spread over 16..N. log-uniform is long-tailed like real chat
 outputs (most short, a few long): a static batch then waits on its longest member longer."""
@@ -141,6 +143,8 @@ class WorkloadOptions:
     """long-burst: time between bursts (the first one comes after half of it)."""
     length_dist: str = "uniform"
     """mixed: one of LENGTH_DISTRIBUTIONS."""
+    turns: int = 4
+    """multi-turn: turns per conversation (num_requests counts conversations)."""
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
@@ -148,7 +152,7 @@ class WorkloadOptions:
         if self.length_dist not in LENGTH_DISTRIBUTIONS:
             raise ValueError(f"unknown length distribution {self.length_dist!r}; choose one "
                              f"of {LENGTH_DISTRIBUTIONS}")
-        for field in ("num_requests", "decode_streams", "burst_size"):
+        for field in ("num_requests", "decode_streams", "burst_size", "turns"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field} must be >= 1, got {getattr(self, field)}")
         for field in ("max_tokens", "prompt_tokens"):
@@ -166,7 +170,9 @@ def build_workload(options: WorkloadOptions, sizer: PromptSizer) -> list[BenchRe
     """The requests of `options.name`, identical for identical options and seed."""
     rng = random.Random(options.seed)
     builders = {"batch": _uniform, "single": _uniform, "shared-prefix": _shared_prefix,
-                "mixed": _mixed, "long-burst": _long_burst}
+                "mixed": _mixed, "long-burst": _long_burst, "copy": _copy}
+    if options.name == "multi-turn":
+        raise ValueError("multi-turn builds conversations (conversations.py), not requests")
     return builders[options.name](options, sizer, rng)
 
 
@@ -222,6 +228,15 @@ def _long_burst(options: WorkloadOptions, sizer: PromptSizer,
         requests.append(BenchRequest(len(requests), sizer.make_text(rng, burst_tokens),
                                      burst_tokens, 16, group="burst", arrival_s=arrival_s))
     return requests
+
+
+def _copy(options: WorkloadOptions, sizer: PromptSizer,
+          rng: random.Random) -> list[BenchRequest]:
+    """Input-grounded: each prompt holds a passage (~300 tokens) and asks for it back."""
+    passage_tokens = options.prompt_tokens or 300
+    max_tokens = options.max_tokens or passage_tokens
+    return [BenchRequest(i, COPY_PROMPT.format(sizer.make_text(rng, passage_tokens)),
+                         passage_tokens + 12, max_tokens) for i in range(options.num_requests)]
 
 
 def poisson_arrivals(num_requests: int, request_rate: float, seed: int) -> list[float]:

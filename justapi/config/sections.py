@@ -58,6 +58,11 @@ class SchedulerConfig:
                                   "(chunked prefill).")
     max_batched_tokens: int = option(2048, "Token budget of one step (all requests' chunks "
                                            "together).")
+    itl_target_ms: float = option(
+        -1.0, "Stall-free batching: a step that decodes carries prefill chunks only up to this "
+              "step time, from the worker's measured step costs; prefills go fewest remaining "
+              "tokens first. -1 (auto): prefill up to 5x the step's decode time; 0: off (every "
+              "step takes max-batched-tokens, oldest prefill first).")
     policy: str = option("fcfs", "Waiting-queue order: fcfs, priority, or lpm (longest cached "
                                  "prefix first).", choices=POLICIES)
     scheduled: bool = option(True, "Continuous batching; --no-scheduled: static batching (a "
@@ -84,6 +89,9 @@ class SchedulerConfig:
         check_choice(self.policy, "policy", POLICIES)
         check_bool(self.scheduled, "scheduled")
         check_bool(self.overlap, "overlap")
+        check_number(self.itl_target_ms, "itl-target-ms", low=-1.0)
+        require(self.itl_target_ms == -1 or self.itl_target_ms >= 0, "itl-target-ms must be -1 "
+                f"(auto), 0 (off) or a number of milliseconds > 0, got {self.itl_target_ms!r}")
         check_number(self.route_balance_rel, "route-balance-rel", low=1.0)
 
 

@@ -1,7 +1,8 @@
 """One step for one worker while it is being chosen: budgets, chunks, and the StepPlan.
 
 Budgets (SchedulerConfig): max_seqs sequences, max_decode decoding and max_prefill
-prefilling ones, chunk_size tokens per prefill chunk, max_batched_tokens in all.
+prefilling ones, chunk_size tokens per prefill chunk, max_batched_tokens in all; with decodes
+in the step, prefill chunks also share a time allowance (limit_prefill, step_budget.py).
 Chunks are kept as columns (one entry per sequence, plan order), like the plan itself.
 Block ids in the plan are relative to the worker's pool (global id - BlockPool.base(pool)),
 i.e. the index of the block in that device's KV tensor:
@@ -23,6 +24,7 @@ import numpy as np
 
 from justapi.config.sections import SchedulerConfig
 from justapi.scheduler.request import Request
+from justapi.scheduler.step_cost import StepCost, StepFeatures, context_reads
 from justapi.wire.protocol import PLACEHOLDER_TOKEN, NewRequest, StepPlan
 
 
@@ -44,6 +46,9 @@ class StepBatch:
         self.num_prefill = 0
         self.num_decode = 0
         self.new_requests: dict[str, Request] = {}
+        self.unseen_request_ids: set[str] = set()  # admitted here, the worker has no state of
+        self.cost: StepCost | None = None  # set with a prefill allowance (limit_prefill)
+        self.prefill_allowance_s = 0.0
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -59,14 +64,38 @@ class StepBatch:
     @property
     def has_prefill_room(self) -> bool:
         return (self.num_prefill < self.config.max_prefill
-                and len(self.reqs) < self.config.max_seqs and self.budget_tokens > 0)
+                and len(self.reqs) < self.config.max_seqs and self.budget_tokens > 0
+                and (self.cost is None or self.prefill_allowance_s > 0))
+
+    def limit_prefill(self, cost: StepCost, allowance_s: float) -> None:
+        """From now on prefill chunks share allowance_s seconds of the step (as `cost` prices
+        them); the first chunk gets at least one token."""
+        self.cost = cost
+        self.prefill_allowance_s = allowance_s
 
     def chunk_len(self, req: Request, is_prefill: bool) -> int:
         """How many of the tokens the request wants fit this step."""
         want = len(req.token_ids) + len(req.draft_token_ids) - req.num_computed_tokens
-        if is_prefill:
-            return min(want, self.config.chunk_size, self.budget_tokens)
-        return min(want, self.budget_tokens)
+        if not is_prefill:
+            return min(want, self.budget_tokens)
+        num_tokens = min(want, self.config.chunk_size, self.budget_tokens)
+        if self.cost is not None:
+            within = self.cost.tokens_within(self.prefill_allowance_s, req.num_computed_tokens)
+            num_tokens = min(num_tokens, max(1, within))
+        return num_tokens
+
+    def features(self, decodes_only: bool = False) -> StepFeatures:
+        """The step (or its decodes) in the cost formula's terms (step_cost.py)."""
+        prefill = decode = reads = 0
+        for start, n, is_prefill in zip(self.starts, self.num_tokens, self.is_prefill):
+            if is_prefill and decodes_only:
+                continue
+            if is_prefill:
+                prefill += n
+            else:
+                decode += n
+            reads += context_reads(start, n)
+        return StepFeatures(prefill, decode, reads)
 
     def add(self, req: Request, num_tokens: int, is_prefill: bool) -> None:
         start = req.num_computed_tokens
@@ -82,6 +111,8 @@ class StepBatch:
         self.budget_tokens -= num_tokens
         if is_prefill:
             self.num_prefill += 1
+            if self.cost is not None:
+                self.prefill_allowance_s -= self.cost.chunk_s(start, num_tokens)
         else:
             self.num_decode += 1
 
@@ -113,6 +144,8 @@ class StepBatch:
         self.budget_tokens += self.num_tokens[i]
         if self.is_prefill[i]:
             self.num_prefill -= 1
+            if self.cost is not None:
+                self.prefill_allowance_s += self.cost.chunk_s(self.starts[i], self.num_tokens[i])
         else:
             self.num_decode -= 1
         for column in (self.reqs, self.starts, self.num_tokens, self.num_drafts, self.is_sampled,

@@ -10,6 +10,9 @@ Continuous (`scheduled=True`), decode-first like vLLM's "running before waiting"
 With overlap (overlap.py) the worker's current step is still in flight: its requests join the
 next step when can_plan_ahead allows (a sampled one with a placeholder token), and one that
 cannot get blocks waits for its step to land instead of being preempted.
+With the step budget on (step_budget.py), a step that decodes gives its prefill chunks a
+time allowance from the worker's measured step cost, and 2 and 3 merge: prefills go fewest
+remaining tokens first (aged), the next admission candidate taking its turn by the same rank.
 Static (`scheduled=False`): when a worker has nothing running it admits a whole batch (each
 request with blocks reserved for its full length, so it is never preempted); no request
 joins until every one of them has finished.
@@ -23,11 +26,14 @@ Owns: those choices. Does not own: the state they change (SchedulerState), budge
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from justapi.scheduler.batch import StepBatch
 from justapi.scheduler.overlap import can_plan_ahead
 from justapi.scheduler.policy import AdmissionOrder, choose_victim, has_newer_holder
 from justapi.scheduler.request import Request, RequestStatus
 from justapi.scheduler.state import SchedulerState
+from justapi.scheduler.step_budget import StepBudget, prefill_rank
 from justapi.scheduler.worker_state import WorkerState
 
 RUNNING = RequestStatus.RUNNING
@@ -41,6 +47,7 @@ class StepPlanner:
         self.config = state.config
         self.kv = state.kv
         self.order = AdmissionOrder(state.config, state.kv)
+        self.budget = StepBudget(state.config.itl_target_ms)
         self._prefill_propose = 0  # draft-model tokens a prompt finishing this step asks for
 
     def plan(self, worker: WorkerState) -> StepBatch:
@@ -51,13 +58,20 @@ class StepPlanner:
         admits = self.state.admits(worker)  # draining or PD decode: only runs what it has
         if admits and not self.config.scheduled and not worker.running:
             self._admit_static(worker, batch)
-        self._schedule_running(worker, batch)
-        if admits and self.config.scheduled:
+        prefills = self._schedule_decodes(worker, batch)
+        admits = admits and self.config.scheduled
+        if self.budget.is_enabled:
+            self._limit_prefill(worker, batch)
+            self._prefill_shortest_first(worker, batch, prefills, admits)
+            return batch
+        self._schedule_prefills(worker, batch, prefills)
+        if admits:
             self._admit(worker, batch)
         return batch
 
     # ------------------------------------------------------------------ running requests
-    def _schedule_running(self, worker: WorkerState, batch: StepBatch) -> None:
+    def _schedule_decodes(self, worker: WorkerState, batch: StepBatch) -> list[Request]:
+        """Schedule the worker's decodes; return its running prefills (not yet scheduled)."""
         prefills: list[Request] = []
         is_capped = False
         bs = self.state.block_size
@@ -93,12 +107,20 @@ class StepPlanner:
             for req in batch.reqs:
                 if worker.running.pop(req.request_id, None) is not None:
                     worker.running[req.request_id] = req
+        return prefills
+
+    def _schedule_prefills(self, worker: WorkerState, batch: StepBatch,
+                           prefills: list[Request]) -> None:
+        """Running prefills / recomputes, oldest first."""
         prefills.sort(key=lambda r: r.sort_key)
         for req in prefills:
             if not batch.has_prefill_room:
                 break
-            if req.status is RUNNING and req.worker_id == worker.worker_id:
-                self._schedule(req, batch, is_prefill=True)
+            self._schedule_prefill(req, worker, batch)
+
+    def _schedule_prefill(self, req: Request, worker: WorkerState, batch: StepBatch) -> None:
+        if req.status is RUNNING and req.worker_id == worker.worker_id:  # not preempted since
+            self._schedule(req, batch, is_prefill=True)
 
     def _schedule(self, req: Request, batch: StepBatch, is_prefill: bool) -> bool:
         num_tokens = batch.chunk_len(req, is_prefill)
@@ -179,12 +201,59 @@ class StepPlanner:
             self.state.reservations[req.pool_id] = req
 
     def _preempt(self, req: Request, batch: StepBatch) -> None:
+        worker = self.state.workers.get(req.worker_id)  # None for a handed-off request
         if req in batch:
             batch.remove(req)
         self.state.preempt(req)
+        if worker is not None and req.request_id in batch.unseen_request_ids:
+            worker.pending_drops.pop(req.request_id, None)  # admitted in this plan: never sent
+
+    # ------------------------------------------------------------------ step budget
+    def _limit_prefill(self, worker: WorkerState, batch: StepBatch) -> None:
+        """With decodes in the step and the worker's cost known: the prefill time allowance."""
+        cost = self.budget.cost(worker.worker_id) if batch.num_decode else None
+        if cost is not None:
+            decodes = batch.features(decodes_only=True)
+            batch.limit_prefill(cost, self.budget.allowance_s(cost, decodes))
+
+    def _prefill_shortest_first(self, worker: WorkerState, batch: StepBatch,
+                                prefills: list[Request], admits: bool) -> None:
+        """Running prefills by prefill_rank, the next admission candidate merged in by its
+        own rank (its remaining tokens after the cached prefix); admissions stay in queue
+        order and head-of-line."""
+        step_id = self.state.step_id
+        prefills.sort(key=lambda r: (prefill_rank(r.num_tokens_wanted, step_id - r.enqueued_step),
+                                     r.sort_key))
+        admissions = self._admissions(worker, batch) if admits else iter(())
+        candidate, rank = self._next_candidate(admissions)
+        i = 0
+        while batch.has_prefill_room and (candidate is not None or i < len(prefills)):
+            if candidate is not None and (i == len(prefills) or rank < prefill_rank(
+                    prefills[i].num_tokens_wanted, step_id - prefills[i].enqueued_step)):
+                if not self._admit_one(candidate, worker, batch):
+                    admissions = iter(())  # head of line: the rest wait behind it
+                candidate, rank = self._next_candidate(admissions)
+            else:
+                self._schedule_prefill(prefills[i], worker, batch)
+                i += 1
+
+    def _next_candidate(self, admissions: Iterator[Request]) -> tuple[Request | None, float]:
+        req = next(admissions, None)
+        if req is None:
+            return None, 0.0
+        cached = self.kv.probe(req.pool_id, req.token_bytes(), req.cache_salt, req.num_tokens)
+        remaining = req.num_tokens - cached * self.state.block_size
+        return req, prefill_rank(remaining, self.state.step_id - req.enqueued_step)
 
     # ------------------------------------------------------------------ admissions
     def _admit(self, worker: WorkerState, batch: StepBatch) -> None:
+        for req in self._admissions(worker, batch):
+            if not self._admit_one(req, worker, batch):
+                return
+
+    def _admissions(self, worker: WorkerState, batch: StepBatch) -> Iterator[Request]:
+        """Waiting requests in policy order while the worker may take more; the caller admits
+        each (or stops: a candidate not taken ends the order)."""
         queue = self.state.queues[worker.pool_id]
         max_seqs = self.config.max_seqs
         if not len(queue) or len(worker.running) >= max_seqs or not batch.has_prefill_room:
@@ -196,14 +265,19 @@ class StepPlanner:
         for req in self.order.candidates(queue, worker.pool_id, self.state.step_id):
             if (len(worker.running) >= min(max_seqs, share) or not batch.has_prefill_room):
                 return
-            hit = self.kv.match_prefix(req)
-            num_tokens = batch.chunk_len(req, is_prefill=True)
-            if not self.allocate(req, req.num_computed_tokens + num_tokens):
-                self.kv.free(req)
-                return
-            self._admitted(req, worker, batch, hit)
-            batch.add(req, num_tokens, is_prefill=True)
-            self._lookahead(req, batch, self._prefill_propose)
+            yield req
+
+    def _admit_one(self, req: Request, worker: WorkerState, batch: StepBatch) -> bool:
+        """Admit req with its first chunk; False (nothing held) when its blocks do not fit."""
+        hit = self.kv.match_prefix(req)
+        num_tokens = batch.chunk_len(req, is_prefill=True)
+        if not self.allocate(req, req.num_computed_tokens + num_tokens):
+            self.kv.free(req)
+            return False
+        self._admitted(req, worker, batch, hit)
+        batch.add(req, num_tokens, is_prefill=True)
+        self._lookahead(req, batch, self._prefill_propose)
+        return True
 
     def _admit_static(self, worker: WorkerState, batch: StepBatch) -> None:
         queue = self.state.queues[worker.pool_id]
@@ -220,5 +294,7 @@ class StepPlanner:
         self.kv.record_lookup(req, hit)
         if not req.has_reported:
             req.num_cached_tokens = hit * self.state.block_size
+        if req.request_id not in worker.pending_drops:  # else it holds stale state to drop
+            batch.unseen_request_ids.add(req.request_id)
         self.state.admit(req, worker)
         batch.new_requests[req.request_id] = req

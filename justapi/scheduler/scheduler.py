@@ -242,10 +242,14 @@ class Scheduler:
         sampled = [req.request_id for req, s in zip(batch.reqs, batch.is_sampled) if s]
         worker.in_flight.append(InFlightStep(step_id, batch.reqs, batch.num_drafts,
                                              batch.is_sampled, sampled, ends))
+        if self.planner.budget.is_enabled:
+            self.planner.budget.dispatched(worker.worker_id, step_id, batch.features())
         return plan
 
     def update(self, result: StepResult) -> TokenDeltas:
-        """Apply a worker's result; returns the step's coalesced deltas (maybe empty)."""
+        """Apply a worker's result; returns the step's coalesced deltas (maybe empty). Its
+        step time feeds the worker's step-cost fit (step_budget.py)."""
+        self.planner.budget.observe(result.worker_id, result.step_id, result.step_time_s)
         return self.results.apply(result)
 
     def copy_done(self, ack: BlocksCopied) -> TokenDeltas:
@@ -364,6 +368,7 @@ class Scheduler:
         out.update(self.imports.stats())
         if self.state.structured is not None:
             out.update(self.state.structured.stats())
+        out.update(self.planner.budget.stats())
         return out
 
     def worker_roles(self) -> dict[int, str]:

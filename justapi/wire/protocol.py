@@ -240,6 +240,7 @@ class StepResult:
     num_proposed: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [num_seqs] or []
     proposed_token_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum]
     proposed_parents: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum] or []
+    step_time_s: float = 0.0  # the worker's time on the step (0: not measured): step costs
 
     def __post_init__(self) -> None:
         if len(self.num_sampled) != len(self.request_ids):

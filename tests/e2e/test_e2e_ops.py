@@ -172,6 +172,9 @@ def test_bench_serve_against_the_live_server(pool, tmp_path):
     assert ttft_p50 == f"{summary['ttft_ms']['p50']:.2f}"
     wait_for(lambda: status().stats["num_generated_tokens"] >= before + 6 * 8,
              "the server to count the generated tokens")
+    stats = status().stats  # the workers report their step times; the scheduler fits them
+    assert any(stats.get(f"worker_{w}_step_fixed_s", 0) + 16 * stats.get(
+        f"worker_{w}_step_prefill_token_s", 0) > 0 for w in (0, 1))
     if has_matplotlib:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator, Sequence
 
@@ -31,6 +31,7 @@ from justapi.bench import client as bench_client
 from justapi.bench import command as bench
 from justapi.bench import report
 from justapi.bench import workloads as bench_workloads
+from justapi.bench.conversations import build_conversations
 
 CHUNK_TEXTS = ["Hello", " wor", "ld", "!"]  # 4 text chunks ...
 USAGE_TOKENS = 6                              # ... carrying 6 tokens (some chunks hold 2)
@@ -249,7 +250,7 @@ def test_summary_figures_from_known_records() -> None:
 # ---------------------------------------------------------------- workloads
 def test_workloads_are_deterministic_for_a_seed() -> None:
     sizer = bench_workloads.EstimateSizer()
-    for name in bench_workloads.WORKLOADS:
+    for name in set(bench_workloads.WORKLOADS) - {"multi-turn"}:  # (conversations: below)
         options = bench_workloads.WorkloadOptions(name, num_requests=12, seed=7,
                                                   decode_streams=4)
         first = bench_workloads.build_workload(options, sizer)
@@ -259,6 +260,11 @@ def test_workloads_are_deterministic_for_a_seed() -> None:
         assert len({r.prompt for r in first}) == 12  # every prompt differs
     arrivals = bench_workloads.poisson_arrivals
     assert arrivals(5, 2.0, seed=1) == arrivals(5, 2.0, seed=1) != arrivals(5, 2.0, seed=2)
+    talks = bench_workloads.WorkloadOptions("multi-turn", num_requests=3, seed=7, turns=2)
+    first = build_conversations(talks, sizer)
+    assert first == build_conversations(talks, sizer) != build_conversations(
+        replace(talks, seed=8), sizer)
+    assert len({c.context for c in first}) == 3 and all(len(c.questions) == 2 for c in first)
 
 
 def test_workload_shapes() -> None:
@@ -288,6 +294,13 @@ def test_workload_shapes() -> None:
     assert [r.group for r in burst] == ["decode"] * 2 + ["burst"] * 8
     assert [r.arrival_s for r in burst] == [0.0, 0.0] + [1.0] * 4 + [3.0] * 4
     assert all(r.prompt_tokens == 1500 and r.max_tokens == 16 for r in burst[2:])
+    copies = build(options("copy", num_requests=2), sizer)
+    assert all(r.prompt.startswith("Repeat the following passage word for word:\n\n")
+               and r.max_tokens == 300 for r in copies)
+    passage = copies[0].prompt.split("\n\n", 1)[1]
+    assert len(passage.split()) == round(300 / bench_workloads.TOKENS_PER_WORD)
+    with pytest.raises(ValueError, match="multi-turn builds conversations"):
+        build(options("multi-turn"), sizer)
     with pytest.raises(ValueError, match="nope"):
         options("nope")
     with pytest.raises(ValueError, match="decode_streams"):
@@ -356,6 +369,30 @@ def test_main_writes_json_and_plot(fake: FakeServer, tmp_path: Path) -> None:
     assert fake.behaviour.bodies[0]["model"] == "fake-model"
     if has_matplotlib:
         assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_multi_turn_sends_each_turn_with_the_transcript(fake: FakeServer, tmp_path: Path) -> None:
+    json_path = tmp_path / "turns.json"
+    result = bench_serve("--base-url", fake.base_url, "--workload", "multi-turn",
+                         "--num-requests", "2", "--turns", "3", "--prompt-tokens", "20",
+                         "--max-tokens", "8", "--json", str(json_path))
+    assert result.exit_code == bench.EXIT_OK, result.output
+    assert "group turn-1 (2 ok)" in result.stdout and "group turns-2+ (4 ok)" in result.stdout
+    prompts = [body["prompt"] for body in fake.behaviour.bodies]
+    assert len(prompts) == 6 and all(p.endswith("\nAssistant:") for p in prompts)
+    answer = "".join(CHUNK_TEXTS)
+    for prompt in prompts:  # a later turn = an earlier turn's prompt + the answer + a question
+        if prompt.count("User: ") > 1:
+            earlier = prompt.rsplit("User: ", 1)[0]
+            assert earlier.endswith(answer + "\n") and earlier[:-len(answer) - 1] in prompts
+    assert sum(p.count("User: ") == 3 for p in prompts) == 2
+    written = json.loads(json_path.read_text())
+    assert written["config"]["num_requests"] == 2 and written["config"]["turns"] == 3
+    assert sorted(r["index"] for r in written["requests"]) == list(range(6))
+    assert all(r["output_text"] == answer for r in written["requests"])
+    rejected = bench_serve("--base-url", fake.base_url, "--workload", "multi-turn",
+                           "--request-rate", "2")
+    assert rejected.exit_code == bench.EXIT_USAGE and "drop --request-rate" in rejected.output
 
 
 def test_unreachable_server_fails_with_one_line() -> None:

@@ -62,7 +62,7 @@ MESSAGES = [
     StepResult(step_id=9, worker_id=1, request_ids=["a", "b"], num_sampled=_i32([1, 2]),
                sampled_token_ids=_i32([5, 6, 7]), logprobs=np.zeros(3, np.float32),
                top_logprob_ids=np.full((3, 2), -1, np.int32),
-               top_logprobs=np.zeros((3, 2), np.float32)),
+               top_logprobs=np.zeros((3, 2), np.float32), step_time_s=0.0625),
     CopyBlocks(copy_id=1, src_pool=0, src_block_ids=_i32([1, 2]), dst_block_ids=_i32([3, 4])),
     Shutdown("bye"),
     Ready(worker_id=0, pid=123, model_name="m", vocab_size=100, max_context=64, pool=POOL),

@@ -15,6 +15,7 @@ SCENARIOS = {
     "engine": "model runtime steps vs the matmul bound (in-process, torch)",
     "serve": "configurations of `justapi serve` side by side (continuous/static, cache, overhead)",
     "pd": "PD disaggregation vs colocated workers on the long-burst workload",
+    "peer": "the same streaming workloads against justapi serve and llama-server (or a URL)",
     "spec": "speculative decoding: n-gram, trees, draft models, batch sweep (in-process)",
     "quant": "weight paths fp32 / bf16 / q4 / auto: speed, memory, perplexity (in-process)",
     "scheduler": "scheduler core step and prefix-cache match times (no model)",

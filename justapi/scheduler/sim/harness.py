@@ -17,6 +17,7 @@ from justapi.config.spec import SpecConfig
 from justapi.sampling import SamplingParams
 from justapi.scheduler.pd.scheduler import PdScheduler
 from justapi.scheduler.scheduler import Scheduler, WorkerOrder
+from justapi.scheduler.sim.cost_model import StepCostModel
 from justapi.scheduler.sim.fake_model import FakeKvStore
 from justapi.scheduler.sim.fake_worker import FakeWorker, Proposer
 from justapi.scheduler.topology import ModelLimits, Topology
@@ -28,8 +29,11 @@ GRAMMAR_WAIT_S = 0.05
 
 class Harness:
     def __init__(self, scheduler: Scheduler, vocab_size: int = 64,
-                 check_invariants: bool = True, proposer: Proposer | None = None) -> None:
+                 check_invariants: bool = True, proposer: Proposer | None = None,
+                 step_cost: StepCostModel | None = None) -> None:
+        """step_cost: results report its time for their plan, as real workers report theirs."""
         self.scheduler = scheduler
+        self.step_cost = step_cost
         self.vocab_size = vocab_size
         self.check_invariants = check_invariants
         state = scheduler.state
@@ -71,7 +75,10 @@ class Harness:
             ack = worker.copy_blocks(plan, self.stores[plan.src_pool])
             deltas = self.scheduler.copy_done(ack)
         else:
-            deltas = self.scheduler.update(worker.execute(plan))
+            result = worker.execute(plan)
+            if self.step_cost is not None:
+                result = dataclasses.replace(result, step_time_s=self.step_cost.step_time_s(plan))
+            deltas = self.scheduler.update(result)
         self.record(deltas)
         self._check()
         return deltas

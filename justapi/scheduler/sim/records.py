@@ -30,6 +30,7 @@ class RequestRecord:
     finish_reason: str = ""
     error: str = ""
     num_cached_tokens: int = 0
+    token_times_s: list[float] = field(default_factory=list)  # one per delta that had tokens
 
     def scheduled(self, now_s: float, step: int) -> None:
         if self.first_scheduled_s is None:
@@ -38,6 +39,8 @@ class RequestRecord:
     def add_tokens(self, tokens: list[int], now_s: float, step: int) -> None:
         if tokens and self.first_token_s is None:
             self.first_token_s, self.first_token_step = now_s, step
+        if tokens:
+            self.token_times_s.append(now_s)
         self.output.extend(tokens)
 
     def finish(self, now_s: float, step: int, reason: str, error: str = "") -> None:
@@ -59,6 +62,12 @@ class RequestRecord:
     @property
     def ttft_steps(self) -> int | None:
         return None if self.first_token_step is None else self.first_token_step - self.arrival_step
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Gaps between the deltas that brought tokens (what a streaming client sees)."""
+        times = self.token_times_s
+        return [later - earlier for earlier, later in zip(times, times[1:])]
 
     @property
     def tpot_s(self) -> float | None:

@@ -1,15 +1,17 @@
 """Replays a trace through the real Scheduler with fake workers on a modelled clock.
 
 Event loop: at time t, submit arrivals and due aborts, ask schedule() for plans, and deliver
-each one's result (executed on its FakeWorker then) at its start + cost(plan): a step starts
-at t, or when the worker's earlier step is done (overlap); a PD copy order is done at t + copy
-cost. Jump to the next event (arrival, abort, step or copy completion) and repeat. The scheduler's clock (tick) is the modelled time. Records per-request queue time,
+each one's result (executed on its FakeWorker then) at its start + cost(plan), reporting the
+cost as a real worker reports its step time: a step starts at t, or when the worker's earlier
+step is done (overlap); a PD copy order is done at t + copy cost. Jump to the next event
+(arrival, abort, step or copy completion) and repeat. The scheduler's clock (tick) is the modelled time. Records per-request queue time,
 TTFT and TPOT in modelled seconds and in steps (plans dispatched so far, all workers).
 Owns: the event loop and the records. Does not own: scheduling (Scheduler), checks of
 plans (FakeWorker), the cost formula (StepCostModel).
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -136,8 +138,10 @@ class Simulation:
             if isinstance(plan, CopyBlocks):
                 ack = worker.copy_blocks(plan, self.stores[plan.src_pool])
                 self._record(self.scheduler.copy_done(ack))  # type: ignore[attr-defined]
-            else:
-                self._record(self.scheduler.update(worker.execute(plan)))
+            else:  # the worker reports the modelled time, as a real one reports its own
+                result = dataclasses.replace(worker.execute(plan),
+                                             step_time_s=self.cost.step_time_s(plan))
+                self._record(self.scheduler.update(result))
             self._after_change()
 
     def _tick(self) -> None:

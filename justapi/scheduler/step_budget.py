@@ -1,0 +1,81 @@
+"""Stall-free batching (Sarathi-Serve's): how much prefill a step with decodes may carry, and
+in which order prefills go.
+
+A step that decodes streams takes their time (measured: step_cost.py) plus whatever prefill
+it carries, and every stream waits for the whole step. So with decodes in a step its prefill
+chunks get a time allowance, turned into tokens by the worker's fitted cost:
+  - `itl_target_ms` > 0: the step should take that long: allowance = target - decode time;
+  - auto (-1): allowance = PREFILL_PER_DECODE x the decode time, so a burst of long prompts
+    still gets 5/6 of each step (chunking costs its prefill ~20% at most) and a stream's
+    inter-token latency stays near 6 decode steps;
+  - either way at least MIN_PREFILL_PER_DECODE x the decode time, so prompts always progress.
+A step without decodes keeps max_batched_tokens (nobody is waiting on it for a token).
+Prefill order with the budget on: fewest remaining tokens first (a new conversation turn,
+mostly served from the prefix cache, goes ahead of long prompts), aged so that a prompt
+waiting PREFILL_AGING_STEPS steps ranks first whatever its length; ties: arrival order.
+Owns: these rules and the per-worker fits. Does not own: the chunks (StepBatch, planner.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from justapi.scheduler.step_cost import StepCost, StepCostFit, StepFeatures
+
+ITL_TARGET_AUTO = -1.0
+ITL_TARGET_OFF = 0.0
+PREFILL_PER_DECODE = 5.0  # auto: a step's prefill time per second of its decodes
+MIN_PREFILL_PER_DECODE = 0.25  # floor with a target that decodes alone exceed
+PREFILL_AGING_STEPS = 128
+
+
+def prefill_allowance_s(itl_target_s: float, decode_s: float) -> float:
+    """Seconds of prefill a step whose decodes take decode_s may add (itl_target_s < 0: auto)."""
+    if itl_target_s < 0:
+        return PREFILL_PER_DECODE * decode_s
+    return max(itl_target_s - decode_s, MIN_PREFILL_PER_DECODE * decode_s)
+
+
+def prefill_rank(remaining_tokens: int, waited_steps: int) -> float:
+    """Sort key of a prefill (smaller first): remaining tokens, shrinking linearly to 0 over
+    PREFILL_AGING_STEPS steps of waiting."""
+    age = min(max(waited_steps, 0), PREFILL_AGING_STEPS)
+    return remaining_tokens * (1.0 - age / PREFILL_AGING_STEPS)
+
+
+class StepBudget:
+    """Per-worker step-cost fits, fed by dispatched steps and the times their results report."""
+
+    def __init__(self, itl_target_ms: float) -> None:
+        self.is_enabled = itl_target_ms != ITL_TARGET_OFF
+        self.itl_target_s = itl_target_ms / 1000.0 if itl_target_ms > 0 else ITL_TARGET_AUTO
+        self._fits: dict[int, StepCostFit] = {}
+        self._in_flight: dict[int, tuple[int, StepFeatures]] = {}  # worker -> (step_id, features)
+
+    def dispatched(self, worker_id: int, step_id: int, features: StepFeatures) -> None:
+        if self.is_enabled:
+            self._in_flight[worker_id] = (step_id, features)
+
+    def observe(self, worker_id: int, step_id: int, time_s: float) -> None:
+        """A step's result came back after time_s of work on the worker (0: not measured)."""
+        sent = self._in_flight.pop(worker_id, None)
+        if sent is None or sent[0] != step_id or time_s <= 0:
+            return
+        self._fits.setdefault(worker_id, StepCostFit()).observe(sent[1], time_s)
+
+    def cost(self, worker_id: int) -> StepCost | None:
+        """The worker's fitted step cost; None while too few steps were measured."""
+        fit = self._fits.get(worker_id)
+        return fit.estimate() if fit is not None and self.is_enabled else None
+
+    def allowance_s(self, cost: StepCost, decodes: StepFeatures) -> float:
+        return prefill_allowance_s(self.itl_target_s, cost.step_s(decodes))
+
+    def stats(self) -> dict[str, float]:
+        """The fitted coefficients per worker: `worker_<id>_step_<coefficient>`."""
+        out: dict[str, float] = {}
+        for worker_id in self._fits:
+            cost = self.cost(worker_id)
+            if cost is not None:
+                for name, value in dataclasses.asdict(cost).items():
+                    out[f"worker_{worker_id}_step_{name}"] = value
+        return out
