@@ -12,6 +12,7 @@ verification (verify.py).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,11 +28,14 @@ from workers.spec.step import SpecContext, speculative_result, tree_layout
 from workers.spec.tree import TreeLayout
 from workers.spec.verify import Verifier
 
+if TYPE_CHECKING:  # imports Triton where installed: only GPU workers build StepGraphs
+    from workers.model.step_graphs import StepGraphs
+
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, backend: AttentionBackend,
                  sampler: Sampler | None = None, worker_id: int = 0,
-                 draft: DraftModel | None = None) -> None:
+                 draft: DraftModel | None = None, graphs: StepGraphs | None = None) -> None:
         if pool.shape.num_layers != model.params.num_layers:
             raise ValueError(f"KV pool has {pool.shape.num_layers} layers, model {model.params.num_layers}")
         self.model = model
@@ -42,6 +46,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.draft = draft  # speculative decoding's draft model (workers/spec/draft.py), if any
         self.verifier = Verifier(self.sampler)
+        self.graphs = graphs  # GPU: uniform steps replayed from captured graphs (step_graphs.py)
 
     @property
     def block_size(self) -> int:
@@ -85,6 +90,9 @@ class ModelRunner:
                                plan.num_blocks.astype(np.int64), plan.block_ids, self.block_size,
                                tree)
         with torch.inference_mode():
+            graphed = self.graphs.run(batch, plan.token_ids, logit_rows(plan)) if self.graphs else None
+            if graphed is not None:
+                return graphed
             meta = self.backend.prepare(batch)
             token_ids = torch.from_numpy(plan.token_ids.astype(np.int64)).to(self.model.device)
             kv_layers = [self.pool.layer(i) for i in range(self.pool.shape.num_layers)]

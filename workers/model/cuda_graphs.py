@@ -1,0 +1,71 @@
+"""CUDA graph capture for step_graphs.StepGraphs: each step function is warmed up on a side
+stream, then captured into a torch.cuda.CUDAGraph sharing one memory pool with the others
+(captured largest batch first, so smaller graphs fit in its memory).
+`build_step_graphs` makes a GPU runner's StepGraphs at start (with EagerCapture under
+`--no-cuda-graphs`: the same padded steps, launched one kernel at a time).
+Owns: the torch.cuda calls of capture and replay. Does not own: what is captured.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from workers.kv.pool import KVPool
+from workers.model.attention import AttentionBackend
+from workers.model.forward import LlamaModel
+from workers.model.paged_backend import TritonPagedBackend
+from workers.model.step_graphs import EagerCapture, GraphCapture, StepFn, StepGraphs, batch_buckets
+
+logger = logging.getLogger(__name__)
+
+
+class CudaGraphCapture:
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        torch.cuda.synchronize(self.device)
+        self._reserved_before = torch.cuda.memory_reserved(self.device)
+
+    def capture(self, fn: StepFn) -> StepFn:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # compile the kernels, settle the allocator
+            fn()
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        self.graphs.append(graph)
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+        return replay
+
+    def memory_bytes(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_reserved(self.device) - self._reserved_before
+
+
+def build_step_graphs(model: LlamaModel, pool: KVPool, backend: AttentionBackend, max_seqs: int,
+                      rows_per_seq: Sequence[int] = (1,), use_cuda_graphs: bool = True) -> StepGraphs | None:
+    """The runner's StepGraphs, captured now (None unless `backend` is the Triton one);
+    logs what capture took."""
+    if not isinstance(backend, TritonPagedBackend):
+        return None
+    capture: GraphCapture = EagerCapture()
+    if use_cuda_graphs and backend.device.type == "cuda":
+        capture = CudaGraphCapture(backend.device)
+    p = model.params
+    graphs = StepGraphs(model, [pool.layer(i) for i in range(p.num_layers)], backend, capture,
+                        batch_buckets(max_seqs), rows_per_seq,
+                        max_blocks_per_seq=-(-p.max_context // pool.shape.block_size))
+    with torch.inference_mode():
+        report = graphs.capture_all()
+    if isinstance(capture, CudaGraphCapture):
+        logger.info("%s", report.line())
+    return graphs
