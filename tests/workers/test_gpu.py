@@ -21,7 +21,7 @@ from justapi.sampling import SamplingParams
 from tests.support.reference_llama import ReferenceLlama
 from tools.harness import TINY_MODEL, ServedPool
 from workers.kv.pool import KVPool, PoolShape
-from workers.model.attention import make_backend
+from workers.model.backends import make_backend
 from workers.model.forward import LlamaModel
 from workers.runner import ModelRunner
 from workers.weights.gguf_loader import load_llama

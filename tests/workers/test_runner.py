@@ -15,7 +15,8 @@ from justapi.model.gguf_file import GGUFFile
 from justapi.sampling import SamplingParams
 from justapi.wire.protocol import NewRequest, StepPlan
 from workers.kv.pool import KVPool, PoolShape
-from workers.model.attention import TorchCpuBackend, make_backend
+from workers.model.attention import TorchCpuBackend
+from workers.model.backends import make_backend
 from workers.model.forward import LlamaModel
 from workers.runner import ModelRunner
 from workers.sampler import Sampler, SamplingRow, apply_penalties

@@ -301,15 +301,3 @@ def require_cuda(device: str = "cuda") -> None:
     index = torch.device(device).index or 0
     if index >= torch.cuda.device_count():
         raise RuntimeError(f"device {device!r} does not exist: {torch.cuda.device_count()} GPU(s) visible")
-
-
-def make_backend(device: str, block_size: int, heads: tuple[int, int, int] | None = None,
-                 gathered: bool = False) -> AttentionBackend:
-    """CPU: TorchCpuBackend. CUDA: the in-place Triton kernels (workers/model/paged_backend.py)
-    given the model's (num_heads, num_kv_heads, head_dim) and Triton, else (or `gathered`)
-    CudaBackend's gathered blocks."""
-    if torch.device(device).type != "cuda":
-        return TorchCpuBackend(block_size)
-    from workers.model.paged_backend import triton_backend  # imports this module
-    backend = None if heads is None or gathered else triton_backend(device, block_size, *heads)
-    return backend or CudaBackend(block_size, device)

@@ -8,10 +8,10 @@ Owns: the torch.cuda calls of capture and replay. Does not own: what is captured
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 import torch
 
+from justapi.config.spec import SpecConfig
 from workers.kv.pool import KVPool
 from workers.model.attention import AttentionBackend
 from workers.model.forward import LlamaModel
@@ -52,18 +52,20 @@ class CudaGraphCapture:
 
 
 def build_step_graphs(model: LlamaModel, pool: KVPool, backend: AttentionBackend, max_seqs: int,
-                      rows_per_seq: Sequence[int] = (1,), use_cuda_graphs: bool = True) -> StepGraphs | None:
-    """The runner's StepGraphs, captured now (None unless `backend` is the Triton one);
-    logs what capture took."""
+                      max_context: int, spec: SpecConfig | None = None,
+                      use_cuda_graphs: bool = True) -> StepGraphs | None:
+    """The runner's StepGraphs, captured now (None unless `backend` is the Triton one): decode
+    steps, and with speculation verification steps of the full node budget; logs what
+    capture took."""
     if not isinstance(backend, TritonPagedBackend):
         return None
     capture: GraphCapture = EagerCapture()
     if use_cuda_graphs and backend.device.type == "cuda":
         capture = CudaGraphCapture(backend.device)
-    p = model.params
-    graphs = StepGraphs(model, [pool.layer(i) for i in range(p.num_layers)], backend, capture,
-                        batch_buckets(max_seqs), rows_per_seq,
-                        max_blocks_per_seq=-(-p.max_context // pool.shape.block_size))
+    rows_per_seq = (1, 1 + spec.max_nodes) if spec is not None and spec.is_enabled else (1,)
+    graphs = StepGraphs(model, [pool.layer(i) for i in range(pool.shape.num_layers)], backend,
+                        capture, batch_buckets(max_seqs), rows_per_seq,
+                        max_blocks_per_seq=-(-max_context // pool.shape.block_size))
     with torch.inference_mode():
         report = graphs.capture_all()
     if isinstance(capture, CudaGraphCapture):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -129,7 +130,7 @@ def pad_layout(layout: PagedLayout, num_seqs: int, rows_per_seq: int) -> PagedLa
     pad_seq_ids = np.repeat(np.arange(real, num_seqs), tiles_per_seq)
     pad_tile_rows = np.tile(np.arange(tiles_per_seq) * layout.block_q, extra_seqs)
     zeros = np.zeros(extra_seqs, np.int32)
-    grow = {name: np.concatenate([getattr(layout, name), zeros]) for name in
+    grow: dict[str, Any] = {name: np.concatenate([getattr(layout, name), zeros]) for name in
             ("starts", "num_keys", "tree_first_rows", "tree_bases", "tree_rows", "tree_spans",
              "tree_offsets")}
     return dataclasses.replace(

@@ -13,7 +13,7 @@ Owns: the kernels and their launch. Does not own: the layout (paged_layout.py) o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, no_type_check
 
 import torch
 
@@ -21,7 +21,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # a CPU install without Triton: the kernels are never compiled
-    triton = None
+    triton = None  # type: ignore[assignment]
 
 def _jit(fn: Any) -> Any:
     """triton.jit where Triton is installed (an interpreted kernel under TRITON_INTERPRET=1,
@@ -42,6 +42,7 @@ class AttentionParams:
 
 
 @_jit
+@no_type_check  # Triton's language, not Python's types
 def _attention_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, first_rows_ptr, starts_ptr, num_rows_ptr,
                       num_keys_ptr, tile_seqs_ptr, tile_rows_ptr, tree_first_ptr, tree_base_ptr,
                       tree_rows_ptr, tree_span_ptr, tree_off_ptr, tree_bits_ptr,
@@ -126,6 +127,7 @@ def _attention_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, first_rows_ptr, starts
 
 
 @_jit
+@no_type_check
 def _store_kv_kernel(k_ptr, v_ptr, kv_ptr, slots_ptr, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_side, stride_slot, stride_kvh, KV_HEADS: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
