@@ -11,7 +11,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if compgen -G ".whl/*.whl" >/dev/null; then
+if ! "$PY" -c "import zmq, orjson, gguf, fastapi, uvicorn" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/justapi-site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/justapi-site

@@ -53,8 +53,11 @@ class PagedMetadata(AttentionMetadata):
 
     @classmethod
     def upload(cls, layout: PagedLayout, device: torch.device) -> PagedMetadata:
-        tensors = {name: torch.from_numpy(np.ascontiguousarray(getattr(layout, name))).to(device)
-                   for name in TENSOR_FIELDS}
+        """Every array as int32 in one host-to-device copy, then views of it."""
+        arrays = [np.asarray(getattr(layout, name)).reshape(-1) for name in TENSOR_FIELDS]
+        flat = torch.from_numpy(np.concatenate(arrays).astype(np.int32)).to(device)
+        tensors = dict(zip(TENSOR_FIELDS, torch.split(flat, [len(a) for a in arrays])))
+        tensors["tables"] = tensors["tables"].view(layout.tables.shape)
         return cls(**tensors, short=None, longs=[], block_q=layout.block_q,
                    block_m=layout.block_m, num_tiles=layout.num_tiles, has_tree=layout.has_tree)
 
