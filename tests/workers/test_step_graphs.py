@@ -137,3 +137,9 @@ def test_uniform_steps_through_the_static_buffers_equal_the_gathered_path(model)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
         replays.append(capture.replays)
     assert replays == [0, 1, 2, 3]  # the prefill ran eagerly, the uniform steps from graphs
+
+
+def test_layout_tables_equal_the_batch_padded_tables():
+    batch = _batch([5, 0, 30, 3], [1, 7, 2, 1], block_size=4)
+    tables = paged_layout(batch, 2, 16).tables
+    assert np.array_equal(tables, batch.padded_tables(np.arange(4)))

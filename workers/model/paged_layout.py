@@ -82,7 +82,7 @@ def paged_layout(batch: AttentionBatch, group: int, block_m: int | None = None) 
     tiles_per_seq = -(-rows // block_q)
     tile_seqs = np.repeat(np.arange(batch.num_seqs), tiles_per_seq)
     tile_rows = (np.arange(len(tile_seqs)) - np.repeat(_offsets(tiles_per_seq)[:-1], tiles_per_seq)) * block_q
-    tables = batch.padded_tables(np.arange(batch.num_seqs)) if batch.num_seqs else np.zeros((0, 1))
+    tables = _tables(batch)
     tree = _tree_arrays(batch)
     i32 = np.int32
     return PagedLayout(
@@ -91,6 +91,17 @@ def paged_layout(batch: AttentionBatch, group: int, block_m: int | None = None) 
         num_rows=rows.astype(i32), num_keys=(batch.start_positions + rows).astype(i32),
         tables=tables.astype(i32), tile_seqs=tile_seqs.astype(i32), tile_rows=tile_rows.astype(i32),
         **tree, block_q=block_q, block_m=block_m)
+
+
+def _tables(batch: AttentionBatch) -> np.ndarray:
+    """[S, W] block tables cut to the blocks each sequence's positions reach, padded with 0
+    (AttentionBatch.padded_tables without its loop over sequences: a GPU step has hundreds)."""
+    used = -(-(batch.start_positions + batch.num_tokens) // batch.block_size)  # [S]
+    cols = np.arange(max(1, int(used.max(initial=1))))
+    index = batch.block_offsets()[:-1, None] + np.minimum(cols[None, :], np.maximum(used - 1, 0)[:, None])
+    if not len(batch.block_ids):
+        return np.zeros((batch.num_seqs, len(cols)), np.int64)
+    return np.where(cols[None, :] < used[:, None], batch.block_ids[np.minimum(index, len(batch.block_ids) - 1)], 0)
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:
