@@ -103,9 +103,9 @@ class Worker:
             draft.model.warm_up(sched.max_batched_tokens, sampled_rows)
         p = self.model.params
         backend = make_backend(self.device, block_size, (p.num_heads, p.num_kv_heads, p.head_dim))
-        self.graphs = self._step_graphs(backend)
         self.runner = ModelRunner(self.model, self.pool, backend, Sampler(), worker_id=spec.index,
-                                  draft=draft, graphs=self.graphs)
+                                  draft=draft)
+        self.graphs = self.runner.graphs = self._step_graphs(backend)  # reads the runner's draft
         self.copier = BlockCopier(self.pool, spec.index)  # PD: KV hand-offs into our pool
         self.wire = self.link.wire_copies(self.pool, spec.index)  # copies between hosts (Ray)
         self.context = zmq.Context()

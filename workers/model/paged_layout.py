@@ -98,10 +98,12 @@ def _tables(batch: AttentionBatch) -> np.ndarray:
     (AttentionBatch.padded_tables without its loop over sequences: a GPU step has hundreds)."""
     used = -(-(batch.start_positions + batch.num_tokens) // batch.block_size)  # [S]
     cols = np.arange(max(1, int(used.max(initial=1))))
-    index = batch.block_offsets()[:-1, None] + np.minimum(cols[None, :], np.maximum(used - 1, 0)[:, None])
     if not len(batch.block_ids):
         return np.zeros((batch.num_seqs, len(cols)), np.int64)
-    return np.where(cols[None, :] < used[:, None], batch.block_ids[np.minimum(index, len(batch.block_ids) - 1)], 0)
+    last = np.maximum(used - 1, 0)[:, None]
+    index = np.minimum(batch.block_offsets()[:-1, None] + np.minimum(cols[None, :], last),
+                       len(batch.block_ids) - 1)
+    return np.where(cols[None, :] < used[:, None], batch.block_ids[index], 0)
 
 
 def _offsets(counts: np.ndarray) -> np.ndarray:

@@ -169,6 +169,8 @@ class StepGraphs:
         max_tiles = max(max_seqs * -(-q // self._block_q(q)) for q in self.rows_per_seq)
         self.inputs = StaticInputs(max_seqs * max_q, max_seqs, max_tiles, max_blocks_per_seq,
                                    max_seqs * max_q * max_q, backend.device)
+        # every graph's logits land here (one buffer, not one per graph: 50 MB at 256 x 49152)
+        self.logits = torch.empty(max_seqs * max_q, model.params.vocab_size, device=backend.device)
         self.graphs: dict[GraphKey, StepFn] = {}
         self.report: CaptureReport | None = None
 
@@ -194,9 +196,11 @@ class StepGraphs:
         meta = self.inputs.metadata(layout, has_tree=key.rows_per_seq > 1)
         token_ids = self.inputs.token_ids(key.num_seqs * key.rows_per_seq)
 
+        logits = self.logits[:len(token_ids)]  # [num_seqs * q, vocab]
+
         def step() -> torch.Tensor:
             hidden = self.model.forward(token_ids, self.kv_layers, self.backend, meta)
-            return self.model.logits(hidden)  # [num_seqs * q, vocab]
+            return logits.copy_(self.model.logits(hidden))
 
         self.graphs[key] = self.capturer.capture(step)
 
