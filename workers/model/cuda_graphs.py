@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 class CudaGraphCapture:
+    """GraphCapture with torch.cuda.CUDAGraph: one memory pool for every graph."""
+
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.pool = torch.cuda.graph_pool_handle()
@@ -66,8 +68,12 @@ def build_step_graphs(model: LlamaModel, pool: KVPool, backend: AttentionBackend
     graphs = StepGraphs(model, [pool.layer(i) for i in range(pool.shape.num_layers)], backend,
                         capture, batch_buckets(max_seqs), rows_per_seq,
                         max_blocks_per_seq=-(-max_context // pool.shape.block_size))
-    with torch.inference_mode():
-        report = graphs.capture_all()
+    try:
+        with torch.inference_mode():
+            report = graphs.capture_all()
+    except RuntimeError as exc:  # a forward that cannot be captured: serve eagerly, and say so
+        logger.warning("step graphs not captured, every step runs eagerly: %s", exc)
+        return None
     if isinstance(capture, CudaGraphCapture):
         logger.info("%s", report.line())
     return graphs
