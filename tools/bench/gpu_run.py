@@ -55,9 +55,9 @@ def resolve(model: str) -> tuple[str, str]:
 def modes(engine: LLMEngine, device: str) -> dict[str, tuple[AttentionBackend, StepGraphs | None]]:
     """Each mode's (backend, graphs) for the engine's runner."""
     p, bs = engine.model.params, engine.pool.shape.block_size
-    paged = engine.runner.backend  # a GPU engine's: Triton, its graphs captured (engine.graphs)
-    if not isinstance(paged, TritonPagedBackend):  # a CPU dry run: Triton's interpreter
-        paged = triton_backend(device, bs, p.num_heads, p.num_kv_heads, p.head_dim)
+    runner_backend = engine.runner.backend  # a GPU engine's: Triton, graphs captured (engine.graphs)
+    paged = (runner_backend if isinstance(runner_backend, TritonPagedBackend)  # else a CPU dry
+             else triton_backend(device, bs, p.num_heads, p.num_kv_heads, p.head_dim))  # run
     if paged is None:
         raise SystemExit("python -m tools.bench gpu: Triton is not installed")
     max_seqs = engine.limits.max_seqs
