@@ -117,6 +117,7 @@ def _logits(runner, step_id, chunks, new=(), tree=None):
     return runner.forward_logits(plan, tree)
 
 
+@pytest.mark.slow  # ~10 s: four forwards of a 1-layer model per capture and step, interpreted
 @pytest.mark.skipif(not is_interpreted(), reason="needs Triton's interpreter (tests/conftest.py)")
 def test_uniform_steps_through_the_static_buffers_equal_the_gathered_path(model):
     capture = CountingCapture()
