@@ -1,5 +1,6 @@
-"""The CUDA paths, on a machine with a GPU (skipped elsewhere): the bf16 paged forward (the
-in-place Triton attention, and the gathered path) against the dense fp32 reference, greedy
+"""The CUDA paths, on a machine with a GPU (skipped elsewhere): the Triton attention kernel
+against a float64 reference, the bf16 paged forward (the in-place Triton attention, and the
+gathered path) against the dense fp32 reference, greedy
 output with and without CUDA graphs, sampling on the device, a KV pool shared between two
 processes through a CUDA IPC handle, speculative decoding's greedy identity on the GPU, and
 `justapi serve --gpu` end to end (its outputs equal the in-process GPU engine's, NVML figures
@@ -85,6 +86,30 @@ def test_bf16_paged_forward_on_cuda_matches_the_fp32_reference(tiny_gguf, qtype,
         top2 = want.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.1 * scale  # rows whose argmax bf16 cannot flip
         assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear]), rid
+
+
+@pytest.mark.parametrize("half", [True, False], ids=["half", "fp32"])
+def test_paged_attention_kernel_on_the_device_matches_a_float64_reference(half):
+    """The Triton kernel compiled for the device (on a CPU dry run: interpreted) on a mixed
+    step over scattered blocks with a token tree, GQA groups of 4, plain and with a window and
+    soft-capping: bf16 (fp16 on the CPU, whose interpreter has no bf16) and fp32 inputs."""
+    from tests.workers.test_cpu_kernels import random_step
+    from tests.workers.test_triton_attention import reference
+    from workers.model.paged_backend import TritonPagedBackend
+    from workers.model.triton_attention import AttentionParams
+    from workers.spec.tree import TreeLayout, verify_mask
+
+    dtype = (torch.bfloat16 if ON_GPU else torch.float16) if half else torch.float32
+    tree = TreeLayout()
+    tree.add(verify_mask(seq=2, num_tokens=6, start=40, parents=[-1, 0, 0, 1, 2]))
+    batch, kv, q = random_step([0, 15, 40, 9, 100], [1, 1, 6, 30, 1], 8, 2, 64, 16, seed=6, tree=tree)
+    kv, q = kv.to(dtype), q.to(dtype)
+    for params in (AttentionParams(64 ** -0.5), AttentionParams(0.1, window=20, softcap=3.0)):
+        backend = TritonPagedBackend(16, DEVICE, 4, params)
+        got = backend.attend(kv.to(DEVICE), q.to(DEVICE), backend.prepare(batch)).double().cpu()
+        want = reference(batch, kv.float(), q.float(), params)
+        error = float((got - want).abs().max() / want.abs().max())
+        assert error < (2e-2 if half else 1e-5), (params, error)
 
 
 def test_greedy_output_is_the_same_with_and_without_cuda_graphs(tiny_gguf):
