@@ -66,13 +66,13 @@ def main(argv: list[str] | None = None) -> int:
                               "copy_bandwidth_bytes_per_s": copy_bandwidth(args.device),
                               "batches": args.batches, "decode_steps": args.decode_steps,
                               "prompt_tokens": args.prompt_tokens, "models": []}
-    print(f"{report['device']}: device-to-device copy {report['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s "
+    print(f"{report['device']}: device-to-device copy {report['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s "
           "(bytes read + written)", flush=True)
     for model in args.models.split(";"):
         report["models"].append(measure_model(model, args, report["copy_bandwidth_bytes_per_s"]))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=1)
+        if args.json:  # after each model: a run cut short by a timeout keeps what it measured
+            with open(args.json, "w") as handle:
+                json.dump(report, handle, indent=1)
     print(summary(report))
     return 0
 
