@@ -38,7 +38,7 @@ class PagedLayout:
     starts: np.ndarray  # int32 [S]: position of that row
     num_rows: np.ndarray  # int32 [S]
     num_keys: np.ndarray  # int32 [S]: start + num_rows; 0 for a padding sequence
-    tables: np.ndarray  # int32 [S, W]: block ids, cut to the blocks the positions reach
+    tables: np.ndarray  # int32 [S, W]: block ids up to the blocks the positions reach, 0-padded
     tile_seqs: np.ndarray  # int32 [NT]
     tile_rows: np.ndarray  # int32 [NT]: the tile's first row within its sequence's chunk
     tree_first_rows: np.ndarray  # int32 [S]: first restricted row of the chunk (see spec/tree.py)
@@ -47,8 +47,8 @@ class PagedLayout:
     tree_spans: np.ndarray  # int32 [S]
     tree_offsets: np.ndarray  # int32 [S]: where the sequence's bits start in tree_bits
     tree_bits: np.ndarray  # int8 [sum(tree_rows * tree_spans)]: 1 = key visible, row-major
-    block_q: int  # rows of one sequence per tile
-    block_m: int  # query rows per tile: block_q * group, padded to a power of two
+    block_m: int  # query rows per tile (a power of two)
+    block_q: int  # rows of one sequence per tile: block_m // group
 
     @property
     def num_seqs(self) -> int:
@@ -90,7 +90,7 @@ def paged_layout(batch: AttentionBatch, group: int, block_m: int | None = None) 
         first_rows=batch.token_offsets()[:-1].astype(i32), starts=batch.start_positions.astype(i32),
         num_rows=rows.astype(i32), num_keys=(batch.start_positions + rows).astype(i32),
         tables=tables.astype(i32), tile_seqs=tile_seqs.astype(i32), tile_rows=tile_rows.astype(i32),
-        **tree, block_q=block_q, block_m=block_m)
+        **tree, block_m=block_m, block_q=block_q)
 
 
 def _tables(batch: AttentionBatch) -> np.ndarray:

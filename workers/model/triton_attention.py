@@ -6,8 +6,9 @@ new K/V into their slots (skipping padding rows, slot -1).
 One program computes one tile (paged_layout.py: block_q rows of a sequence) for one KV head:
 its block_q x group query rows share every K/V load (GQA), and it walks the sequence's keys
 BLOCK_N at a time with an online softmax (flash attention). Scale, sliding window and logit
-soft-capping are parameters. On a CPU tensor the same kernels run in Triton's interpreter
-(tests); Triton is imported on first use, so CPU installs without it never touch it.
+soft-capping are parameters. Under TRITON_INTERPRET=1 the same kernels run on CPU tensors in
+Triton's interpreter (tests). Only GPU runners import this module (backends.py, lazily), and
+it imports without Triton installed (the kernels then stay plain functions, never called).
 Owns: the kernels and their launch. Does not own: the layout (paged_layout.py) or metadata.
 """
 from __future__ import annotations
@@ -23,10 +24,12 @@ try:
 except ImportError:  # a CPU install without Triton: the kernels are never compiled
     triton = None  # type: ignore[assignment]
 
+
 def _jit(fn: Any) -> Any:
     """triton.jit where Triton is installed (an interpreted kernel under TRITON_INTERPRET=1,
     read as the module is imported; tests/conftest.py sets it where no GPU is visible)."""
     return fn if triton is None else triton.jit(fn)
+
 
 BLOCK_N = 32
 """Keys per inner-loop iteration (two 16-slot blocks): the tile width of both dots."""
@@ -162,6 +165,7 @@ def store_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
     """kv: one layer [2, num_blocks, block_size, kv_heads, head_dim]; k, v: [T, kv_heads,
     head_dim] (any row stride); slots: int64 [T], -1 rows skipped."""
     _, num_blocks, block_size, kv_heads, head_dim = kv.shape
+    assert kv.is_contiguous() and k.stride(-1) == 1 and v.stride(-1) == 1
     _store_kv_kernel[(k.shape[0],)](
         k, v, kv, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv.stride(0), kv.stride(2), kv.stride(3), KV_HEADS=kv_heads, HEAD_DIM=head_dim,
@@ -174,6 +178,7 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, meta: Any, params: Attent
     keys in the pool (kv: one layer). `meta`: device tensors named as PagedLayout's fields,
     plus block_q, block_m and num_tiles (paged_backend.PagedMetadata)."""
     _, num_blocks, block_size, kv_heads, head_dim = kv.shape
+    assert kv.is_contiguous() and q.stride(-1) == 1
     group = q.shape[1] // kv_heads
     out = torch.empty_like(q) if out is None else out
     grid = (meta.num_tiles, kv_heads)
