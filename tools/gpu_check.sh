@@ -25,10 +25,10 @@ export JUSTAPI_CACHE_DIR=${JUSTAPI_CACHE_DIR:-/tmp/justapi-synthetic}
   "$PY" -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'triton', triton.__version__, 'gpu', torch.cuda.is_available())"
 } 2>&1 | tee "$OUT/env.log"
-timeout 240 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --durations=8 \
+timeout 210 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --durations=8 \
   tests/workers/test_gpu.py 2>&1 | tee "$OUT/tests.log"
 TESTS=${PIPESTATUS[0]}
-timeout 270 "$PY" -m tools.bench gpu --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+timeout 240 "$PY" -m tools.bench gpu --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 BENCH=${PIPESTATUS[0]}
 echo "tests exit $TESTS ($(tail -1 "$OUT/tests.log")), bench exit $BENCH"
 [ "$TESTS" = 0 ] && [ "$BENCH" = 0 ]
