@@ -12,6 +12,20 @@ import pytest
 from justapi.model.gguf_file import GGUFError, default_model_path
 
 
+def _interpret_triton_without_a_gpu() -> None:
+    """Triton decides whether its kernels compile or run in its CPU interpreter as they are
+    defined (its own library: when triton is first imported), so the choice is made here,
+    before any test module imports it: the interpreter where torch sees no GPU (the Triton
+    attention tests run on CPU), compiled kernels where it does."""
+    import torch
+
+    if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_interpret_triton_without_a_gpu()
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     """Factory: tiny_gguf(layers=2, hidden=64, type="Q8_0", ...) -> path of a random llama GGUF

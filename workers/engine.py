@@ -25,15 +25,29 @@ from workers.engine_loop import LoopLimits, SchedulerLoop
 if TYPE_CHECKING:
     from justapi.scheduler.structured import StructuredOutputs
 from workers.kv.pool import KVPool, PoolShape
-from workers.model.attention import make_backend, require_cuda
+from workers.model.attention import AttentionBackend, require_cuda
+from workers.model.backends import make_backend
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.spec.draft import load_draft
 from workers.weights.paths import load_model
 from workers.weights.synthetic import SPEC_PREFIX, materialize
 
+if TYPE_CHECKING:
+    from workers.model.step_graphs import StepGraphs
+
 DEFAULT_KV_BYTES = 2 << 30
 """KV pool size when num_blocks is 0 (an anonymous mapping: pages cost nothing until used)."""
+
+
+def _step_graphs(engine: LLMEngine, backend: AttentionBackend, max_seqs: int,
+                 use_cuda_graphs: bool) -> StepGraphs | None:
+    """GPU: decode (and verification) steps replayed from graphs captured now."""
+    if engine.pool.tensor.device.type != "cuda":
+        return None
+    from workers.model.cuda_graphs import build_step_graphs  # Triton: GPU engines only
+    return build_step_graphs(engine.model, engine.pool, backend, max_seqs, engine.max_context,
+                             engine.speculative, use_cuda_graphs)
 
 
 @dataclass(frozen=True)
@@ -56,7 +70,7 @@ class LLMEngine:
                  num_blocks: int = 0, max_seqs: int = 32, chunk_size: int = 512,
                  max_batched_tokens: int = 2048, max_context: int = 0,
                  seed: int | None = None, progress: bool = True, weights: str = "fp32",
-                 speculative: SpecConfig | None = None) -> None:
+                 speculative: SpecConfig | None = None, cuda_graphs: bool = True) -> None:
         if torch.device(device).type == "cuda":
             require_cuda(device)  # fail before the slow parts
         else:
@@ -78,8 +92,10 @@ class LLMEngine:
                  if self.speculative.spec == "draft" else None)
         if draft is not None:
             self.max_context = min(self.max_context, draft.model.params.max_context)
-        self.runner = ModelRunner(self.model, self.pool, make_backend(device, block_size), Sampler(seed),
-                                  draft=draft)
+        backend = make_backend(device, block_size, (p.num_heads, p.num_kv_heads, p.head_dim))
+        self.graphs = _step_graphs(self, backend, max_seqs, cuda_graphs)
+        self.runner = ModelRunner(self.model, self.pool, backend, Sampler(seed), draft=draft,
+                                  graphs=self.graphs)
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
         self.eos_token_ids = self.tokenizer.eog_token_ids  # ignore_eos turns these off
         self.limits = LoopLimits(num_blocks, block_size, max_seqs, chunk_size, max_batched_tokens,

@@ -17,7 +17,7 @@ import resource
 import threading
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -44,12 +44,16 @@ from justapi.wire.protocol import (
 from workers.kv.pool import KVPool, PoolShape
 from workers.kv.transfer import BlockCopier
 from workers.link import LocalLink, WorkerLink
-from workers.model.attention import make_backend, require_cuda
+from workers.model.attention import AttentionBackend, require_cuda
+from workers.model.backends import make_backend
 from workers.model.forward import DecoderModel
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.spec.draft import load_draft
 from workers.weights.paths import load_model
+
+if TYPE_CHECKING:
+    from workers.model.step_graphs import StepGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -98,8 +102,11 @@ class Worker:
             draft = load_draft(speculative, self.pool.shape.num_blocks, block_size, self.device,
                                weights=spec.config.model.weights)
             draft.model.warm_up(sched.max_batched_tokens, sampled_rows)
-        self.runner = ModelRunner(self.model, self.pool, make_backend(self.device, block_size),
-                                  Sampler(), worker_id=spec.index, draft=draft)
+        p = self.model.params
+        backend = make_backend(self.device, block_size, (p.num_heads, p.num_kv_heads, p.head_dim))
+        self.runner = ModelRunner(self.model, self.pool, backend, Sampler(), worker_id=spec.index,
+                                  draft=draft)
+        self.graphs = self.runner.graphs = self._step_graphs(backend)  # reads the runner's draft
         self.timeline = self.runner.timeline = Timeline.from_env("worker", spec.index)
         self.copier = BlockCopier(self.pool, spec.index)  # PD: KV hand-offs into our pool
         self.wire = self.link.wire_copies(self.pool, spec.index)  # copies between hosts (Ray)
@@ -107,6 +114,16 @@ class Worker:
         self.sock = self.link.connect(self.context, spec.endpoints.workers,
                                       worker_identity(spec.index))
         self._beat = threading.Thread(target=self._heartbeat_loop, daemon=True)
+
+    def _step_graphs(self, backend: AttentionBackend) -> StepGraphs | None:
+        """GPU: decode (and verification) steps replayed from graphs captured now."""
+        if self.device == "cpu":
+            return None
+        from workers.model.cuda_graphs import build_step_graphs  # Triton: GPU workers only
+        config = self.spec.config
+        return build_step_graphs(self.model, self.pool, backend, config.scheduler.max_seqs,
+                                 self.ready_message().max_context, config.speculative,
+                                 config.model.cuda_graphs)
 
     def ready_message(self) -> Ready:
         p = self.model.params
@@ -232,8 +249,10 @@ def main() -> None:
         logger.debug("start-up failed", exc_info=True)
         report(spec, error=f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
+    graphs = worker.graphs.report if worker.graphs is not None else None
     report(spec, info={"device": worker.device, "pool_blocks": worker.pool.shape.num_blocks,
-                       "free_memory_bytes": available_memory_bytes()})
+                       "free_memory_bytes": available_memory_bytes(),
+                       **({"step_graphs": graphs.line()} if graphs is not None else {})})
     try:
         worker.run()
     finally:

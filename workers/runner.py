@@ -14,6 +14,7 @@ verification (verify.py).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,11 +31,14 @@ from workers.spec.step import SpecContext, speculative_result, tree_layout
 from workers.spec.tree import TreeLayout
 from workers.spec.verify import Verifier
 
+if TYPE_CHECKING:  # imports Triton where installed: only GPU workers build StepGraphs
+    from workers.model.step_graphs import StepGraphs
+
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, pool: KVPool, backend: AttentionBackend,
                  sampler: Sampler | None = None, worker_id: int = 0,
-                 draft: DraftModel | None = None) -> None:
+                 draft: DraftModel | None = None, graphs: StepGraphs | None = None) -> None:
         if pool.shape.num_layers != model.params.num_layers:
             raise ValueError(f"KV pool has {pool.shape.num_layers} layers, model {model.params.num_layers}")
         self.model = model
@@ -46,6 +50,7 @@ class ModelRunner:
         self.draft = draft  # speculative decoding's draft model (workers/spec/draft.py), if any
         self.verifier = Verifier(self.sampler)
         self.timeline = Timeline("worker")  # off; the worker process hands in its own
+        self.graphs = graphs  # GPU: uniform steps replayed from captured graphs (step_graphs.py)
 
     @property
     def block_size(self) -> int:
@@ -99,12 +104,14 @@ class ModelRunner:
                                tree)
         self.timeline.mark("forward_start", plan.step_id, plan.num_seqs)
         with torch.inference_mode():
-            meta = self.backend.prepare(batch)
-            token_ids = torch.from_numpy(tokens.astype(np.int64)).to(self.model.device)
-            kv_layers = [self.pool.layer(i) for i in range(self.pool.shape.num_layers)]
-            hidden = self.model.forward(token_ids, kv_layers, self.backend, meta)
-            rows = torch.from_numpy(logit_rows(plan)).to(hidden.device)
-            logits = self.model.logits(hidden[rows])
+            logits = self.graphs.run(batch, tokens, logit_rows(plan)) if self.graphs else None
+            if logits is None:
+                meta = self.backend.prepare(batch)
+                token_ids = torch.from_numpy(tokens.astype(np.int64)).to(self.model.device)
+                kv_layers = [self.pool.layer(i) for i in range(self.pool.shape.num_layers)]
+                hidden = self.model.forward(token_ids, kv_layers, self.backend, meta)
+                rows = torch.from_numpy(logit_rows(plan)).to(hidden.device)
+                logits = self.model.logits(hidden[rows])
         self.timeline.mark("forward_end", plan.step_id, len(plan.token_ids))
         return logits
 

@@ -8,6 +8,9 @@ default - after a structured output's token bitmask (apply_token_bitmask, run by
 before sampling), as in vLLM: tokens the grammar forbids have logprob -inf.
 A seeded row draws its noise from a generator seeded by (seed, position of the sampled token),
 so its tokens do not depend on the batch, the worker, or recompute after preemption.
+Everything runs where the logits are: on a GPU only the token ids and the requested logprobs
+come back to the host (a seeded row's noise goes the other way: it is drawn on the CPU, so it
+is the same vector speculative verification and a draft model use).
 Owns: the sampling math. Does not own: parameter validation (justapi.sampling), token history.
 """
 from __future__ import annotations
@@ -51,35 +54,47 @@ def stream_seed(seed: int, position: int) -> int:
 
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
-        self._unseeded = torch.Generator().manual_seed(seed if seed is not None else random.getrandbits(62))
+        self._seed = seed if seed is not None else random.getrandbits(62)
+        self._unseeded = torch.Generator().manual_seed(self._seed)
+        self._device_generators: dict[torch.device, torch.Generator] = {}  # unseeded rows on a GPU
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits [N, vocab] (any device) -> one token per row."""
+        """logits [N, vocab] (on the device that computed them) -> one token per row."""
         assert logits.shape[0] == len(rows)
-        logits = logits.float().cpu()
+        logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if _wants_logprobs(rows) else None
-        logits = adjusted_logits(logits, rows)
+        logits = adjusted_logits(logits, rows)  # (a grammar's token mask would apply here)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled:
-            index = torch.tensor(sampled)
+            index = torch.tensor(sampled, device=logits.device)
             probs = filtered_probs(logits[index], [rows[i].params for i in sampled])
-            noise = self._exponential_noise([rows[i] for i in sampled], probs.shape[1])
+            noise = self._exponential_noise([rows[i] for i in sampled], probs.shape[1], logits.device)
             tokens[index] = (probs / noise).argmax(dim=-1)
-        out = tokens.to(torch.int32).numpy()
+        out = tokens.to(torch.int32).cpu().numpy()
         if raw_logprobs is None:
             return SamplerOutput(out)
         return SamplerOutput(out, *logprob_columns(raw_logprobs, tokens, rows))
 
-    def _exponential_noise(self, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
-        noise = torch.empty(len(rows), vocab)
+    def _exponential_noise(self, rows: list[SamplingRow], vocab: int,
+                           device: torch.device) -> torch.Tensor:
+        noise = torch.empty(len(rows), vocab, device=device)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self._unseeded)
+            noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(
+                generator=self._generator(device))
         for i, row in enumerate(rows):
             if row.params.seed is not None:
-                noise[i] = seeded_noise(row.params.seed, row.position, vocab)
+                noise[i] = seeded_noise(row.params.seed, row.position, vocab).to(device)
         return noise
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The unseeded stream: the CPU generator, or one per GPU (seeded alike)."""
+        if device.type == "cpu":
+            return self._unseeded
+        if device not in self._device_generators:
+            self._device_generators[device] = torch.Generator(device=device).manual_seed(self._seed)
+        return self._device_generators[device]
 
     def uniforms(self, num: int) -> torch.Tensor:
         """[num] U(0, 1) draws from the unseeded stream (speculative acceptance tests)."""
@@ -123,12 +138,14 @@ def _wants_logprobs(rows: list[SamplingRow]) -> bool:
 
 def logprob_columns(raw: torch.Tensor, tokens: torch.Tensor,
                      rows: list[SamplingRow]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    chosen = raw.gather(1, tokens[:, None])[:, 0]
+    """The sampled tokens' logprobs and each row's top n, computed where `raw` is and
+    brought to the host ([N] and [N, max n] only)."""
+    chosen = raw.gather(1, tokens.to(raw.device)[:, None])[:, 0].cpu()
     top_n = max(r.params.logprobs or 0 for r in rows)
     top_ids = np.full((len(rows), top_n), -1, dtype=np.int32)
     top_values = np.full((len(rows), top_n), -np.inf, dtype=np.float32)
     if top_n:
-        values, ids = raw.topk(top_n, dim=-1)
+        values, ids = (t.cpu() for t in raw.topk(top_n, dim=-1))
         for i, row in enumerate(rows):
             n = row.params.logprobs or 0
             top_ids[i, :n] = ids[i, :n].numpy()
@@ -137,12 +154,12 @@ def logprob_columns(raw: torch.Tensor, tokens: torch.Tensor,
     return chosen.numpy().astype(np.float32), top_ids, top_values
 
 
-def _padded(sequences: list[np.ndarray], pad: int) -> torch.Tensor:
+def _padded(sequences: list[np.ndarray], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(s) for s in sequences), default=0)
     out = np.full((len(sequences), max(width, 1)), pad, dtype=np.int64)
     for i, s in enumerate(sequences):
         out[i, :len(s)] = s
-    return torch.from_numpy(out)
+    return torch.from_numpy(out).to(device)
 
 
 def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -159,7 +176,7 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
              for token_id, bias in p.logit_bias if token_id < vocab]
     if not picks:
         return logits
-    row_index, token_ids, biases = (torch.tensor(column) for column in zip(*picks))
+    row_index, token_ids, biases = (torch.tensor(column, device=logits.device) for column in zip(*picks))
     logits = logits.clone()
     logits.index_put_((row_index, token_ids), biases.to(logits.dtype), accumulate=True)
     return logits
@@ -172,17 +189,19 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     if not chosen:
         return logits
     logits = logits.clone()
-    vocab = logits.shape[1]
-    index = torch.tensor(chosen)
+    vocab, device = logits.shape[1], logits.device
+    index = torch.tensor(chosen, device=device)
     params = [rows[i].params for i in chosen]
-    seen_ids = _padded([np.asarray(rows[i].token_ids) for i in chosen], vocab)
-    output_ids = _padded([np.asarray(rows[i].token_ids[rows[i].num_prompt_tokens:]) for i in chosen], vocab)
-    seen = torch.zeros(len(chosen), vocab + 1, dtype=torch.bool).scatter_(1, seen_ids, True)[:, :vocab]
-    counts = torch.zeros(len(chosen), vocab + 1).scatter_add_(
-        1, output_ids, torch.ones(output_ids.shape))[:, :vocab]  # [n, vocab]
-    rep = torch.tensor([p.repetition_penalty for p in params])[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in params])[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params])[:, None]
+    seen_ids = _padded([np.asarray(rows[i].token_ids) for i in chosen], vocab, device)
+    output_ids = _padded([np.asarray(rows[i].token_ids[rows[i].num_prompt_tokens:]) for i in chosen],
+                         vocab, device)
+    seen = torch.zeros(len(chosen), vocab + 1, dtype=torch.bool, device=device).scatter_(
+        1, seen_ids, True)[:, :vocab]
+    counts = torch.zeros(len(chosen), vocab + 1, device=device).scatter_add_(
+        1, output_ids, torch.ones(output_ids.shape, device=device))[:, :vocab]  # [n, vocab]
+    rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+    freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
     sub = logits[index]
     penalized = torch.where(sub > 0, sub / rep, sub * rep)
     sub = torch.where(seen, penalized, sub)
@@ -194,18 +213,19 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """[n, vocab] logits of non-greedy rows -> probabilities after temperature, min_p, top_k and
     top_p (removed tokens get probability 0, the rest renormalized)."""
-    temperature = torch.tensor([p.temperature for p in params])[:, None]
+    device = logits.device  # per-row parameters go there; which steps apply is read on the host
+    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
     logits = logits / temperature
-    min_p = torch.tensor([p.min_p for p in params])[:, None]
-    if bool((min_p > 0).any()):
+    min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+    if any(p.min_p > 0 for p in params):
         probs = logits.softmax(dim=-1)
         too_small = probs < min_p * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(too_small, float("-inf"))
     top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
     if any(top_k):
         logits = _apply_top_k(logits, top_k)
-    top_p = torch.tensor([p.top_p for p in params])
-    if bool((top_p < 1.0).any()):
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    if any(p.top_p < 1.0 for p in params):
         logits = _apply_top_p(logits, top_p)
     return logits.softmax(dim=-1)
 
@@ -213,8 +233,9 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     """Keep tokens whose logit is >= the row's k-th largest (ties at the boundary stay)."""
     vocab = logits.shape[1]
-    k = torch.tensor([min(k, vocab) if k else vocab for k in top_k])
-    values = logits.topk(int(k.max()), dim=-1).values  # [n, kmax], descending
+    per_row = [min(k, vocab) if k else vocab for k in top_k]
+    k = torch.tensor(per_row, device=logits.device)
+    values = logits.topk(max(per_row), dim=-1).values  # [n, kmax], descending
     threshold = values.gather(1, (k - 1)[:, None])  # [n, 1]
     return logits.masked_fill(logits < threshold, float("-inf"))
 

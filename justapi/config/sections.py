@@ -109,11 +109,15 @@ class ModelConfig:
                                   "4-bit (int4 kernels); auto: both, 4-bit for small steps.",
                           choices=WEIGHT_MODES)
     max_context: int = option(0, "Cap on the model's context length; 0 takes the model's own.")
+    cuda_graphs: bool = option(True, "GPU: replay decode (and uniform verification) steps from "
+                                     "CUDA graphs captured per batch size at start; "
+                                     "--no-cuda-graphs launches each kernel from Python.")
 
     def __post_init__(self) -> None:
         check_choice(self.device, "device", DEVICES)
         check_choice(self.weights, "weights", WEIGHT_MODES)
         check_number(self.max_context, "max-context", low=0, integer=True)
+        check_bool(self.cuda_graphs, "cuda-graphs")
 
 
 @dataclass(frozen=True)

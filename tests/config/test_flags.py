@@ -136,3 +136,10 @@ def test_an_internal_field_is_toml_only():
         command = decorate(command)
     assert [(p.name, p.opts, p.help) for p in command.params] == \
         [("shown", ["--shown"], "A flag.  [default: 1]")]
+
+
+def test_no_cuda_graphs_turns_the_graphs_off():
+    assert build_config({}, {}).model.cuda_graphs
+    given = _parse("--no-cuda-graphs")
+    assert given == {"cuda_graphs": False} and not build_config({}, given).model.cuda_graphs
+    assert not build_config({"cuda-graphs": False}, {}).model.cuda_graphs

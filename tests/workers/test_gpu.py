@@ -1,8 +1,12 @@
-"""The CUDA paths, on a machine with a GPU (skipped elsewhere): the bf16 paged forward on the
-CUDA backend against the dense fp32 reference, a KV pool shared between two processes through
-a CUDA IPC handle, speculative decoding's greedy identity on the GPU, and `justapi serve --gpu`
-end to end (its outputs equal the in-process GPU engine's, NVML figures reach /metrics, SIGTERM
-leaves nothing behind)."""
+"""The CUDA paths, on a machine with a GPU (skipped elsewhere): the Triton attention kernel
+against a float64 reference, the bf16 paged forward (the in-place Triton attention, and the
+gathered path) against the dense fp32 reference, greedy
+output with and without CUDA graphs, sampling on the device, a KV pool shared between two
+processes through a CUDA IPC handle, speculative decoding's greedy identity on the GPU, and
+`justapi serve --gpu` end to end (its outputs equal the in-process GPU engine's, NVML figures
+reach /metrics, SIGTERM leaves nothing behind). JUSTAPI_TEST_GPU_DEVICE=cpu runs the file on
+a CPU (a dry run of tools/gpu_check.sh: Triton's interpreter stands in for the GPU kernels,
+plain calls for the graphs)."""
 from __future__ import annotations
 
 import multiprocessing
@@ -11,6 +15,7 @@ import signal
 import time
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,13 +23,17 @@ from tests.workers.test_model_reference import BLOCK_SIZE, NUM_BLOCKS, Seqs, all
 
 from justapi.model.gguf_file import GGUFFile
 from justapi.sampling import SamplingParams
+from tests.support.chi_square import goodness_of_fit
 from tests.support.reference_llama import ReferenceLlama
 from tools.harness import TINY_MODEL, ServedPool
 from workers.kv.pool import KVPool, PoolShape
-from workers.model.attention import make_backend
+from workers.model.attention import AttentionBackend
+from workers.model.backends import make_backend
 from workers.model.forward import DecoderModel
 from workers.runner import ModelRunner
+from workers.sampler import Sampler, SamplingRow, filtered_probs
 from workers.weights.gguf_loader import load_weights
+from workers.weights.hparams import HyperParams
 
 DEVICE = os.environ.get("JUSTAPI_TEST_GPU_DEVICE", "cuda")
 """'cpu' runs these same paths on the CPU (a dry run of the file on a machine without a GPU)."""
@@ -38,15 +47,30 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
            "abc abc abc abc abc abc", "Once upon a time"]
 
 
+def attention_backend(p: HyperParams, gathered: bool) -> AttentionBackend:
+    """The GPU's backend: in-place Triton kernels, or the gathered blocks; on a CPU dry run the
+    Triton kernels in Triton's interpreter (tests/conftest.py sets it), or the CPU backend."""
+    heads = (p.num_heads, p.num_kv_heads, p.head_dim)
+    if ON_GPU or gathered:
+        return make_backend(DEVICE, BLOCK_SIZE, heads, gathered=gathered)
+    from workers.model.paged_backend import triton_backend
+    backend = triton_backend("cpu", BLOCK_SIZE, *heads)
+    assert backend is not None, "the dry run needs Triton"
+    return backend
+
+
+@pytest.mark.parametrize("attention", ["paged", "gathered"])
 @pytest.mark.parametrize("qtype", ["F16", "Q4_1", "Q8_0"])
-def test_bf16_paged_forward_on_cuda_matches_the_fp32_reference(tiny_gguf, qtype):
+def test_bf16_paged_forward_on_cuda_matches_the_fp32_reference(tiny_gguf, qtype, attention):
     path = tiny_gguf(type=qtype, layers=2, vocab=320)
     model = DecoderModel(load_weights(GGUFFile(path), device=DEVICE, dtype=DTYPE, progress=False))
     reference = ReferenceLlama(path)
     p = model.params
     pool = KVPool.create(PoolShape(p.num_layers, NUM_BLOCKS, BLOCK_SIZE, p.num_kv_heads, p.head_dim),
                          "local" if ON_GPU else "shm", DTYPE, DEVICE)
-    runner = ModelRunner(model, pool, make_backend(DEVICE, BLOCK_SIZE))
+    backend = attention_backend(p, gathered=attention == "gathered")
+    assert (type(backend).__name__ == "TritonPagedBackend") == (attention == "paged")
+    runner = ModelRunner(model, pool, backend)
     seqs = Seqs({"a": 37, "b": 5, "c": 64}, vocab=320, seed=3)
     # one step mixes a long prefill, a short prompt and a chunk; the next continues a chunked prefill
     first = all_row_logits(runner, 1, [seqs.chunk("a", 0, 37), seqs.chunk("b", 0, 5),
@@ -63,6 +87,90 @@ def test_bf16_paged_forward_on_cuda_matches_the_fp32_reference(tiny_gguf, qtype)
         top2 = want.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.1 * scale  # rows whose argmax bf16 cannot flip
         assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear]), rid
+
+
+@pytest.mark.parametrize("half", [True, False], ids=["half", "fp32"])
+def test_paged_attention_kernel_on_the_device_matches_a_float64_reference(half):
+    """The Triton kernel compiled for the device (on a CPU dry run: interpreted) on a mixed
+    step over scattered blocks with a token tree, GQA groups of 4, plain and with a window and
+    soft-capping: bf16 (fp16 on the CPU, whose interpreter has no bf16) and fp32 inputs."""
+    from tests.workers.test_cpu_kernels import random_step
+    from tests.workers.test_triton_attention import reference
+    from workers.model.paged_backend import TritonPagedBackend
+    from workers.model.triton_attention import AttentionParams
+    from workers.spec.tree import TreeLayout, verify_mask
+
+    dtype = (torch.bfloat16 if ON_GPU else torch.float16) if half else torch.float32
+    tree = TreeLayout()
+    tree.add(verify_mask(seq=2, num_tokens=6, start=40, parents=[-1, 0, 0, 1, 2]))
+    batch, kv, q = random_step([0, 15, 40, 9, 100], [1, 1, 6, 30, 1], 8, 2, 64, 16, seed=6, tree=tree)
+    kv, q = kv.to(dtype), q.to(dtype)
+    for params in (AttentionParams(64 ** -0.5), AttentionParams(0.1, window=20, softcap=3.0)):
+        backend = TritonPagedBackend(16, DEVICE, 4, params)
+        got = backend.attend(kv.to(DEVICE), q.to(DEVICE), backend.prepare(batch)).double().cpu()
+        want = reference(batch, kv.float(), q.float(), params)
+        error = float((got - want).abs().max() / want.abs().max())
+        assert error < (2e-2 if half else 1e-5), (params, error)
+
+
+def test_greedy_output_is_the_same_with_and_without_cuda_graphs(tiny_gguf):
+    """Decode steps replayed from graphs (padded to their batch bucket) against the same steps
+    launched kernel by kernel (--no-cuda-graphs): token for token."""
+    from workers.engine import LLMEngine
+
+    path = tiny_gguf(layers=2, vocab=384)
+    outputs, replayed = {}, {}
+    for use_graphs in (True, False):
+        engine = LLMEngine(path, device=DEVICE, progress=False, num_blocks=256, max_seqs=8,
+                           cuda_graphs=use_graphs)
+        assert (engine.graphs is not None) == ON_GPU
+        if engine.graphs is not None:
+            assert len(engine.graphs.graphs) == 4  # batch buckets 1, 2, 4, 8
+            assert (engine.graphs.report.memory_bytes > 0) == use_graphs
+            replayed[use_graphs] = _count_graph_steps(engine)
+        outputs[use_graphs] = [o.token_ids for o in engine.generate(PROMPTS, GREEDY)]
+        engine.close()
+    assert outputs[True] == outputs[False]
+    if ON_GPU:
+        assert replayed[True] and replayed[True] == replayed[False]  # decodes took the graph path
+
+
+def _count_graph_steps(engine) -> list[int]:
+    """Steps the engine's graphs computed: a list that grows as they do."""
+    graphs, counted = engine.graphs, []
+    run = graphs.run
+
+    def counting(*args):
+        logits = run(*args)
+        if logits is not None:
+            counted.append(1)
+        return logits
+    graphs.run = counting
+    return counted
+
+
+def test_sampling_on_the_device_follows_the_filtered_distribution():
+    """Unseeded rows drawn on the device (its own generator) follow temperature, min_p, top_k
+    and top_p; seeded rows, penalties, logit_bias and logprobs give the CPU's results."""
+    logits = torch.tensor([[1.5, 0.2, -0.3, 2.0, 0.9, -1.0, 0.0, 1.1, -2.0, 0.5]])
+    params = SamplingParams(temperature=0.8, top_k=6, top_p=0.95, min_p=0.05)
+    num = 20000
+    rows = [SamplingRow(params, np.zeros(0, np.int64), 0, i) for i in range(num)]
+    drawn = Sampler(seed=1).sample(logits.to(DEVICE).expand(num, -1), rows).token_ids
+    want = filtered_probs(logits, [params])[0].double().numpy()
+    assert goodness_of_fit(drawn.tolist(), dict(enumerate(want))) > 1e-4
+    special = [SamplingParams(temperature=0.9, seed=7, logprobs=3),
+               SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.5,
+                              logit_bias=((2, 3.0),), logprobs=2),
+               SamplingParams(temperature=1.2, top_p=0.5, seed=11, presence_penalty=0.4)]
+    history = np.asarray([3, 0, 3, 7], np.int64)
+    special_rows = [SamplingRow(p, history, 2, 9) for p in special]
+    batch = torch.randn(3, 10, generator=torch.Generator().manual_seed(2)) * 2
+    on_device = Sampler(seed=3).sample(batch.to(DEVICE), special_rows)
+    on_cpu = Sampler(seed=3).sample(batch, special_rows)
+    assert on_device.token_ids.tolist() == on_cpu.token_ids.tolist()
+    assert on_device.top_ids.tolist() == on_cpu.top_ids.tolist()
+    np.testing.assert_allclose(on_device.logprobs, on_cpu.logprobs, atol=1e-5)
 
 
 def _pool_owner(shape: tuple, to_parent, from_parent) -> None:

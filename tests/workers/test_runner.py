@@ -16,7 +16,8 @@ from justapi.sampling import SamplingParams
 from justapi.wire.protocol import PLACEHOLDER_TOKEN, NewRequest, StepPlan
 from workers.engine import LLMEngine
 from workers.kv.pool import KVPool, PoolShape
-from workers.model.attention import TorchCpuBackend, make_backend
+from workers.model.attention import TorchCpuBackend
+from workers.model.backends import make_backend
 from workers.model.forward import DecoderModel
 from workers.runner import ModelRunner
 from workers.sampler import Sampler, SamplingRow, apply_penalties

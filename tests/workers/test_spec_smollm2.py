@@ -11,7 +11,7 @@ from justapi.model.gguf_file import GGUFFile
 from justapi.sampling import SamplingParams
 from workers.engine import LLMEngine
 from workers.kv.pool import KVPool, PoolShape
-from workers.model.attention import make_backend
+from workers.model.backends import make_backend
 from workers.model.forward import DecoderModel
 from workers.spec.draft import DraftModel
 from workers.spec.draft_gguf import write_random_draft

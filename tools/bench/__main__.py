@@ -13,6 +13,7 @@ from tools.harness import ServeError
 
 SCENARIOS = {
     "engine": "model runtime steps vs the matmul bound (in-process, torch)",
+    "gpu": "GPU decode steps: CUDA graphs / eager / gathered, copy bandwidth share (needs a GPU)",
     "serve": "configurations of `justapi serve` side by side (continuous/static, cache, overhead)",
     "pd": "PD disaggregation vs colocated workers on the long-burst workload",
     "peer": "the same streaming workloads against justapi serve and llama-server (or a URL)",

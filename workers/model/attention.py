@@ -365,9 +365,3 @@ def require_cuda(device: str = "cuda") -> None:
     index = torch.device(device).index or 0
     if index >= torch.cuda.device_count():
         raise RuntimeError(f"device {device!r} does not exist: {torch.cuda.device_count()} GPU(s) visible")
-
-
-def make_backend(device: str, block_size: int) -> AttentionBackend:
-    if torch.device(device).type == "cuda":
-        return CudaBackend(block_size, device)
-    return TorchCpuBackend(block_size)

@@ -28,7 +28,8 @@ from justapi.config.spec import SpecConfig
 from justapi.model.gguf_file import GGUFFile, resolve_model_path
 from justapi.sampling import SamplingParams
 from workers.kv.pool import KVPool, PoolShape
-from workers.model.attention import AttentionBackend, AttentionBatch, make_backend
+from workers.model.attention import AttentionBackend, AttentionBatch
+from workers.model.backends import make_backend
 from workers.model.forward import DecoderModel
 from workers.sampler import Sampler, apply_logit_bias, filtered_probs, seeded_noise
 from workers.spec.tree import TreeLayout, level_mask
@@ -246,5 +247,6 @@ def load_draft(spec: SpecConfig, num_blocks: int, block_size: int, device: str,
     p = model.params
     pool = KVPool.create(PoolShape(p.num_layers, num_blocks, block_size, p.num_kv_heads, p.head_dim),
                          "local", dtype, device)
-    return DraftModel(model, pool, make_backend(device, block_size), spec,
+    backend = make_backend(device, block_size, (p.num_heads, p.num_kv_heads, p.head_dim))
+    return DraftModel(model, pool, backend, spec,
                       Sampler(None if seed is None else seed + 1))

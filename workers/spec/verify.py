@@ -148,6 +148,7 @@ def _target_probs(items: list[VerifyInput]) -> list[torch.Tensor]:
     rows = [row for item in items for row in _rows(item, wants_logprobs=False)]
     logits = torch.cat([item.logits for item in items]).float()
     probs = filtered_probs(adjusted_logits(logits, rows), [row.params for row in rows])
+    probs = probs.cpu()  # the acceptance walk reads them a token at a time, on the host's generator
     return list(torch.split(probs, [1 + len(item.tokens) for item in items]))
 
 

@@ -6,7 +6,7 @@ decode side, whose workers run decode steps only - so a burst of long prompts ne
 running streams. The block pool, prefix caches, rule, planner, results and routing are
 Scheduler's; this adds the hand-off (pd_handoffs.py):
 
-- decode workers mapping the prefill pool (CPU shared memory, two workers on one GPU):
+- decode workers mapping the prefill pool (CPU shared memory; GPU workers each own a pool):
   zero-copy, only ownership moves (the decode worker claims the request's blocks);
 - otherwise a CopyBlocks order to a decode worker, which maps the prefill pool once through
   the handle in the order (PoolInfo from the prefill worker's Ready) and copies; the request

@@ -1,0 +1,137 @@
+"""The in-place paged attention and KV-store Triton kernels (workers/model/triton_attention.py),
+run in Triton's CPU interpreter, against a dense per-row reference and the gathered torch path:
+scattered block tables, partial last blocks, decodes beside prefill chunks, token-tree
+masks, GQA, half-precision KV, sliding window and soft-capping, padding rows. Shapes stay
+small: the interpreter runs each program in numpy, one at a time."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.workers.test_cpu_kernels import random_step
+from workers.model.attention import AttentionBatch, TorchPagedBackend
+from workers.model.paged_layout import pad_layout, paged_layout
+from workers.spec.tree import TreeLayout, level_mask, verify_mask
+
+pytest.importorskip("triton")
+from workers.model.paged_backend import PagedMetadata, TritonPagedBackend  # noqa: E402
+from workers.model.triton_attention import AttentionParams, is_interpreted, store_kv  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not is_interpreted(), reason="runs the kernels in Triton's "
+                                "interpreter (TRITON_INTERPRET=1, set by tests/conftest.py)")
+
+
+def reference(batch: AttentionBatch, kv: torch.Tensor, q: torch.Tensor,
+              params: AttentionParams) -> torch.Tensor:
+    """Row by row in float64: the keys of the row's sequence at slot positions <= its own
+    (tree rows: as their mask says), within the window, scores soft-capped."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // kv.shape[3]
+    offsets = batch.token_offsets()
+    for seq in range(batch.num_seqs):
+        start, n = int(batch.start_positions[seq]), int(batch.num_tokens[seq])
+        table = batch.padded_tables(np.array([seq]))[0]
+        keys = np.arange(start + n)
+        slots = table[keys // batch.block_size] * batch.block_size + keys % batch.block_size
+        k = kv[0].reshape(-1, *kv.shape[3:])[slots].double()  # [keys, kv_heads, head_dim]
+        v = kv[1].reshape(-1, *kv.shape[3:])[slots].double()
+        visible = keys[None, :] <= start + np.arange(n)[:, None]  # [n, keys]
+        if batch.tree:
+            batch.tree.restrict_long(visible, seq)
+        if params.window:
+            visible &= (start + np.arange(n))[:, None] - keys[None, :] < params.window
+        rows = q[offsets[seq]:offsets[seq + 1]].double()  # [n, heads, head_dim]
+        scores = torch.einsum("nhd,khd->hnk", rows, k.repeat_interleave(group, 1)) * params.scale
+        if params.softcap:
+            scores = params.softcap * torch.tanh(scores / params.softcap)
+        scores = scores.masked_fill(~torch.from_numpy(visible), float("-inf"))
+        weights = torch.softmax(scores, -1).nan_to_num(0.0)
+        out[offsets[seq]:offsets[seq + 1]] = torch.einsum("hnk,khd->nhd", weights, v.repeat_interleave(group, 1))
+    return out
+
+
+def triton_attend(batch, kv, q, params=None):
+    heads, kv_heads, head_dim = q.shape[1], kv.shape[3], q.shape[2]
+    params = params or AttentionParams(head_dim ** -0.5)
+    backend = TritonPagedBackend(batch.block_size, "cpu", heads // kv_heads, params)
+    return backend.attend(kv, q, backend.prepare(batch))
+
+
+def assert_close(got, want, tolerance=2e-6):
+    assert got.shape == want.shape
+    assert not torch.isnan(got).any()
+    err = float((got.double() - want).abs().max())
+    assert err <= tolerance * max(1.0, float(want.abs().max())), err
+
+
+SHAPES = [  # heads, kv_heads, head_dim, block_size
+    (6, 2, 32, 16),   # GQA groups of 3 (SmolLM2's), 16-slot blocks
+    (4, 4, 24, 4),    # no GQA, head_dim not a power of two, blocks smaller than a key tile
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
+def test_mixed_step_equals_the_reference(heads, kv_heads, head_dim, block_size):
+    """Decodes at block boundaries and mid-block, a verification-sized chunk and a prefill
+    chunk continuing earlier ones, in one launch, over scattered blocks."""
+    batch, kv, q = random_step([0, 15, 33, 9, 40], [1, 1, 4, 30, 1], heads, kv_heads, head_dim,
+                               block_size, seed=1)
+    got = triton_attend(batch, kv, q)
+    want = reference(batch, kv, q, AttentionParams(head_dim ** -0.5))
+    assert_close(got, want)
+    gathered = TorchPagedBackend(block_size, chunk_bytes=None)
+    assert_close(got, gathered.attend(kv, q, gathered.prepare(batch)).double(), 5e-6)
+
+
+def test_token_tree_rows_see_their_ancestors_only():
+    """A verification tree and a draft model's level (its restriction starts before the chunk)."""
+    parents = [-1, 0, 0, 1, 2]
+    tree = TreeLayout()
+    tree.add(verify_mask(seq=1, num_tokens=1 + len(parents), start=20, parents=parents))
+    tree.add(level_mask(seq=2, parents=[-1, -1, 0, 1], first_node=2, num_nodes=2, root_position=30))
+    batch, kv, q = random_step([7, 20, 33], [1, 1 + len(parents), 2], 6, 2, 32, 16, seed=2, tree=tree)
+    got = triton_attend(batch, kv, q)
+    assert_close(got, reference(batch, kv, q, AttentionParams(32 ** -0.5)))
+    chain, _, _ = random_step([7, 20, 33], [1, 1 + len(parents), 2], 6, 2, 32, 16, seed=2)
+    assert not torch.allclose(got[4], triton_attend(chain, kv, q)[4])  # node 2 no longer sees node 1
+
+
+def test_window_softcap_and_scale_are_parameters():
+    batch, kv, q = random_step([0, 37], [20, 1], 4, 2, 16, 8, seed=3)
+    params = AttentionParams(scale=0.3, window=11, softcap=2.5)
+    assert_close(triton_attend(batch, kv, q, params), reference(batch, kv, q, params))
+
+
+def test_half_precision_kv():
+    """fp16 q and KV (the interpreter has no bf16 arithmetic; bf16 runs on the GPU tests):
+    products in half precision, accumulation in fp32."""
+    batch, kv, q = random_step([3, 50], [1, 18], 6, 2, 32, 16, seed=4)
+    got = triton_attend(batch, kv.half(), q.half())
+    assert got.dtype == torch.float16
+    assert_close(got.float(), reference(batch, kv.half().float(), q.half().float(),
+                                        AttentionParams(32 ** -0.5)), 3e-3)
+
+
+def test_store_kv_writes_slots_and_skips_padding_rows():
+    kv = torch.randn(2, 6, 4, 2, 16)
+    before = kv.clone()
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    slots = torch.tensor([9, -1, 22])
+    store_kv(kv, k, v, slots)
+    flat = kv.view(2, -1, 2, 16)
+    assert torch.equal(flat[0, 9], k[0]) and torch.equal(flat[1, 22], v[2])
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[[9, 22]] = False
+    assert torch.equal(flat[:, untouched], before.view(2, -1, 2, 16)[:, untouched])
+
+
+def test_padding_sequences_come_out_zero_and_real_rows_unchanged():
+    batch, kv, q = random_step([5, 17], [1, 1], 6, 2, 32, 16, seed=5)
+    padded = pad_layout(paged_layout(batch, 3), 4, 1)
+    meta = PagedMetadata.upload(padded, torch.device("cpu"))
+    backend = TritonPagedBackend(16, "cpu", 3, AttentionParams(32 ** -0.5))
+    q_pad = torch.cat([q, torch.randn(2, 6, 32)])
+    out = backend.attend(kv, q_pad, meta)
+    assert torch.equal(out[:2], triton_attend(batch, kv, q))
+    assert torch.equal(out[2:], torch.zeros(2, 6, 32))

@@ -1,0 +1,115 @@
+"""The GPU data plane's figures: decode tok/s and step time per batch size, each step taken
+three ways in turns (same engine, same pool, alternating order):
+
+- graphs:   in-place Triton attention, the step replayed from its CUDA graph (the default)
+- eager:    the same padded step, its kernels launched from Python (`--no-cuda-graphs`)
+- gathered: the previous data plane: each sequence's KV blocks gathered, then torch's SDPA
+
+For each model: SmolLM2-135M (the embedded GGUF where installed, else a synthetic model of its
+exact shape: the GPU computes in bf16 whatever the file's weight type, so the time is the
+same) and a synthetic ~1B llama. Beside them: the device-to-device copy bandwidth measured in
+the same run, and at batch 1 the share of it a decode step reaches streaming the weights
+(weight bytes / step time). `--json PATH` writes every figure. On a CPU (`--device cpu`, or
+JUSTAPI_TEST_GPU_DEVICE=cpu) it is a dry run on a tiny model: Triton's interpreter stands in
+for the GPU and plain calls for the graphs; its figures mean nothing.
+
+    python -m tools.bench gpu [--json out.json] [--batches 1,16,64,256] [--decode-steps 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+DEVICE_ENV = "JUSTAPI_TEST_GPU_DEVICE"
+SMOLLM2_SHAPE = "synthetic:layers=30,hidden=576,heads=9,kv_heads=3,ffn=1536,vocab=49152,context=8192,type=F16"
+LLAMA_1B_SHAPE = "synthetic:layers=16,hidden=2048,heads=32,kv_heads=8,ffn=8192,vocab=32000,context=4096,type=F16"
+DRY_RUN_SHAPE = "synthetic:layers=1,hidden=64,heads=4,kv_heads=2,ffn=64,vocab=320,context=256"
+MODES = ("graphs", "eager", "gathered")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench gpu", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default=os.environ.get(DEVICE_ENV, "cuda"))
+    parser.add_argument("--models", default="", help="';'-separated GGUF paths / synthetic: specs / smollm2 "
+                        "(default: SmolLM2 and the 1B shape; a dry run: a tiny model)")
+    parser.add_argument("--batches", default="", help="default 1,16,64,256 (dry run: 1,2)")
+    parser.add_argument("--decode-steps", type=int, default=0, help="timed steps per run (32; dry run 2)")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2, help="turns of the three modes")
+    parser.add_argument("--json", default="", help="write the figures here")
+    args = parser.parse_args(argv)
+    is_dry = args.device == "cpu"
+    args.models = args.models or (DRY_RUN_SHAPE if is_dry else f"smollm2;{LLAMA_1B_SHAPE}")
+    args.batches = [int(b) for b in (args.batches or ("1,2" if is_dry else "1,16,64,256")).split(",")]
+    args.decode_steps = args.decode_steps or (2 if is_dry else 32)
+    if is_dry:
+        args.prompt_tokens, args.rounds = min(args.prompt_tokens, 8), 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.device == "cpu":  # before anything imports triton: its interpreter stands in for the GPU
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    from tools.bench.gpu_run import copy_bandwidth, measure_model
+    if args.device != "cpu" and not torch.cuda.is_available():
+        print("python -m tools.bench gpu: no CUDA GPU here (a CPU dry run: --device cpu)", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {"device": _device_name(args.device), "torch": torch.__version__,
+                              "copy_bandwidth_bytes_per_s": copy_bandwidth(args.device),
+                              "batches": args.batches, "decode_steps": args.decode_steps,
+                              "prompt_tokens": args.prompt_tokens, "models": []}
+    print(f"{report['device']}: device-to-device copy {report['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s "
+          "(bytes read + written)", flush=True)
+    for model in args.models.split(";"):
+        report["models"].append(measure_model(model, args, report["copy_bandwidth_bytes_per_s"]))
+        if args.json:  # after each model: a run cut short by a timeout keeps what it measured
+            with open(args.json, "w") as handle:
+                json.dump(report, handle, indent=1)
+    print(summary(report))
+    return 0
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device == "cpu":
+        return "cpu (dry run: figures mean nothing)"
+    return torch.cuda.get_device_name(torch.device(device))
+
+
+def summary(report: dict[str, Any]) -> str:
+    """The table printed last: per model and batch, tok/s (median step ms) of each mode."""
+    lines = [f"{'model':<34} {'batch':>5} " + " ".join(f"{m + ' tok/s (ms)':>24}" for m in MODES)
+             + f" {'graphs/eager':>12}"]
+    for model in report["models"]:
+        for row in model["decode"]:
+            cells = [f"{row[m]['tok_per_s']:>12.0f} ({row[m]['median_step_ms']:7.3f})" for m in MODES]
+            ratio = row["eager"]["median_step_ms"] / row["graphs"]["median_step_ms"]
+            lines.append(f"{model['name'][:34]:<34} {row['batch']:>5} " + " ".join(f"{c:>24}" for c in cells)
+                         + f" {ratio:>12.2f}")
+        share = model.get("batch1_bandwidth_share")
+        if share is not None:
+            lines.append(f"  {model['name'][:32]}: batch 1 streams {model['weight_bytes'] / 2**30:.2f} GiB of "
+                         f"weights per step = {share:.0%} of the measured copy bandwidth; "
+                         f"{model['graph_capture']}")
+    return "\n".join(lines)
+
+
+def median_ms(step_s: list[float]) -> float:
+    return statistics.median(step_s) * 1e3
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
