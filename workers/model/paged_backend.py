@@ -9,6 +9,7 @@ Owns: PagedMetadata and the backend. Does not own: the kernels or the layout ari
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +36,7 @@ TENSOR_FIELDS = ("positions", "slots", "first_rows", "starts", "num_rows", "num_
 """PagedLayout's arrays, each a device tensor of the same name in PagedMetadata."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PagedMetadata(AttentionMetadata):
     """AttentionMetadata (positions, slots; no gathered groups) plus the kernel's tensors."""
 
@@ -62,7 +63,7 @@ class PagedMetadata(AttentionMetadata):
         """Every array as int32 in one host-to-device copy, then views of it."""
         arrays = [np.asarray(getattr(layout, name)).reshape(-1) for name in TENSOR_FIELDS]
         flat = torch.from_numpy(np.concatenate(arrays).astype(np.int32)).to(device)
-        tensors = dict(zip(TENSOR_FIELDS, torch.split(flat, [len(a) for a in arrays])))
+        tensors: dict[str, Any] = dict(zip(TENSOR_FIELDS, torch.split(flat, [len(a) for a in arrays])))
         tensors["tables"] = tensors["tables"].view(layout.tables.shape)
         return cls(**tensors, short=None, longs=[], block_q=layout.block_q,
                    block_m=layout.block_m, num_tiles=layout.num_tiles, has_tree=layout.has_tree)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -117,7 +117,7 @@ class StaticInputs:
 
     def metadata(self, layout: PagedLayout, has_tree: bool) -> PagedMetadata:
         """Views of the buffer shaped like `layout` (a padded one: its sizes are the graph's)."""
-        views = {name: self.field(name, len(getattr(layout, name))) for name in TENSOR_FIELDS
+        views: dict[str, Any] = {name: self.field(name, len(getattr(layout, name))) for name in TENSOR_FIELDS
                  if name not in ("tables", "tree_bits")}
         tables = self.field("tables", layout.num_seqs * self.table_width).view(-1, self.table_width)
         return PagedMetadata(**views, tables=tables, tree_bits=self.field("tree_bits"), short=None,
