@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from workers.model.attention import AttentionBackend, AttentionMetadata
 from workers.weights.gguf_loader import LayerWeights, LlamaWeights
-from workers.weights.quant_blocks import Matrix, QuantMatrix
+from workers.weights.quant_blocks import Matrix
 
 ONEDNN_BATCH_HINT = 16
 """Rows per step the oneDNN weight layout is tuned for; measured fastest from 1 to 512 rows."""
@@ -60,7 +60,7 @@ class Linear:
     Elsewhere (CUDA, or a torch without oneDNN): x @ W.T in W's dtype."""
 
     def __init__(self, weight: Matrix, compute_dtype: torch.dtype | None = None) -> None:
-        if isinstance(weight, QuantMatrix):  # the dense path of a weight kept quantized
+        if not isinstance(weight, torch.Tensor):  # the dense path of a weight kept compressed
             weight = weight.dense().to(weight.device, weight.dtype)
         self.out_features, self.in_features = weight.shape
         on_cpu = weight.device.type == "cpu"
@@ -158,8 +158,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class LlamaModel:
     """The forward. `forward` returns the last hidden states (before the final norm);
     `logits` applies the final norm and the output head to chosen rows only.
-    Keeps the embedding (row lookups: dense, or a QuantMatrix dequantizing the rows it is asked
-    for) and kernel-ready matrices (`make_linear`, dense oneDNN by default), not the loader's copies."""
+    Keeps the embedding (row lookups: dense, or a compressed matrix expanding the rows it is
+    asked for) and kernel-ready matrices (`make_linear`, dense oneDNN by default), not the loader's copies."""
 
     def __init__(self, weights: LlamaWeights, make_linear: LinearFactory = Linear) -> None:
         p = self.params = weights.params

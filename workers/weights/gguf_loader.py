@@ -7,7 +7,8 @@ dequantized (workers/weights/dequant.py) to the compute dtype. Layout decisions 
 - Q and K rows are un-permuted from GGUF's interleaved-pairs rotary layout back to the
   "rotate halves" layout (what llama.cpp's converter undid), so model.py rotates halves;
 - QKV and gate/up are fused into one matrix each; `output.weight` absent -> tied to token_embd;
-- with `keep_quantized`, Q4_0/Q4_1/Q8_0 matrices stay 4-bit codes (quant_blocks.QuantMatrix).
+- with `keep_quantized`, quantized matrices stay compressed: as 4-bit codes
+  (quant_blocks.QuantMatrix) or as the file's blocks (block_matrix.BlockMatrix), per type.
 Owns: tensor names, shape checks, the Q/K permutation. Does not own: the forward (model.py).
 """
 from __future__ import annotations
@@ -21,7 +22,15 @@ import torch
 
 from justapi.model.gguf_file import GGUFError, GGUFFile
 from workers.weights.dequant import dequantize, is_supported, supported_type_names
-from workers.weights.quant_blocks import Matrix, QuantMatrix, cat_rows, is_quantizable, quant_matrix
+from workers.weights.block_matrix import BlockMatrix, RowStack
+from workers.weights.quant_blocks import (
+    FormChooser,
+    Matrix,
+    QuantMatrix,
+    cat_rows,
+    load_matrix,
+    planes_where_exact,
+)
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 MAX_HIDDEN = 65536
@@ -169,8 +178,9 @@ def unpermute_rotary_rows(w: Matrix, num_heads: int) -> Matrix:
     """GGUF Q/K rows -> "rotate halves" rows. llama.cpp's converter stores, per head, the rows
     of pair i (dims i and i + d/2 in HF's layout) next to each other (rows 2i, 2i+1); this
     regroups them as [first halves | second halves]. [num_heads * d, in] -> same shape."""
-    if isinstance(w, QuantMatrix):  # the same reordering of its code and scale rows
+    if isinstance(w, (QuantMatrix, BlockMatrix)):  # the same reordering of its code/block rows
         return w.map_rows(lambda rows: unpermute_rotary_rows(rows, num_heads))  # type: ignore[arg-type,return-value]
+    assert isinstance(w, torch.Tensor), "a stack of parts is made after the un-permutation"
     rows, cols = w.shape
     head_dim = rows // num_heads
     return w.reshape(num_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
@@ -180,11 +190,12 @@ class _TensorSource:
     """Reads named tensors from a GGUFFile, checking type and shape, updating a progress bar."""
 
     def __init__(self, gguf: GGUFFile, params: LlamaHyperParams, progress: bool,
-                 keep_quantized: bool = False) -> None:
+                 keep_quantized: bool | FormChooser = False) -> None:
         from tqdm import tqdm
 
         self.gguf = gguf
-        self.keep_quantized = keep_quantized
+        self.form: FormChooser = (keep_quantized if callable(keep_quantized) else
+                                  planes_where_exact if keep_quantized else (lambda qtype: "dense"))
         self.shapes = expected_shapes(params)
         self.bar = tqdm(total=len(gguf.tensors), desc=f"loading {gguf.name}", unit="tensor",
                         file=sys.stderr, disable=not progress, leave=False)
@@ -199,12 +210,9 @@ class _TensorSource:
         return out
 
     def matrix(self, name: str, layer: int | None = None) -> Matrix:
-        """A weight matrix: kept as 4-bit codes when asked and its type has that form, else dense."""
+        """A weight matrix in the form chosen for its type (dense, 4-bit planes, GGUF blocks)."""
         key, info = self._checked(name, layer)
-        if not (self.keep_quantized and is_quantizable(info.tensor_type)):
-            out: Matrix = dequantize(info.data, info.tensor_type, self.shapes[name], key)
-        else:
-            out = quant_matrix(info.data, info.tensor_type, self.shapes[name], key)
+        out = load_matrix(info.data, info.tensor_type, self.shapes[name], key, self.form(info.tensor_type))
         self.bar.update(1)
         return out
 
@@ -225,14 +233,15 @@ class _TensorSource:
 
 
 def load_llama(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               progress: bool = True, keep_quantized: bool = False) -> LlamaWeights:
+               progress: bool = True, keep_quantized: bool | FormChooser = False) -> LlamaWeights:
     """Every tensor checked, fused and dequantized to `dtype` on `device` — except, with
-    `keep_quantized`, the Q4_0/Q4_1/Q8_0 matrices, kept as QuantMatrix (lookups give `dtype`)."""
+    `keep_quantized`, quantized matrices: True keeps the types with 4-bit planes as QuantMatrix,
+    a chooser (type -> "dense" | "planes" | "blocks") decides per type (lookups give `dtype`)."""
     params = read_hyper_params(gguf)
     src = _TensorSource(gguf, params, progress, keep_quantized)
 
     def put(tensor: Matrix) -> Any:
-        if isinstance(tensor, QuantMatrix):
+        if isinstance(tensor, (QuantMatrix, BlockMatrix, RowStack)):
             return tensor.to(device, dtype)
         return tensor.to(device=device, dtype=dtype).contiguous()
 
