@@ -132,14 +132,15 @@ def paired_medians(calls: Mapping[str, Callable[[], object]], repeats: int,
 
 
 def measure_plan(run: Callable[[str, torch.Tensor], object], in_features: int, paths: Sequence[str],
-                 rows: Sequence[int] = MEASURE_ROWS, repeats: int = 3) -> tuple[PathPlan, dict]:
+                 rows: Sequence[int] = MEASURE_ROWS, repeats: int = 3,
+                 timer: Callable[[], float] = time.perf_counter) -> tuple[PathPlan, dict]:
     """Time `run(path, x)` for x of each row count on every path -> (plan, {path: seconds})."""
     seconds: dict[str, list[float]] = {path: [] for path in paths}
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for count in rows:
             x = torch.randn(count, in_features, generator=generator)
-            medians = paired_medians({path: functools.partial(run, path, x) for path in paths}, repeats)
+            medians = paired_medians({path: functools.partial(run, path, x) for path in paths}, repeats, timer)
             for path in paths:
                 seconds[path].append(medians[path])
     return plan_from_timings(rows, seconds), seconds

@@ -40,6 +40,8 @@ static inline __attribute__((always_inline)) layout layout_of(int type) {  /* va
 
 static int codes_signed(int type) { return type == Q8_0; }
 
+static int scales_per_16(int type) { return type == Q6_K || type == Q3_K || type == Q2_K; }
+
 static float half(const uint8_t *p) {  /* IEEE half -> float, exact */
     const uint16_t h = (uint16_t)(p[0] | p[1] << 8);
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 0x3ff;

@@ -117,77 +117,75 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef struct {  /* rows of x quantized per 32 values */
     int8_t *q;    /* [m, k] */
     float *d;     /* [m, k / 32]: x ~ d * q */
-    v8 *sums;     /* [m, k / 32]: lane i = d * (q[4i] + ... + q[4i + 3]), the dot's lanes below */
+    float *sums;  /* [m, k / 16] (+ 8 zeros): d * (sum of the 16 q), for the weights' offsets */
 } qx;
 
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, v8 *sums) {
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *sums) {
     for (int64_t b = 0; b < k / 32; b++, x += 32, q += 32) {
         float amax = 0.0f;
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
         const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int lane[8] = {0};
+        int half_sum[2] = {0, 0};
         for (int j = 0; j < 32; j++) {
             q[j] = (int8_t)nearbyintf(x[j] * inv);  /* |x| * inv <= 127 (+ rounding): no overflow */
-            lane[j / 4] += q[j];
+            half_sum[j / 16] += q[j];
         }
         d[b] = scale;
-        for (int i = 0; i < 8; i++) sums[b][i] = scale * (float)lane[i];
+        sums[2 * b] = scale * (float)half_sum[0];
+        sums[2 * b + 1] = scale * (float)half_sum[1];
     }
 }
 
-typedef struct {  /* one weight row's chunk as codes, each lane's scale and offset */
+typedef struct {  /* one weight row's chunk: value = sc * c + off per 16 values */
     uint8_t c[CHUNK];
-    v8 s[CHUNK / 32], o[CHUNK / 32];  /* lanes 0-3: values 0-15 of a 32-group, 4-7: 16-31 */
+    float sc[CHUNK / 16], off[CHUNK / 16];  /* entries past chunk / 16 are zero */
 } coded;
 
 INLINE void code_chunk(int type, const uint8_t *row, int64_t k0, int chunk, coded *out) {
-    float sc[CHUNK / 16], mn[CHUNK / 16];
+    float mn[CHUNK / 16];
     const float zero = (float)layout_of(type).zero;
-    codes_chunk(type, row, k0, chunk, out->c, sc, mn);
-    for (int g = 0; g < chunk / 32; g++)
-        for (int i = 0; i < 8; i++) {  /* value = sc * c + (mn - z * sc): one of z, mn is 0 */
-            out->s[g][i] = sc[2 * g + i / 4];
-            out->o[g][i] = mn[2 * g + i / 4] - zero * sc[2 * g + i / 4];
-        }
+    codes_chunk(type, row, k0, chunk, out->c, out->sc, mn);
+    for (int h = 0; h < chunk / 16; h++) out->off[h] = mn[h] - zero * out->sc[h];  /* one of z, mn is 0 */
 }
 
-/* acc[r] += sum over the chunk's 32-groups of (codes . xq) * scale * xd per lane, and
- * acc_off[r] += offset * sums per lane; the same order for every (r, m). */
-static void chunk_dot_i8(const coded *w, int groups, int is_signed, const int8_t *xq, const float *xd,
-                         const v8 *sums, v8 *acc, v8 *acc_off) {
-    for (int g = 0; g < groups; g++) {
+/* acc[r] += per 32-group (codes . xq, in 8 lanes of 4 values) * scale * xd, and
+ * acc_off[r] += offsets . sums (8 halves per vector); the same order for every (r, m). */
+INLINE void chunk_dot_i8(int type, const coded *w, int chunk, const int8_t *xq, const float *xd,
+                         const float *sums, v8 *acc, v8 *acc_off) {
+    const int is_signed = codes_signed(type), sub16 = scales_per_16(type);
+    for (int g = 0; g < chunk / 32; g++) {
 #if defined(__AVX2__)
         const __m256i q = _mm256_loadu_si256((const __m256i *)(xq + 32 * g)), ones = _mm256_set1_epi16(1);
         const __m256 xdv = _mm256_set1_ps(xd[g]);
         for (int r = 0; r < ROWS; r++) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)(w[r].c + 32 * g));
-            const __m256i p = is_signed ? _mm256_maddubs_epi16(_mm256_sign_epi8(c, c), _mm256_sign_epi8(q, c))
-                                        : _mm256_maddubs_epi16(c, q);  /* |pair| <= 2 * 128 * 127 */
+            const __m256i cu = is_signed ? _mm256_sign_epi8(c, c) : c, qs = is_signed ? _mm256_sign_epi8(q, c) : q;
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-            (void)p;
-            const __m256i dot = is_signed ? _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(c, c), _mm256_sign_epi8(q, c))
-                                          : _mm256_dpbusd_epi32(_mm256_setzero_si256(), c, q);
+            (void)ones;
+            const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), cu, qs);
 #else
-            const __m256i dot = _mm256_madd_epi16(p, ones);
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(cu, qs), ones);  /* |pair| <= 2 * 128 * 127 */
 #endif
-            const __m256 f = _mm256_cvtepi32_ps(dot);
-            acc[r] = (v8)_mm256_fmadd_ps(f, _mm256_mul_ps((__m256)w[r].s[g], xdv), (__m256)acc[r]);
-            acc_off[r] = (v8)_mm256_fmadd_ps((__m256)w[r].o[g], (__m256)sums[g], (__m256)acc_off[r]);
+            const __m256 scale = sub16 ? _mm256_setr_m128(_mm_set1_ps(w[r].sc[2 * g]), _mm_set1_ps(w[r].sc[2 * g + 1]))
+                                       : _mm256_set1_ps(w[r].sc[2 * g]);
+            acc[r] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, xdv), (__m256)acc[r]);
         }
 #else
         for (int r = 0; r < ROWS; r++) {
-            v8 f;
+            v8 f, scale;
             for (int i = 0; i < 8; i++) {
                 int dot = 0;
                 for (int j = 4 * i; j < 4 * i + 4; j++)
                     dot += (is_signed ? (int)(int8_t)w[r].c[32 * g + j] : (int)w[r].c[32 * g + j]) * xq[32 * g + j];
                 f[i] = (float)dot;
+                scale[i] = w[r].sc[2 * g + i / 4];
             }
-            acc[r] += f * (w[r].s[g] * xd[g]);
-            acc_off[r] += w[r].o[g] * sums[g];
+            acc[r] += f * (scale * xd[g]);
         }
 #endif
     }
+    for (int h = 0; h < chunk / 16; h += 8)
+        for (int r = 0; r < ROWS; r++) acc_off[r] += *(const v8 *)(w[r].off + h) * *(const v8 *)(sums + h);
 }
 
 static float hsum8(v8 v) {
@@ -199,15 +197,15 @@ INLINE void tile_i8(int type, int chunk, const uint8_t *w, int64_t row_bytes, in
                     int num_rows, const qx *x, int64_t m0, int num_m, float *y, int64_t n) {
     coded rows[ROWS] __attribute__((aligned(64)));
     v8 acc[MAX_M][ROWS], acc_off[MAX_M][ROWS];
-    if (num_rows < ROWS) memset(rows, 0, sizeof rows);  /* rows past num_rows: all zero */
+    memset(rows, 0, sizeof rows);  /* rows past num_rows, offsets past the chunk: zero */
     memset(acc, 0, (size_t)num_m * sizeof acc[0]);
     memset(acc_off, 0, (size_t)num_m * sizeof acc_off[0]);
     for (int64_t k0 = 0; k0 < k; k0 += chunk) {
         for (int r = 0; r < num_rows; r++) code_chunk(type, w + (n0 + r) * row_bytes, k0, chunk, rows + r);
         for (int m = 0; m < num_m; m++) {
             const int64_t row = m0 + m;
-            chunk_dot_i8(rows, chunk / 32, codes_signed(type), x->q + row * k + k0, x->d + (row * k + k0) / 32,
-                         x->sums + (row * k + k0) / 32, acc[m], acc_off[m]);
+            chunk_dot_i8(type, rows, chunk, x->q + row * k + k0, x->d + (row * k + k0) / 32,
+                         x->sums + (row * k + k0) / 16, acc[m], acc_off[m]);
         }
     }
     for (int r = 0; r < num_rows; r++)
@@ -223,7 +221,7 @@ int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const floa
     const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
     const int64_t num_tiles = (n + ROWS - 1) / ROWS;
     qx xq = {malloc((size_t)(m * k)), malloc((size_t)(m * k / 32) * sizeof(float)),
-             aligned_alloc(32, (size_t)(m * k / 32) * sizeof(v8))};
+             calloc((size_t)(m * k / 16 + 8), sizeof(float))};  /* 8 zeros: read past the last half */
     if (!xq.q || !xq.d || !xq.sums) {
         free(xq.q), free(xq.d), free(xq.sums);
         return NO_MEMORY;
@@ -231,7 +229,7 @@ int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const floa
     #pragma omp parallel num_threads(num_threads)
     {
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, xq.q + r * k, xq.d + r * k / 32, xq.sums + r * k / 32);
+        for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, xq.q + r * k, xq.d + r * k / 32, xq.sums + r * k / 16);
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < num_tiles; t++) {
             const int64_t n0 = t * ROWS;
