@@ -43,7 +43,8 @@ def test_plan_from_timings_splits_rows_where_the_lines_cross():
     assert len(plan_from_timings(rows, noisy).steps) <= 3
     assert plan_from_timings(rows, {"dense": seconds["dense"]}).steps == ((1 << 16, "dense"),)
     with pytest.raises(ValueError, match="one time per measured row count"):
-        plan_from_timings(rows, {"int8": [1.0]})
+        plan_from_timings(rows, {"int8": [1.0] * 8})
+    assert plan_from_timings(rows, {"int8": [1.0, 1.5], "dense": seconds["dense"]}).path_for(1) == "int8"
 
 
 def test_path_plan_validates_and_describes():
@@ -70,7 +71,7 @@ def test_plan_cache_round_trip_and_bad_files(tmp_path):
 
 def test_measure_plan_on_a_fake_clock():
     clock = [0.0]
-    cost = {"int8": (1.0, 0.5), "dense": (10.0, 0.2)}  # seconds: a + b * rows
+    cost = {"int8": (1.0, 0.5), "dense": (10.5, 0.2)}  # seconds: a + b * rows; equal at 31.7
 
     def run(path: str, x: torch.Tensor) -> None:
         a, b = cost[path]
@@ -78,8 +79,13 @@ def test_measure_plan_on_a_fake_clock():
 
     plan, seconds = measure_plan(run, 8, ["int8", "dense"], rows=(1, 4, 16, 64), repeats=3,
                                  timer=lambda: clock[0])
-    assert seconds["dense"] == pytest.approx([10.2, 10.8, 13.2, 22.8])
-    assert plan.steps == ((30, "int8"), (1 << 16, "dense"))
+    assert seconds["dense"] == pytest.approx([10.7, 11.3, 13.7, 23.3])
+    assert plan.steps == ((31, "int8"), (1 << 16, "dense"))
+    cost["blocks"] = (40.0, 1.0)  # 2x behind at every count: timed at the first three only
+    plan, seconds = measure_plan(run, 8, ["int8", "dense", "blocks"], rows=(1, 4, 16, 64), repeats=3,
+                                 timer=lambda: clock[0])
+    assert len(seconds["blocks"]) == 3 and len(seconds["dense"]) == 4
+    assert plan.steps == ((31, "int8"), (1 << 16, "dense"))
 
 
 def blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> BlockMatrix:

@@ -33,8 +33,8 @@ PATHS = ("int8", "blocks", "dense", "dense_bf16")
 MEASURE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Row counts timed at start-up: decode batches and speculative verification sit among them,
 prefill chunks past the top (where the lines are extrapolated)."""
-CACHE_FILE = "weight-paths.json"
-CACHE_VERSION = 2
+DROP_RATIO = 2.0
+CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -85,12 +85,13 @@ def fit_line(rows: Sequence[int], seconds: Sequence[float]) -> tuple[float, floa
 def plan_from_timings(rows: Sequence[int], seconds: Mapping[str, Sequence[float]],
                       max_rows: int = 1 << 16) -> PathPlan:
     """The plan of the fitted lines (ties: the earlier path in `seconds`): each path's range
-    ends where another's line drops below it, found at every crossing up to `max_rows`."""
-    if not seconds or any(len(times) != len(rows) for times in seconds.values()) or not rows:
-        raise ValueError("every path needs one time per measured row count")
+    ends where another's line drops below it, found at every crossing up to `max_rows`. A
+    path may have times for the first few counts only (measurement stopped timing it)."""
+    if not seconds or any(not 0 < len(times) <= len(rows) for times in seconds.values()):
+        raise ValueError("every path needs one time per measured row count (or per leading ones)")
     if list(rows) != sorted(set(rows)) or rows[0] < 1:
         raise ValueError(f"measured row counts must rise from >= 1, got {list(rows)}")
-    lines = {path: fit_line(rows, times) for path, times in seconds.items()}
+    lines = {path: fit_line(rows[:len(times)], times) for path, times in seconds.items()}
 
     def best(count: int) -> str:
         return min(lines, key=lambda path: lines[path][0] + lines[path][1] * count)
@@ -134,16 +135,33 @@ def paired_medians(calls: Mapping[str, Callable[[], object]], repeats: int,
 def measure_plan(run: Callable[[str, torch.Tensor], object], in_features: int, paths: Sequence[str],
                  rows: Sequence[int] = MEASURE_ROWS, repeats: int = 3,
                  timer: Callable[[], float] = time.perf_counter) -> tuple[PathPlan, dict]:
-    """Time `run(path, x)` for x of each row count on every path -> (plan, {path: seconds})."""
+    """Time `run(path, x)` for x of each row count on every path -> (plan, {path: seconds}).
+    A path DROP_RATIO times slower than the best at two counts in a row is not timed at larger
+    counts (its line is fitted to what was measured): a 150k-token head at 128 rows on a slow
+    path would cost seconds of start-up to learn what the first counts already say."""
     seconds: dict[str, list[float]] = {path: [] for path in paths}
+    active = list(paths)
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for count in rows:
             x = torch.randn(count, in_features, generator=generator)
-            medians = paired_medians({path: functools.partial(run, path, x) for path in paths}, repeats, timer)
-            for path in paths:
+            medians = paired_medians({path: functools.partial(run, path, x) for path in active}, repeats, timer)
+            for path in active:
                 seconds[path].append(medians[path])
+            active = [path for path in active if not _far_behind(seconds, path)]
     return plan_from_timings(rows, seconds), seconds
+
+
+def _far_behind(seconds: Mapping[str, Sequence[float]], path: str) -> bool:
+    """`path` took DROP_RATIO times the best time at each of the last two counts."""
+    times = seconds[path]
+    if len(times) < 3:
+        return False
+    for back in (1, 2):
+        best = min(t[len(times) - back] for t in seconds.values() if len(t) >= len(times))
+        if times[-back] < DROP_RATIO * best:
+            return False
+    return True
 
 
 class PlanCache:
