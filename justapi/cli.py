@@ -38,7 +38,8 @@ def main() -> None:
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
 @click.option("--weights", default="fp32", show_default=True, type=click.Choice(list(WEIGHT_MODES)),
               help="Dequantize at load (fp32, or bf16 matmuls on CPUs that have them), keep "
-                   "Q4_0/Q4_1/Q8_0 weights 4-bit, or both (see docs/quantization.md).")
+                   "4-bit planes for the int4 kernels (q4), or the GGUF blocks with a kernel per "
+                   "step (auto; see docs/quantization.md).")
 def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p: float,
              top_k: int, seed: int | None, chat: bool, as_json: bool, device: str,
              ignore_eos: bool, weights: str) -> None:

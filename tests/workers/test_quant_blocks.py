@@ -11,6 +11,7 @@ from gguf import quants as gguf_quants
 
 from justapi.model.gguf_file import GGUFError, GGUFFile
 from workers.weights.gguf_loader import load_weights
+from workers.weights.block_matrix import RowStack
 from workers.weights.quant_blocks import QuantMatrix, cat_rows, quant_matrix
 
 Q = GGMLQuantizationType
@@ -124,7 +125,7 @@ def test_loader_mixed_types(tiny_gguf):
     assert isinstance(floats.token_embd, QuantMatrix)
 
 
-def test_cat_rows_keeps_equal_planes_and_densifies_a_mix():
+def test_cat_rows_keeps_equal_planes_and_stacks_a_mix():
     rng = np.random.default_rng(2)
     w = rng.standard_normal((32, 64)).astype(np.float32)
     q4 = quant_matrix(gguf_quants.quantize(w, Q.Q4_1), Q.Q4_1, (32, 64))
@@ -134,5 +135,5 @@ def test_cat_rows_keeps_equal_planes_and_densifies_a_mix():
     assert isinstance(both, QuantMatrix) and both.type_name == "Q4_0+Q4_1"
     assert torch.equal(both.dense(), torch.cat([q4.dense(), q4_0.dense()]))
     mixed = cat_rows([q4, q8, torch.zeros(3, 64)])
-    assert isinstance(mixed, torch.Tensor)
-    assert torch.equal(mixed, torch.cat([q4.dense(), q8.dense(), torch.zeros(3, 64)]))
+    assert isinstance(mixed, RowStack) and mixed.parts[1] is q8 and mixed.shape == (67, 64)
+    assert torch.equal(mixed.dense(), torch.cat([q4.dense(), q8.dense(), torch.zeros(3, 64)]))

@@ -18,12 +18,15 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf import quants as gguf_quants
 
+from workers.weights.kquant_pack import quantize
 from workers.model.forward import Linear
-from workers.weights.paths import Crossover, WeightPaths
+from workers.weights.block_linear import BlockLinear, StackLinear
+from workers.weights.block_matrix import RowStack, block_matrix
+from workers.weights.path_plan import PathPlan
+from workers.weights.paths import WeightPaths
 from workers.weights.quant_blocks import GROUP_SIZE, QuantMatrix, _pack, quant_matrix
-from workers.weights.quant_linear import DualLinear, Int4Linear, QuantKernelError
+from workers.weights.quant_linear import Int4Linear, QuantKernelError
 
 Q = GGMLQuantizationType
 U_BF16 = 2.0 ** -9
@@ -50,17 +53,26 @@ def error_bound(matrix: QuantMatrix, x: torch.Tensor, bf16_weights: bool = False
     return 1.01 * (ax @ planes_sum(e_w_full).T + roundings * ax @ planes_sum(w_planes + e_w_full).T)
 
 
-def random_matrix(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> QuantMatrix:
+def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Blocks of rows whose 32-value groups span several orders of magnitude."""
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((rows, cols)) * np.exp(rng.standard_normal((rows, cols // 32)).repeat(32, 1))
-    return quant_matrix(gguf_quants.quantize(w.astype(np.float32), qtype), qtype, (rows, cols))
+    return quantize(w.astype(np.float32), qtype)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0])
+def random_matrix(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> QuantMatrix:
+    return quant_matrix(random_blocks(qtype, rows, cols, seed), qtype, (rows, cols))
+
+
+PLANE_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K]
+
+
+@pytest.mark.parametrize("qtype", PLANE_TYPES)
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_kernel_equals_dequantized_matmul_within_the_derived_bound(qtype, rows):
-    matrix = random_matrix(qtype, 40, 96, seed=rows)  # 40 outputs: padded to 48 inside
-    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    cols = 256 if qtype.name.endswith("_K") else 96  # K-quant rows are 256-value blocks
+    matrix = random_matrix(qtype, 40, cols, seed=rows)  # 40 outputs: padded to 48 inside
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
     y = Int4Linear(matrix)(x)
     reference = x.double() @ matrix.dense().double().T
     assert y.shape == (rows, 40) and y.dtype == torch.float32
@@ -100,28 +112,25 @@ def test_kernel_is_exact_where_bf16_holds_every_input(num_planes):
     assert torch.equal(Int4Linear(matrix)(x), reference.to(torch.bfloat16).float())
 
 
-def test_dual_linear_routes_by_rows_and_counts_calls():
-    matrix = random_matrix(Q.Q4_1, 32, 64)
-    dual = DualLinear(Linear(matrix), Int4Linear(matrix), max_quant_rows=4)
-    small, large = torch.randn(4, 64), torch.randn(5, 64)
-    assert torch.equal(dual(small), Int4Linear(matrix)(small))
-    assert (dual.num_quant_calls, dual.num_dense_calls) == (1, 0)
-    assert torch.equal(dual(large), Linear(matrix.dense())(large))
-    assert (dual.num_quant_calls, dual.num_dense_calls) == (1, 1)
-    with pytest.raises(ValueError, match="differ"):
-        DualLinear(Linear(torch.zeros(16, 64)), Int4Linear(matrix), 4)
-
-
 def test_weight_paths_make_the_linear_of_each_mode():
-    q4, q8 = random_matrix(Q.Q4_0, 16, 64), random_matrix(Q.Q8_0, 16, 64)
-    crossover = Crossover(q4_rows=8, q8_rows=2)
+    blocks = {t: block_matrix(random_blocks(t, 16, 256), t, (16, 256)) for t in (Q.Q4_K, Q.Q6_K)}
+    q4 = random_matrix(Q.Q4_0, 16, 64)
     assert isinstance(WeightPaths("fp32")(q4), Linear)
     assert isinstance(WeightPaths("q4")(q4), Int4Linear)
     assert isinstance(WeightPaths("q4")(torch.zeros(16, 64)), Linear)  # a dense type stays dense
-    auto = WeightPaths("auto", crossover=crossover)
-    assert auto(q4).max_quant_rows == 8 and auto(q8).max_quant_rows == 2
-    never = WeightPaths("auto", crossover=Crossover(q4_rows=0, q8_rows=4))
-    assert isinstance(never(q4), Linear) and isinstance(never(q8), DualLinear)  # no int4 copy kept
+    assert isinstance(WeightPaths("q4")(blocks[Q.Q4_K]), Int4Linear)  # repacked: exact in planes
+    plan = PathPlan(((4, "int8"), (64, "dense")))
+    auto = WeightPaths("auto", plan=plan)
+    for matrix in blocks.values():
+        linear = auto(matrix)
+        assert isinstance(linear, BlockLinear) and linear.plan == plan and linear.matrix is matrix
+    assert isinstance(WeightPaths("q4", plan=plan)(blocks[Q.Q6_K]), BlockLinear)  # no 4-bit planes
+    stacked = auto(RowStack((blocks[Q.Q4_K], blocks[Q.Q6_K], torch.zeros(3, 256))))
+    assert isinstance(stacked, StackLinear) and stacked.out_features == 35
+    assert [type(p) for p in stacked.parts] == [BlockLinear, BlockLinear, Linear]
+    assert {auto.form(t) for t in (Q.Q4_0, Q.Q5_1, Q.Q2_K, Q.Q6_K)} == {"blocks"}
+    assert auto.form(Q.F16) == WeightPaths("fp32").form(Q.Q4_K) == "dense"
+    assert (WeightPaths("q4").form(Q.Q5_K), WeightPaths("q4").form(Q.Q3_K)) == ("planes", "blocks")
     with pytest.raises(ValueError, match="weights must be one of .* got 'int4'"):
         WeightPaths("int4")
 

@@ -1,5 +1,5 @@
 """`--weights fp32|bf16|q4|auto` through the runtime: auto's per-step choice in both directions
-inside one run (kernel calls counted), the q4 path's outputs against fp32 on a tiny model, the
+inside one run (calls per path counted), the q4 path's outputs against fp32 on a tiny model, the
 flag through `justapi generate`, the serve config and a served worker, and perplexity windows."""
 from __future__ import annotations
 
@@ -23,38 +23,41 @@ from workers.kv.pool import KVPool, PoolShape
 from workers.model.attention import TorchCpuBackend
 from workers.model.perplexity import perplexity, window_starts
 from workers.runner import ModelRunner
-from workers.weights.paths import CPU_CROSSOVER, has_hardware_bf16, load_model
-from workers.weights.quant_linear import DualLinear, Int4Linear
+from workers.weights.block_linear import BlockLinear
+from workers.weights.path_plan import PathPlan
+from workers.weights.paths import has_hardware_bf16, load_model
+from workers.weights.quant_linear import Int4Linear
 
 SPEC = dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=384, context=256,
             type="Q4_1", embed_type="Q8_0")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def layer_duals(model) -> list[DualLinear]:
+def layer_linears(model) -> list[BlockLinear]:
     return [lin for layer in model.layers for lin in layer.linears()]
 
 
-def calls(duals: list[DualLinear]) -> tuple[int, int]:
-    return sum(d.num_quant_calls for d in duals), sum(d.num_dense_calls for d in duals)
+def calls(linears: list[BlockLinear], path: str) -> int:
+    return sum(linear.num_calls[path] for linear in linears)
 
 
-def test_auto_takes_int4_for_small_steps_and_fp32_for_large_ones_in_one_run(tiny_gguf):
-    model = load_model(GGUFFile(tiny_gguf(**SPEC)), weights="auto", progress=False)
-    duals, head = layer_duals(model), model.output
-    assert all(isinstance(d, DualLinear) for d in duals) and isinstance(head, DualLinear)
+def test_auto_takes_the_block_kernel_for_small_steps_and_dense_tiles_for_large_ones(tiny_gguf):
+    plan = PathPlan(((8, "int8"), (1 << 16, "dense")))
+    model = load_model(GGUFFile(tiny_gguf(**SPEC)), weights="auto", progress=False, plan=plan)
+    linears, head = layer_linears(model), model.output
+    assert all(isinstance(lin, BlockLinear) for lin in linears) and isinstance(head, BlockLinear)
     p = model.params
     pool = KVPool.create(PoolShape(p.num_layers, 64, 16, p.num_kv_heads, p.head_dim))
     runner = ModelRunner(model, pool, TorchCpuBackend(16))
-    prompt = list(range(3, 3 + CPU_CROSSOVER.q4_rows + 8))  # one step of more rows than the crossover
+    prompt = list(range(3, 3 + 8 + 8))  # one step of more rows than the plan's small range
     new = NewRequest("a", GREEDY, len(prompt), np.asarray(prompt, np.int32))
     first = runner.execute(StepPlan.build(1, [("a", 0, prompt, list(range(8)), True)], [new]))
-    assert calls(duals) == (0, len(duals))  # prefill: every layer matmul on the dense kernel
-    assert (head.num_quant_calls, head.num_dense_calls) == (1, 0)  # one sampled row: int4 head
+    assert (calls(linears, "int8"), calls(linears, "dense")) == (0, len(linears))  # prefill: tiles
+    assert (head.num_calls["int8"], head.num_calls["dense"]) == (1, 0)  # one sampled row
     token = int(first.sampled_token_ids[0])
     runner.execute(StepPlan.build(2, [("a", len(prompt), [token], list(range(8)), True)]))
-    assert calls(duals) == (len(duals), len(duals))  # decode: every layer matmul on int4
-    assert (head.num_quant_calls, head.num_dense_calls) == (2, 0)
+    assert (calls(linears, "int8"), calls(linears, "dense")) == (len(linears), len(linears))  # decode
+    assert (head.num_calls["int8"], head.num_calls["dense"]) == (2, 0)
     pool.close()
 
 

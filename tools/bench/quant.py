@@ -1,24 +1,30 @@
-"""The weight paths side by side from one run: fp32, bf16 (bf16 matmuls), q4 (4-bit weights, int4
-kernels) and auto.
+"""The weight paths side by side from one run, per weight type: fp32, bf16 (bf16 matmuls), q4
+(torch's int4 kernels) and auto (GGUF blocks in memory, the path per step from a plan measured
+at start-up).
 
-Prints, with the load average (the machine is shared: figures are medians of several steps):
-  crossover   every layer's matmuls and the head at M rows on the dense kernel and the int4
-              kernel, and the crossover (most rows for which int4 won at every M up to there)
-              that `--weights auto` uses (workers/weights/paths.py records it);
-  decode      tokens/s at 1 / 8 / 32 / 64 sequences and prefill tokens/s, per path;
-  accuracy    perplexity of each path on justapi/ops/data/prose.txt (sliding windows, as
-              `justapi perplexity`), and greedy agreement of each path with fp32;
-  memory      bytes the weights take per path.
+For the model and, with --types, the same model quantized again as each type (requant.py),
+prints per path, with the load average (the machine is shared: decode figures are medians):
+  load (s), weights (MiB: the tensors the model keeps), private memory of a process that loads
+  the model as a worker does (MiB, in a fresh process, against the file's size), prefill and
+  decode tokens/s, perplexity on justapi/ops/data/prose.txt against fp32's, greedy agreement
+  with fp32, and for auto the path each matrix takes at each batch size.
 
-    python -m tools.bench quant [--model FILE.gguf] [--batches 1,8,32,64] [--skip-crossover]
-    python -m tools.bench quant --crossover-only [--repeats 15]
-    python -m tools.bench quant --paired fp32,bf16 --batches 1,16,64   # steps in turns
+    python -m tools.bench quant [--model FILE.gguf] [--types Q4_K,Q6_K] [--paths fp32,auto]
+    python -m tools.bench quant --plans [--repeats 5]      # per-matmul timings behind auto's plans
+    python -m tools.bench quant --int8                     # the int8-activation step at 1-4 rows
+    python -m tools.bench quant --paired fp32,auto --batches 1,16,64   # decode steps in turns
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
+import gc
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any, Callable
 
@@ -29,86 +35,159 @@ from justapi.model.gguf_file import GGUFFile
 from justapi.ops.perplexity import DEFAULT_TEXT
 from justapi.sampling import SamplingParams
 from tools.bench.engine import run_steps
+from tools.bench.quant_paths import block_linears, int8_step, path_tables
+from tools.bench.requant import requantized
 from workers.engine import LLMEngine, resolve_model
 from workers.model.forward import DecoderModel
 from workers.model.perplexity import perplexity
-from workers.weights.paths import CPU_CROSSOVER, Crossover, load_model
+from workers.weights.block_linear import BlockLinear, StackLinear
+from workers.weights.block_matrix import BlockMatrix, RowStack
+from workers.weights.paths import load_model
 from workers.weights.quant_blocks import QuantMatrix
-from workers.weights.quant_linear import DualLinear, Int4Linear
+from workers.weights.quant_linear import Int4Linear
 
 PATHS = ("fp32", "bf16", "q4", "auto")
 TEXT = DEFAULT_TEXT
-CROSSOVER_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 128)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
            "The three primary colors are", "To make a cup of tea, first",
            "In 1969, the first person to walk on the moon", "The best way to learn a language is",
            "Water boils at"]
 
 
-def paired_medians(fns: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median seconds of each function, timed in turns (one call of each per round, after an
-    untimed round: oneDNN builds a new shape's primitive on its first call), so that load from
-    other processes falls on all of them alike."""
-    for fn in fns:
-        fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, bucket in zip(fns, times):
-            start = time.perf_counter()
-            fn()
-            bucket.append(time.perf_counter() - start)
-    return [statistics.median(bucket) for bucket in times]
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors a linear or a matrix keeps (blocks, 4-bit codes, dense copies)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (BlockLinear, BlockMatrix)):
+        return obj.num_bytes
+    if isinstance(obj, (StackLinear, RowStack)):
+        return sum(tensor_bytes(p) for p in obj.parts)
+    if isinstance(obj, (Int4Linear, QuantMatrix)):
+        return obj.num_bytes
+    return tensor_bytes(obj.weight)  # Linear
 
 
-def crossover_table(model_path: str, repeats: int) -> tuple[int, int]:
-    """Time the layers' matmuls and the head on both kernels at each M; print; return the
-    crossovers (q4 rows, q8 rows)."""
-    both = Crossover(q4_rows=1, q8_rows=1)  # any rows > 0: every quantized matrix keeps both copies
-    model = load_model(GGUFFile(resolve_model(model_path)), weights="auto", progress=False, crossover=both)
-    p = model.params
-    duals = [linear for layer in model.layers for linear in layer.linears()
-             if isinstance(linear, DualLinear)]
-    head = model.output
-    assert len(duals) == 4 * len(model.layers) and isinstance(head, DualLinear)
-    print(f"matmul time at M rows, median of {repeats} (all {p.num_layers} layers' 4 matmuls | "
-          f"the {p.vocab_size}x{p.hidden_size} head):")
-    print(f"{'rows':>5} | {'layers fp32':>11} {'layers int4':>11} {'int4/fp32':>9} | "
-          f"{'head fp32':>9} {'head int4':>9} {'int4/fp32':>9}")
-    wins: dict[str, list[tuple[int, bool]]] = {"layers": [], "head": []}
-    with torch.inference_mode():
-        for rows in CROSSOVER_ROWS:
-            inputs = [torch.randn(rows, d.in_features) for d in duals]
-            x_head = torch.randn(rows, p.hidden_size)
-            dense_s, quant_s, head_dense_s, head_quant_s = paired_medians([
-                lambda: [d.dense(x) for d, x in zip(duals, inputs)],
-                lambda: [d.quant(x) for d, x in zip(duals, inputs)],
-                lambda: head.dense(x_head), lambda: head.quant(x_head)], repeats)
-            wins["layers"].append((rows, quant_s < dense_s))
-            wins["head"].append((rows, head_quant_s < head_dense_s))
-            print(f"{rows:>5} | {dense_s * 1e3:9.2f}ms {quant_s * 1e3:9.2f}ms {quant_s / dense_s:9.2f} | "
-                  f"{head_dense_s * 1e3:7.2f}ms {head_quant_s * 1e3:7.2f}ms {head_quant_s / head_dense_s:9.2f}")
-    return _crossover(wins["layers"]), _crossover(wins["head"])
+def weight_bytes(model: DecoderModel) -> int:
+    linears = [model.output] + [lin for layer in model.layers for lin in layer.linears()]
+    embd = 0 if model.token_embd is getattr(model.output, "matrix", None) else tensor_bytes(model.token_embd)
+    return sum(tensor_bytes(lin) for lin in linears) + embd
 
 
-def _crossover(wins: list[tuple[int, bool]]) -> int:
-    """Most rows for which int4 won at every measured M up to there (0: never)."""
-    best = 0
-    for rows, won in wins:
-        if not won:
-            break
-        best = rows
-    return best
+def private_mib() -> tuple[float, float]:
+    """(RssAnon, RssFile) of this process in MiB."""
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith("Rss"))
+    return tuple(int(fields[k].split()[0]) / 1024 for k in ("RssAnon", "RssFile"))  # type: ignore[return-value]
+
+
+def memory_probe(model_path: str, path: str) -> dict[str, float]:
+    """Load as a worker does (load_model, warm-up of every row bucket, file closed), in this
+    fresh process: private memory added by the model, beyond torch and the kernels."""
+    from workers.weights.block_kernels import block_kernels
+
+    block_kernels()
+    torch.zeros(64, 64) @ torch.zeros(64, 64)
+    gc.collect()
+    anon0, _ = private_mib()
+    model = load_model(GGUFFile(model_path), weights=path, progress=False)
+    model.warm_up(2048, 32)
+    gc.collect()
+    anon1, file1 = private_mib()
+    return dict(added_mib=anon1 - anon0, file_backed_mib=file1, weights_mib=weight_bytes(model) / 2**20)
+
+
+def measure_memory(model_path: str, path: str) -> dict[str, float]:
+    out = subprocess.run([sys.executable, "-m", "tools.bench", "quant", "--memory-probe", path, "--model", model_path],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def decode_rates(engine: LLMEngine, batches: list[int], steps: int, prompt_tokens: int) -> dict[int, float]:
     rng = np.random.default_rng(0)
-    vocab = engine.model.params.vocab_size
     rates = {}
     for num_seqs in batches:
-        prompts = [rng.integers(0, vocab, prompt_tokens).tolist() for _ in range(num_seqs)]
-        _, times = run_steps(engine, prompts, steps)
-        rates[num_seqs] = num_seqs / statistics.median(times)
+        prompts = [rng.integers(0, engine.model.params.vocab_size, prompt_tokens).tolist() for _ in range(num_seqs)]
+        rates[num_seqs] = num_seqs / statistics.median(run_steps(engine, prompts, steps)[1])
     return rates
+
+
+def prefill_rate(engine: LLMEngine, num_tokens: int) -> float:
+    prompt = np.random.default_rng(1).integers(0, engine.model.params.vocab_size, num_tokens).tolist()
+    return num_tokens / statistics.median([run_steps(engine, [prompt], 1)[0] for _ in range(3)])
+
+
+def auto_choices(model: DecoderModel, batches: list[int]) -> str:
+    """For each batch size, how many of the model's block matrices take each path."""
+    linears = block_linears(model)
+    parts = []
+    for rows in batches:
+        counts = collections.Counter(lin.plan.path_for(rows) for lin in linears)
+        parts.append(f"{rows} rows: " + ", ".join(f"{n} {path}" for path, n in sorted(counts.items())))
+    return "; ".join(parts)
+
+
+def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[float, int]:
+    """(mean fraction of tokens before the first difference, prompts identical throughout)."""
+    fractions, same = [], 0
+    for ref, out in zip(reference, other):
+        prefix = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
+        fractions.append(prefix / max(len(ref), 1))
+        same += ref == out
+    return statistics.mean(fractions), same
+
+
+def bench_file(model_path: str, paths: list[str], args: argparse.Namespace) -> None:
+    batches = [int(b) for b in args.batches.split(",")]
+    need = max(batches) * -(-(args.prompt_tokens + args.decode_steps + 1) // 16) + 64
+    rows: dict[str, dict[str, Any]] = {}
+    greedy: dict[str, list[list[int]]] = {}
+    for path in paths:
+        start = time.perf_counter()
+        engine = LLMEngine(model_path, num_blocks=need, max_seqs=max(batches), progress=False, weights=path)
+        row: dict[str, Any] = dict(load_s=time.perf_counter() - start, **measure_memory(model_path, path))
+        ids = engine.encode(TEXT.read_text())
+        row["ppl"] = perplexity(engine, ids, args.n_ctx) if not args.skip_perplexity else None
+        outputs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=args.greedy_tokens, ignore_eos=True))
+        greedy[path] = [o.token_ids for o in outputs]
+        row.update(prefill=prefill_rate(engine, args.prefill_tokens),
+                   decode=decode_rates(engine, batches, args.decode_steps, args.prompt_tokens))
+        if engine.model is not None and path == "auto":
+            row["choices"] = auto_choices(engine.model, batches)
+        rows[path] = row
+        engine.close()
+        print(f"{path}: done (load average {os.getloadavg()[0]:.2f})", flush=True)
+    report(model_path, rows, greedy, batches, args)
+
+
+def report(model_path: str, rows: dict[str, dict[str, Any]], greedy: dict[str, list[list[int]]],
+           batches: list[int], args: argparse.Namespace) -> None:
+    paths = list(rows)
+    file_mib = os.path.getsize(model_path) / 2**20
+    print(f"\n{os.path.basename(model_path)} ({file_mib:.0f} MiB)\n{'':34}" + "".join(f"{p:>12}" for p in paths))
+    lines: list[tuple[str, Callable[[dict[str, Any]], float], str]] = [
+        ("load (s)", lambda r: r["load_s"], ".1f"),
+        ("weights kept (MiB)", lambda r: r["weights_mib"], ".0f"),
+        ("private memory added (MiB)", lambda r: r["added_mib"], ".0f"),
+        ("  / file size", lambda r: r["added_mib"] / file_mib, ".2f"),
+        (f"prefill {args.prefill_tokens} tokens (tok/s)", lambda r: r["prefill"], ".1f")]
+    lines += [(f"decode {b} seqs (tok/s)", functools.partial(_decode_rate, b), ".1f") for b in batches]
+    for label, value, fmt in lines:
+        print(f"{label:34}" + "".join(f"{value(rows[p]):12{fmt}}" for p in paths))
+    if not args.skip_perplexity and "fp32" in rows:
+        base = rows["fp32"]["ppl"].perplexity
+        print(f"{'perplexity':34}" + "".join(f"{rows[p]['ppl'].perplexity:12.3f}" for p in paths))
+        print(f"{'  vs fp32':34}" + "".join(f"{100 * (rows[p]['ppl'].perplexity / base - 1):+11.2f}%" for p in paths))
+    for path in paths:
+        if path != "fp32" and "fp32" in greedy:
+            mean, same = greedy_agreement(greedy["fp32"], greedy[path])
+            print(f"greedy {path} vs fp32 ({len(PROMPTS)} prompts x {args.greedy_tokens}): "
+                  f"{100 * mean:.1f}% of tokens before the first difference, {same} identical")
+    if "choices" in rows.get("auto", {}):
+        print(f"auto's paths per batch size: {rows['auto']['choices']}")
+    print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
+
+
+def _decode_rate(batch: int, row: dict[str, Any]) -> float:
+    return row["decode"][batch]
 
 
 def paired_decode(args: argparse.Namespace, paths: list[str], batches: list[int]) -> None:
@@ -133,116 +212,41 @@ def paired_decode(args: argparse.Namespace, paths: list[str], batches: list[int]
         engine.close()
 
 
-def prefill_rate(engine: LLMEngine, num_tokens: int) -> float:
-    rng = np.random.default_rng(1)
-    prompt = rng.integers(0, engine.model.params.vocab_size, num_tokens).tolist()
-    return num_tokens / statistics.median([run_steps(engine, [prompt], 1)[0] for _ in range(3)])
-
-
-def weight_bytes(model: DecoderModel) -> int:
-    """Bytes of every matrix the model keeps (both copies under auto) and the embedding."""
-    def linear_bytes(linear: object) -> int:
-        if isinstance(linear, DualLinear):
-            return linear_bytes(linear.dense) + linear_bytes(linear.quant)
-        if isinstance(linear, Int4Linear):
-            return linear.num_bytes
-        weight = linear.weight  # type: ignore[attr-defined]
-        return weight.numel() * weight.element_size()
-
-    linears = [model.output] + [lin for layer in model.layers for lin in layer.linears()]
-    embd = model.token_embd
-    embd_bytes = embd.num_bytes if isinstance(embd, QuantMatrix) else embd.numel() * embd.element_size()
-    return sum(linear_bytes(lin) for lin in linears) + embd_bytes
-
-
-def greedy_agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[float, int]:
-    """(mean fraction of tokens before the first difference, prompts identical throughout)."""
-    fractions, same = [], 0
-    for ref, out in zip(reference, other):
-        prefix = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), min(len(ref), len(out)))
-        fractions.append(prefix / max(len(ref), 1))
-        same += ref == out
-    return statistics.mean(fractions), same
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tools.bench quant",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.bench quant", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="GGUF path (default SmolLM2-135M-Instruct)")
-    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--types", default="", help="also the model quantized as each of these types")
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--batches", default="1,16")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=7, help="timed repeats per crossover point")
     parser.add_argument("--n-ctx", type=int, default=512, help="perplexity window")
     parser.add_argument("--greedy-tokens", type=int, default=48)
-    parser.add_argument("--skip-crossover", action="store_true")
-    parser.add_argument("--crossover-only", action="store_true")
-    parser.add_argument("--paired", default="",
-                        help="only time decode steps of these paths in turns, e.g. fp32,bf16")
+    parser.add_argument("--skip-perplexity", action="store_true")
+    parser.add_argument("--plans", action="store_true", help="only the per-matmul path timings")
+    parser.add_argument("--int8", action="store_true", help="only the int8-activation step")
+    parser.add_argument("--repeats", type=int, default=5, help="--plans / --int8: timed rounds")
+    parser.add_argument("--paired", default="", help="only time decode steps of these paths in turns")
     parser.add_argument("--rounds", type=int, default=5, help="--paired: rounds per batch size")
+    parser.add_argument("--memory-probe", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.paired:
-        paired_decode(args, args.paired.split(","), [int(b) for b in args.batches.split(",")])
+    model = resolve_model(args.model)
+    files = [model] + [requantized(model, t) for t in filter(None, args.types.split(","))]
+    if args.memory_probe:
+        print(json.dumps(memory_probe(model, args.memory_probe)))
         return
-    torch.manual_seed(0)
-    batches = [int(b) for b in args.batches.split(",")]
-    print(f"load average {os.getloadavg()[0]:.2f}; torch threads {torch.get_num_threads()}")
-    if not args.skip_crossover:
-        q4_rows, q8_rows = crossover_table(args.model, args.repeats)
-        print(f"crossover: int4 won up to {q4_rows} rows for Q4 matrices, {q8_rows} rows for Q8_0 "
-              f"-> Crossover(q4_rows={q4_rows}, q8_rows={q8_rows}); recorded: {CPU_CROSSOVER}; "
-              f"load average {os.getloadavg()[0]:.2f}\n")
-    if args.crossover_only:
-        return
-    text = TEXT.read_text()
-    need = max(batches) * -(-(args.prompt_tokens + args.decode_steps + 1) // 16) + 64
-    rows: dict[str, dict[str, Any]] = {}
-    greedy: dict[str, list[list[int]]] = {}
-    for path in PATHS:
-        start = time.perf_counter()
-        engine = LLMEngine(args.model, num_blocks=need, max_seqs=max(batches), progress=False,
-                           weights=path)
-        load_s = time.perf_counter() - start
-        ids = engine.encode(text)
-        ppl = perplexity(engine, ids, args.n_ctx)
-        ppl_small = perplexity(engine, ids, args.n_ctx, chunk_rows=16) if path == "auto" else None
-        outputs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=args.greedy_tokens,
-                                                          ignore_eos=True))
-        greedy[path] = [o.token_ids for o in outputs]
-        rows[path] = dict(load_s=load_s, bytes=weight_bytes(engine.model), ppl=ppl, ppl_small=ppl_small,
-                          prefill=prefill_rate(engine, args.prefill_tokens),
-                          decode=decode_rates(engine, batches, args.decode_steps, args.prompt_tokens))
-        engine.close()
-        print(f"{path}: done (load average {os.getloadavg()[0]:.2f})")
-    report(rows, greedy, batches, len(ids), args)
-
-
-def report(rows: dict[str, dict[str, Any]], greedy: dict[str, list[list[int]]],
-           batches: list[int], num_tokens: int, args: argparse.Namespace) -> None:
-    print(f"\n{'':34}" + "".join(f"{path:>12}" for path in PATHS))
-    print(f"{'load (s)':34}" + "".join(f"{rows[p]['load_s']:12.1f}" for p in PATHS))
-    print(f"{'weights (MiB)':34}" + "".join(f"{rows[p]['bytes'] / 2**20:12.0f}" for p in PATHS))
-    print(f"{f'prefill {args.prefill_tokens} tokens (tok/s)':34}"
-          + "".join(f"{rows[p]['prefill']:12.1f}" for p in PATHS))
-    for b in batches:
-        print(f"{f'decode {b} seqs (tok/s)':34}" + "".join(f"{rows[p]['decode'][b]:12.1f}" for p in PATHS))
-    base = rows["fp32"]["ppl"].perplexity
-    print(f"{'perplexity (windows in one step)':34}" + "".join(
-        f"{rows[p]['ppl'].perplexity:12.3f}" for p in PATHS))
-    print(f"{'  vs fp32':34}" + "".join(
-        f"{100 * (rows[p]['ppl'].perplexity / base - 1):+11.2f}%" for p in PATHS))
-    small = rows["auto"]["ppl_small"]
-    scored = rows["fp32"]["ppl"]
-    print(f"perplexity of auto in 16-token chunks (its int4 path): {small.perplexity:.3f} "
-          f"({100 * (small.perplexity / base - 1):+.2f}%); text {TEXT.name}: {num_tokens} tokens, "
-          f"n_ctx {args.n_ctx}, stride {args.n_ctx // 2}, {scored.num_scored} scored in "
-          f"{scored.num_windows} windows")
-    for path in PATHS[1:]:
-        mean, same = greedy_agreement(greedy["fp32"], greedy[path])
-        print(f"greedy agreement {path} vs fp32 ({len(PROMPTS)} prompts x {args.greedy_tokens} tokens): "
-              f"{100 * mean:.1f}% of tokens before the first difference, {same} identical")
-    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+    print(f"load average {os.getloadavg()[0]:.2f}; torch threads {torch.get_num_threads()}", flush=True)
+    for path in files:
+        args.model = path
+        if args.paired:
+            paired_decode(args, args.paired.split(","), [int(b) for b in args.batches.split(",")])
+        elif args.plans:
+            path_tables(path, args.repeats)
+        elif args.int8:
+            int8_step(path, args.repeats)
+        else:
+            bench_file(path, args.paths.split(","), args)
 
 
 if __name__ == "__main__":

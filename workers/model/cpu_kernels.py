@@ -61,14 +61,16 @@ def cache_dir() -> Path:
 
 
 def build(name: str) -> Path:
-    """workers/model/csrc/<name>.c -> a shared library in the cache (compiled once per source,
-    compiler and CPU; concurrent builders each write a temporary file, then rename it)."""
+    """workers/model/csrc/<name>.c -> a shared library in the cache (compiled once per source and
+    the headers beside it, compiler and CPU; concurrent builders each write a temporary file,
+    then rename it)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise KernelBuildError(f"no C compiler: {os.environ.get('CC', 'cc')!r} is not on PATH")
     source = SOURCE_DIR / f"{name}.c"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, " ".join(FLAGS),
+    headers = [path.read_text() for path in sorted(SOURCE_DIR.glob("*.h"))]  # what it may include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, compiler, version, " ".join(FLAGS),
                                     cpu_id()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if out.exists():

@@ -66,7 +66,7 @@ class Linear:
     Elsewhere (CUDA, or a torch without oneDNN): x @ W.T in W's dtype."""
 
     def __init__(self, weight: Matrix, compute_dtype: torch.dtype | None = None) -> None:
-        if isinstance(weight, QuantMatrix):  # the dense path of a weight kept quantized
+        if not isinstance(weight, torch.Tensor):  # the dense path of a weight kept compressed
             weight = weight.dense().to(weight.device, weight.dtype)
         self.out_features, self.in_features = weight.shape
         on_cpu = weight.device.type == "cpu"
@@ -179,8 +179,8 @@ class DecoderModel:
     is read from HyperParams (traits, per-layer attention) and from which tensors a layer has.
     `forward` returns the last hidden states (before the final norm); `logits` applies the
     final norm, the output head (and a final soft-cap) to chosen rows only.
-    Keeps the embedding (row lookups: dense, or a QuantMatrix dequantizing the rows it is asked
-    for) and kernel-ready matrices (`make_linear`, dense oneDNN by default), not the loader's copies."""
+    Keeps the embedding (row lookups: dense, or a compressed matrix expanding the rows it is
+    asked for) and kernel-ready matrices (`make_linear`, dense oneDNN by default), not the loader's copies."""
 
     def __init__(self, weights: ModelWeights, make_linear: LinearFactory = Linear) -> None:
         p = self.params = weights.params

@@ -11,7 +11,8 @@ Hyper-parameters come from hparams.py; every tensor is checked against them and 
   `output.weight` absent -> tied to token_embd; optional tensors (biases, q/k norms, post norms)
   are taken where the file has them;
 - MoE layers: each expert's slice of the 3-d expert tensors becomes a matrix of its own;
-- with `keep_quantized`, Q4_0/Q4_1/Q8_0 matrices stay 4-bit codes (quant_blocks.QuantMatrix).
+- with `keep_quantized`, quantized matrices stay compressed: as 4-bit codes
+  (quant_blocks.QuantMatrix) or as the file's blocks (block_matrix.BlockMatrix), per type.
 Owns: tensor names, shape checks, the Q/K permutation. Does not own: the forward (forward.py).
 """
 from __future__ import annotations
@@ -25,7 +26,15 @@ import torch
 from justapi.model.gguf_file import GGUFError, GGUFFile
 from workers.weights.dequant import dequantize, is_supported, supported_type_names
 from workers.weights.hparams import HyperParams, read_hyper_params
-from workers.weights.quant_blocks import Matrix, QuantMatrix, cat_rows, is_quantizable, quant_matrix
+from workers.weights.block_matrix import BlockMatrix, RowStack
+from workers.weights.quant_blocks import (
+    FormChooser,
+    Matrix,
+    QuantMatrix,
+    cat_rows,
+    load_matrix,
+    planes_where_exact,
+)
 
 @dataclass
 class ExpertWeights:
@@ -103,8 +112,9 @@ def unpermute_rotary_rows(w: Matrix, num_heads: int) -> Matrix:
     of pair i (dims i and i + d/2 in HF's layout) next to each other (rows 2i, 2i+1); this
     regroups them as [first halves | second halves]. [num_heads * d, in] or a bias
     [num_heads * d] -> same shape."""
-    if isinstance(w, QuantMatrix):  # the same reordering of its code and scale rows
-        return w.map_rows(lambda rows: _unpermute(rows, num_heads))
+    if isinstance(w, (QuantMatrix, BlockMatrix)):  # the same reordering of its code/block rows
+        return w.map_rows(lambda rows: _unpermute(rows, num_heads))  # type: ignore[arg-type,return-value]
+    assert isinstance(w, torch.Tensor), "a stack of parts is made after the un-permutation"
     return _unpermute(w, num_heads)
 
 
@@ -117,11 +127,12 @@ class _TensorSource:
     """Reads named tensors from a GGUFFile, checking type and shape, updating a progress bar."""
 
     def __init__(self, gguf: GGUFFile, params: HyperParams, progress: bool,
-                 keep_quantized: bool = False) -> None:
+                 keep_quantized: bool | FormChooser = False) -> None:
         from tqdm import tqdm
 
         self.gguf = gguf
-        self.keep_quantized = keep_quantized
+        self.form: FormChooser = (keep_quantized if callable(keep_quantized) else
+                                  planes_where_exact if keep_quantized else (lambda qtype: "dense"))
         self.shapes = expected_shapes(params)
         self.bar = tqdm(total=len(gguf.tensors), desc=f"loading {gguf.name}", unit="tensor",
                         file=sys.stderr, disable=not progress, leave=False)
@@ -139,7 +150,7 @@ class _TensorSource:
         return self.get(name, layer) if self.has(name, layer) else None
 
     def matrix(self, name: str, layer: int | None = None) -> Matrix:
-        """A weight matrix: kept as 4-bit codes when asked and its type has that form, else dense."""
+        """A weight matrix in the form chosen for its type (dense, 4-bit planes, GGUF blocks)."""
         key, info = self._checked(name, layer)
         out = self._matrix(info.data, info.tensor_type, self.shapes[name], key)
         self.bar.update(1)
@@ -156,9 +167,7 @@ class _TensorSource:
         return out
 
     def _matrix(self, data: Any, tensor_type: Any, shape: tuple[int, ...], key: str) -> Matrix:
-        if self.keep_quantized and is_quantizable(tensor_type):
-            return quant_matrix(data, tensor_type, shape, key)
-        return dequantize(data, tensor_type, shape, key)
+        return load_matrix(data, tensor_type, shape, key, self.form(tensor_type))
 
     def _checked(self, name: str, layer: int | None) -> tuple[str, Any]:
         key = name if layer is None else name.replace("{i}", str(layer))
@@ -179,16 +188,17 @@ class _TensorSource:
 
 
 def load_weights(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 progress: bool = True, keep_quantized: bool = False) -> ModelWeights:
+                 progress: bool = True, keep_quantized: bool | FormChooser = False) -> ModelWeights:
     """Every tensor checked, fused and dequantized to `dtype` on `device` — except, with
-    `keep_quantized`, the Q4_0/Q4_1/Q8_0 matrices, kept as QuantMatrix (lookups give `dtype`)."""
+    `keep_quantized`, quantized matrices: True keeps the types with 4-bit planes as QuantMatrix,
+    a chooser (type -> "dense" | "planes" | "blocks") decides per type (lookups give `dtype`)."""
     params = read_hyper_params(gguf)
     src = _TensorSource(gguf, params, progress, keep_quantized)
 
     def put(tensor: Any) -> Any:
         if tensor is None or isinstance(tensor, list):
             return [put(t) for t in tensor] if tensor else tensor
-        if isinstance(tensor, QuantMatrix):
+        if isinstance(tensor, (QuantMatrix, BlockMatrix, RowStack)):
             return tensor.to(device, dtype)
         return tensor.to(device=device, dtype=dtype).contiguous()
 

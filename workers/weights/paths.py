@@ -1,4 +1,4 @@
-"""`--weights fp32|bf16|q4|auto`: which copies of the weights a model keeps and which kernel a
+"""`--weights fp32|bf16|q4|auto`: which form of the weights a model keeps and which kernel a
 step's matmuls take.
 
 - fp32: every tensor dequantized at load, dense kernels (oneDNN fp32 on CPU, bf16 cuBLAS on GPU).
@@ -7,60 +7,37 @@ step's matmuls take.
   fp32). Only where the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere it is
   emulated and slower than fp32, so the mode runs fp32 with a warning. On GPU it is fp32's path,
   which already computes in bf16.
-- q4: Q4_0/Q4_1/Q8_0 matrices stay 4-bit (quant_blocks.py) and run on torch's int4 weight-only
-  kernels (quant_linear.py); matrices of other types, and norms, stay dense.
-- auto: both copies of each such matrix (DualLinear). A matmul of at most the crossover rows
-  takes the 4-bit kernel, a larger one the dense kernel. Every matmul of a step's layers has the
-  step's token count as rows, so a step takes one path for its layers; the head sees the rows
-  being sampled. The crossovers were measured (python -m tools.bench quant --crossover-only,
-  figures in docs/quantization.md), not guessed; they differ for Q4 (one plane) and Q8_0 (two
-  planes).
-Owns: the mode, the crossover figures, building the model. Does not own: kernels or loading.
+- q4: matrices whose type maps exactly onto 4-bit planes (Q4_0, Q4_1, Q8_0, Q4_K, Q5_0, Q5_1,
+  Q5_K: quant_blocks.py) run on torch's int4 weight-only kernels (quant_linear.py); on CPU the
+  other block types (Q6_K, Q3_K, Q2_K) stay GGUF blocks as under auto; norms stay dense.
+- auto (CPU): every quantized matrix stays the file's GGUF blocks (block_matrix.py) and nothing
+  else: memory is the file's. Each matmul takes the path the step's row count picks from a
+  plan measured on this machine at start-up per weight type and shape (path_plan.py: the block
+  kernels with int8 or fp32 activations for small steps, a tile expanded into a scratch buffer
+  and a dense fp32 or bf16 GEMM for large ones), cached per CPU. On CUDA auto is fp32 (bf16):
+  int4 never won there (docs/quantization.md). Without a C compiler auto runs fp32.
+Owns: the mode, the form per type, building the model. Does not own: kernels or loading.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType
 
 from justapi.config.sections import WEIGHT_MODES
 from justapi.model.gguf_file import GGUFFile
+from workers.model.cpu_kernels import SOURCE_DIR, KernelBuildError, cache_dir, cpu_id
 from workers.model.forward import Linear, LinearLike, DecoderModel, has_onednn_bf16
+from workers.weights.block_kernels import BlockKernels, block_kernels
+from workers.weights.block_linear import BlockLinear, StackLinear, TileScratch
+from workers.weights.block_matrix import BlockMatrix, RowStack, is_block_type
 from workers.weights.gguf_loader import load_weights
-from workers.weights.quant_blocks import Matrix
-from workers.weights.quant_linear import (
-    DualLinear,
-    Int4Linear,
-    has_int4_kernel,
-    require_int4_kernel,
-)
+from workers.weights.path_plan import PathPlan, PlanCache, measure_plan
+from workers.weights.quant_blocks import Matrix, QuantMatrix, is_quantizable, planes_of
+from workers.weights.quant_linear import Int4Linear, require_int4_kernel
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Crossover:
-    """Most rows per matmul for which the 4-bit kernel was measured faster than the dense one."""
-
-    q4_rows: int
-    """Q4_0 / Q4_1 matrices (the layers of the default model)."""
-    q8_rows: int
-    """Q8_0 matrices (two 4-bit planes: twice the kernel work; the default model's tied head)."""
-
-    def max_quant_rows(self, num_planes: int) -> int:
-        """0: the dense kernel at every size (auto then keeps no 4-bit copy)."""
-        return self.q4_rows if num_planes == 1 else self.q8_rows
-
-
-CPU_CROSSOVER = Crossover(q4_rows=24, q8_rows=4)
-"""2-core x86-64 (AVX2, no hardware bf16), torch 2.13, SmolLM2-135M, paired timings of both
-kernels (python -m tools.bench quant --crossover-only, twice): the layers' int4 matmuls win up
-to 16-24 rows, the Q8_0 head's (two planes) up to 4. See docs/quantization.md."""
-CUDA_CROSSOVER = Crossover(q4_rows=0, q8_rows=0)
-"""NVIDIA H200, tinygemm vs cuBLAS bf16, SmolLM2's shapes: int4 never won (its steps are
-launch-bound below ~128 rows, and slower above): auto on CUDA computes dense, q4 saves memory.
-See docs/quantization.md."""
 
 
 def has_hardware_bf16() -> bool:
@@ -70,54 +47,104 @@ def has_hardware_bf16() -> bool:
                for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 
 
-def default_crossover(device: torch.device) -> Crossover:
-    return CUDA_CROSSOVER if device.type == "cuda" else CPU_CROSSOVER
+def candidate_paths() -> tuple[str, ...]:
+    """The paths a plan chooses among on this CPU (bf16 only where it runs in hardware)."""
+    fast_bf16 = has_hardware_bf16() and has_onednn_bf16()
+    return ("int8", "blocks", "dense") + (("dense_bf16",) if fast_bf16 else ())
+
+
+class PathPlanner:
+    """Plans per (weight type, shape): measured once, then from memory or the cache file."""
+
+    def __init__(self, kernels: BlockKernels, scratch: TileScratch, cache: PlanCache | None) -> None:
+        self.kernels, self.scratch, self.cache = kernels, scratch, cache
+        self.paths = candidate_paths()
+        self.plans: dict[tuple[str, tuple[int, int]], PathPlan] = {}
+        self._source = (SOURCE_DIR / "quant_matmul.c").read_text() + (SOURCE_DIR / "gguf_blocks.h").read_text()
+
+    def plan_for(self, matrix: BlockMatrix) -> PathPlan:
+        memo = (matrix.type_name, matrix.shape)
+        if memo not in self.plans:
+            self.plans[memo] = self._cached_or_measured(matrix)
+        return self.plans[memo]
+
+    def _cached_or_measured(self, matrix: BlockMatrix) -> PathPlan:
+        key = PlanCache.key(cpu_id(), self._source, matrix.type_name, matrix.shape, self.paths)
+        plan = self.cache.get(key) if self.cache else None
+        if plan is None:
+            probe = BlockLinear(matrix, self.kernels, PathPlan.only("dense"), self.scratch)
+            plan, _ = measure_plan(probe.run, matrix.shape[1], self.paths)
+            if self.cache:
+                self.cache.put(key, plan)
+        logger.info("weights %s %dx%d: %s", matrix.type_name, *matrix.shape, plan.describe())
+        return plan
 
 
 class WeightPaths:
-    """The linear factory of DecoderModel for one mode: `paths(weight)` -> the weight's linear."""
+    """The linear factory of DecoderModel for one mode (`paths(weight)` -> the weight's linear),
+    and the loader's choice of form per type (`paths.form(qtype)`). `plan` forces one plan for
+    every block matrix (tests, benchmarks); otherwise plans are measured (PathPlanner)."""
 
-    def __init__(self, mode: str, device: str | torch.device = "cpu",
-                 crossover: Crossover | None = None) -> None:
+    def __init__(self, mode: str, device: str | torch.device = "cpu", plan: PathPlan | None = None,
+                 cache: PlanCache | None = None) -> None:
         if mode not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {mode!r}")
         self.device = torch.device(device)
+        on_cpu = self.device.type == "cpu"
+        self.kernels = block_kernels() if on_cpu and mode in ("q4", "auto") else None
         if mode == "q4":
             require_int4_kernel(self.device)
-        elif mode == "auto" and not has_int4_kernel(self.device):
-            logger.warning("no int4 weight-only kernel on %s: --weights auto runs fp32", self.device)
+        elif mode == "auto" and self.kernels is None:
+            logger.warning("no block kernels on %s: --weights auto runs fp32", self.device)
             mode = "fp32"
-        elif mode == "bf16" and self.device.type == "cpu" and not (has_hardware_bf16() and has_onednn_bf16()):
+        elif mode == "bf16" and on_cpu and not (has_hardware_bf16() and has_onednn_bf16()):
             logger.warning("this CPU has no bf16 matmul instructions (AVX512-BF16 or AMX): "
                            "--weights bf16 runs fp32, which is faster here")
             mode = "fp32"
-        elif mode == "bf16" and self.device.type != "cpu":
+        elif mode == "bf16" and not on_cpu:
             mode = "fp32"  # the GPU forward computes in bf16 already
         self.mode = mode
-        self.crossover = crossover or default_crossover(self.device)
+        self.scratch = TileScratch()
+        self.forced_plan = plan
+        self.planner = (PathPlanner(self.kernels, self.scratch, cache if cache else _default_cache())
+                        if self.kernels is not None and plan is None else None)
 
     @property
     def keeps_quantized(self) -> bool:
         return self.mode in ("q4", "auto")
 
+    def form(self, qtype: GGMLQuantizationType) -> str:
+        """How the loader keeps a matrix of `qtype`: "dense", "planes" or "blocks"."""
+        if self.mode == "q4" and is_quantizable(qtype):
+            return "planes"
+        if self.mode in ("q4", "auto") and self.kernels is not None and is_block_type(qtype):
+            return "blocks"
+        return "dense"
+
     def __call__(self, weight: Matrix) -> LinearLike:
-        if self.mode == "bf16":
-            return Linear(weight, torch.bfloat16)
-        if isinstance(weight, torch.Tensor) or self.mode == "fp32":
-            return Linear(weight)
-        max_quant_rows = self.crossover.max_quant_rows(weight.num_planes)
-        if self.mode == "auto" and max_quant_rows == 0:  # the int4 kernel never wins here
-            return Linear(weight)
-        quant = Int4Linear(weight, self.device)
-        if self.mode == "q4":
-            return quant
-        return DualLinear(Linear(weight), quant, max_quant_rows)
+        if isinstance(weight, RowStack):
+            return StackLinear([self(part) for part in weight.parts])
+        if isinstance(weight, BlockMatrix) and self.mode == "q4" and is_quantizable(weight.qtype):
+            weight = planes_of(weight)
+        if isinstance(weight, QuantMatrix) and self.mode == "q4":
+            return Int4Linear(weight, self.device)
+        if isinstance(weight, BlockMatrix) and self.kernels is not None:
+            plan = self.forced_plan or self.planner.plan_for(weight)  # type: ignore[union-attr]
+            return BlockLinear(weight, self.kernels, plan, self.scratch)
+        return Linear(weight, torch.bfloat16 if self.mode == "bf16" else None)
+
+
+def _default_cache() -> PlanCache | None:
+    try:
+        return PlanCache(cache_dir() / "weight-paths.json")
+    except KernelBuildError:
+        return None
 
 
 def load_model(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               weights: str = "fp32", progress: bool = True,
-               crossover: Crossover | None = None) -> DecoderModel:
+               weights: str = "fp32", progress: bool = True, plan: PathPlan | None = None) -> DecoderModel:
     """The model of a GGUF file with the weights kept and computed as `weights` says."""
-    paths = WeightPaths(weights, device, crossover)
-    loaded = load_weights(gguf, device, dtype, progress, keep_quantized=paths.keeps_quantized)
+    paths = WeightPaths(weights, device, plan)
+    loaded = load_weights(gguf, device, dtype, progress, keep_quantized=paths.form)
     return DecoderModel(loaded, paths)
+

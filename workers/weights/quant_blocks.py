@@ -1,12 +1,17 @@
-"""GGUF Q4_0 / Q4_1 / Q8_0 weights kept quantized: 4-bit codes in groups of 32 inputs.
+"""GGUF weights as 4-bit codes in groups of 32 inputs (torch's int4 kernels), where that is exact.
 
 Each group g of a row holds `w = d * code + m` (code 0..15): Q4_1 is exactly that, Q4_0 is
-m = -8d. Q8_0's signed 8-bit values q split into two 4-bit *planes*, laid side by side along
-the input dimension: q = 16 * hi + lo with hi = q >> 4 in [-8, 7] and lo = q & 15, so plane 0
-holds code hi + 8 with (d, m) = (16d, -128d) and plane 1 holds lo with (d, 0). A matmul over
-[x | x] with the two-plane matrix is x @ W.T. `dense()` is bit-identical to gguf's dequantizers
-(every product and sum here is exact in fp32). Owns: these block layouts and the plane split.
-Does not own: the kernels' layouts (quant_linear.py), tensor names and shapes (gguf_loader.py).
+m = -8d, and Q4_K is that per 32-value sub-block with d = d * sc_j, m = -dmin * m_j. Q8_0's
+signed 8-bit values q split into two 4-bit *planes*, laid side by side along the input
+dimension: q = 16 * hi + lo with hi = q >> 4 in [-8, 7] and lo = q & 15, so plane 0 holds code
+hi + 8 with (d, m) = (16d, -128d) and plane 1 holds lo with (d, 0). The 5-bit types (Q5_0,
+Q5_1, Q5_K) split as q = lo + 16 * hbit: plane 0 the low nibble with the type's (d, m), plane 1
+the fifth bit with (16d, 0). A matmul over [x | x] with the two-plane matrix is x @ W.T.
+`dense()` equals gguf's dequantizers bit for bit, except that Q5_1 and Q5_K add their two
+planes in fp32 (at most one ulp apart). Q6_K, Q3_K and Q2_K scale 16-value groups, which the
+int4 kernels do not take: they stay GGUF blocks (block_matrix.py). Owns: these block layouts
+and the plane split. Does not own: the kernels' layouts (quant_linear.py), tensor names and
+shapes (gguf_loader.py).
 """
 from __future__ import annotations
 
@@ -19,13 +24,15 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from justapi.model.gguf_file import GGUFError
+from workers.weights.block_matrix import BlockMatrix, RowStack, block_matrix
+from workers.weights.dequant import dequantize
 
 Q = GGMLQuantizationType
 GROUP_SIZE = 32
-"""Inputs per (d, m) pair: the block size of Q4_0, Q4_1 and Q8_0 and a group size torch's int4
-kernels take."""
-QUANTIZABLE_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
-_PLANES = {Q.Q4_0: 1, Q.Q4_1: 1, Q.Q8_0: 2}
+"""Inputs per (d, m) pair: the block size of Q4_0, Q4_1 and Q8_0, the sub-block of Q4_K and
+Q5_K, and a group size torch's int4 kernels take."""
+_PLANES = {Q.Q4_0: 1, Q.Q4_1: 1, Q.Q8_0: 2, Q.Q4_K: 1, Q.Q5_0: 2, Q.Q5_1: 2, Q.Q5_K: 2}
+QUANTIZABLE_TYPES = tuple(_PLANES)
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,7 @@ class QuantMatrix:
     d: torch.Tensor  # fp32 [out, num_planes * in / 32]
     m: torch.Tensor  # fp32 [out, num_planes * in / 32]
     num_planes: int
-    type_name: str  # the GGUF type it came from (Q4_0, Q4_1, Q8_0)
+    type_name: str  # the GGUF type it came from (Q4_0, Q4_1, Q8_0, Q4_K, Q5_0, Q5_1, Q5_K)
     dtype: torch.dtype = torch.float32
 
     @property
@@ -87,8 +94,9 @@ class QuantMatrix:
                        m=self.m.to(device), dtype=dtype)
 
 
-Matrix = Union[torch.Tensor, QuantMatrix]
-"""A weight matrix as the loader hands it over: dense, or kept quantized."""
+Matrix = Union[torch.Tensor, QuantMatrix, BlockMatrix, RowStack]
+"""A weight matrix as the loader hands it over: dense, 4-bit planes, GGUF blocks, or a stack
+of parts in different forms."""
 
 
 def _dense_rows(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, num_planes: int) -> torch.Tensor:
@@ -105,9 +113,31 @@ def is_quantizable(qtype: GGMLQuantizationType) -> bool:
     return qtype in _PLANES
 
 
+FORMS = ("dense", "planes", "blocks")
+"""How a loaded matrix is kept: dequantized, as 4-bit planes (QuantMatrix), as GGUF blocks."""
+FormChooser = Callable[[GGMLQuantizationType], str]
+
+
+def planes_where_exact(qtype: GGMLQuantizationType) -> str:
+    """`keep_quantized=True`: 4-bit planes for the types that have them, the rest dense."""
+    return "planes" if is_quantizable(qtype) else "dense"
+
+
+def load_matrix(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], name: str,
+                form: str) -> Matrix:
+    """GGUF tensor data -> the matrix in `form` (FORMS)."""
+    if form == "planes":
+        return quant_matrix(data, qtype, shape, name)
+    if form == "blocks":
+        return block_matrix(data, qtype, shape, name)
+    if form != "dense":
+        raise ValueError(f"matrix form must be one of {FORMS}, got {form!r}")
+    return dequantize(data, qtype, shape, name)
+
+
 def quant_matrix(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],
                  name: str = "tensor") -> QuantMatrix:
-    """GGUF tensor data of a Q4_0 / Q4_1 / Q8_0 matrix of `shape` [out, in] -> QuantMatrix."""
+    """GGUF tensor data of a matrix of `shape` [out, in] of a QUANTIZABLE_TYPES type -> QuantMatrix."""
     if qtype not in _PLANES:
         raise GGUFError(f"{name}: type {qtype.name} has no 4-bit form (supported: "
                         f"{', '.join(t.name for t in QUANTIZABLE_TYPES)})")
@@ -119,10 +149,20 @@ def quant_matrix(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int
     if raw.numel() != rows * cols // block_size * type_size:
         raise GGUFError(f"{name}: data holds {raw.numel()} bytes, shape {list(shape)} of "
                         f"{qtype.name} needs {rows * cols // block_size * type_size} (corrupt file?)")
-    blocks = raw.view(rows, cols // block_size, type_size)  # [out, in / 32, bytes per block]
+    blocks = raw.view(rows, cols // block_size, type_size)  # [out, in / block, bytes per block]
     if qtype == Q.Q8_0:
         return _q8_0(blocks)
-    return _q4(blocks, has_min=qtype == Q.Q4_1, type_name=qtype.name)
+    if qtype in (Q.Q4_0, Q.Q4_1):
+        return _q4(blocks, has_min=qtype == Q.Q4_1, type_name=qtype.name)
+    if qtype in (Q.Q5_0, Q.Q5_1):
+        return _q5(blocks, has_min=qtype == Q.Q5_1)
+    return _qk(blocks, has_high=qtype == Q.Q5_K)
+
+
+def planes_of(matrix: BlockMatrix) -> QuantMatrix:
+    """The 4-bit planes of a BlockMatrix of a QUANTIZABLE_TYPES type (same device and dtype)."""
+    planes = quant_matrix(matrix.raw.numpy(), matrix.qtype, matrix.shape, matrix.type_name)
+    return planes.to(matrix.device, matrix.dtype)
 
 
 def _as_tensor(data: np.ndarray) -> torch.Tensor:
@@ -152,6 +192,49 @@ def _q4(blocks: torch.Tensor, has_min: bool, type_name: str) -> QuantMatrix:
     return QuantMatrix(_pack(codes), d, m, 1, type_name)
 
 
+def _q5(blocks: torch.Tensor, has_min: bool) -> QuantMatrix:
+    # Q5_0 block (22 bytes): d f16 | qh u32 | 16 bytes;  Q5_1 (24): d | m | qh | 16 bytes.
+    # Value j: low nibble as in Q4_x, fifth bit j of qh.  Q5_0: d * (q - 16);  Q5_1: d * q + m.
+    rows = blocks.shape[0]
+    d = _fp16_field(blocks, 0)
+    m = _fp16_field(blocks, 2) if has_min else -16.0 * d
+    start = 4 if has_min else 2
+    qh = blocks[:, :, start:start + 4].to(torch.int64)  # [out, in / 32, 4] little-endian bytes
+    bits = (qh[:, :, torch.arange(32) // 8] >> (torch.arange(32) % 8)) & 1  # [out, in / 32, 32]
+    nibbles = blocks[:, :, start + 4:]
+    low = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).reshape(rows, -1)  # [out, in]
+    codes = torch.cat([low, bits.to(torch.uint8).reshape(rows, -1)], dim=1)  # | low | fifth bit |
+    return QuantMatrix(_pack(codes), torch.cat([d, 16.0 * d], dim=1),
+                       torch.cat([m, torch.zeros_like(d)], dim=1), 2, "Q5_1" if has_min else "Q5_0")
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K packed 6-bit scales and mins [..., 12] -> ([..., 8], [..., 8]) as int64."""
+    s = scales.to(torch.int64)
+    low = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], dim=-1)
+    mins = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], dim=-1)
+    return low, mins
+
+
+def _qk(blocks: torch.Tensor, has_high: bool) -> QuantMatrix:
+    # Q4_K block (144 bytes): d | dmin | scales[12] | qs[128];  Q5_K (176): ... | qh[32] | qs.
+    # Sub-block j of 32: nibble j % 2 of qs[32 (j / 2) + l], fifth bit j of qh[l];
+    # value = d * sc_j * q - dmin * m_j.
+    rows, num_blocks = blocks.shape[:2]
+    d, dmin = _fp16_field(blocks, 0), _fp16_field(blocks, 2)  # [out, in / 256]
+    sc, mn = _k_scales(blocks[:, :, 4:16])  # [out, in / 256, 8]
+    group_d = (d[:, :, None] * sc.float()).reshape(rows, -1)  # [out, in / 32]
+    group_m = -(dmin[:, :, None] * mn.float()).reshape(rows, -1)
+    qs = blocks[:, :, 48 if has_high else 16:].reshape(rows, num_blocks, 4, 1, 32)
+    low = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(rows, -1)  # sub-blocks in order
+    if not has_high:
+        return QuantMatrix(_pack(low), group_d, group_m, 1, "Q4_K")
+    qh = blocks[:, :, 16:48].reshape(rows, num_blocks, 1, 32)
+    high = ((qh >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1).reshape(rows, -1)
+    return QuantMatrix(_pack(torch.cat([low, high], dim=1)), torch.cat([group_d, 16.0 * group_d], dim=1),
+                       torch.cat([group_m, torch.zeros_like(group_m)], dim=1), 2, "Q5_K")
+
+
 def _q8_0(blocks: torch.Tensor) -> QuantMatrix:
     # Q8_0 block (34 bytes): d f16 | 32 x int8;  q = 16 * hi + lo, hi in [-8, 7], lo in [0, 15]
     rows = blocks.shape[0]
@@ -165,8 +248,9 @@ def _q8_0(blocks: torch.Tensor) -> QuantMatrix:
 
 
 def cat_rows(parts: Sequence[Matrix]) -> Matrix:
-    """Stack matrices along rows (Q/K/V or gate/up fusion). Quantized parts stay quantized when
-    all of them have the same number of planes; otherwise every part is made dense."""
+    """Stack matrices along rows (Q/K/V or gate/up fusion): one matrix when every part has the
+    same form (dense; 4-bit planes of one plane count; GGUF blocks of one type), else a
+    RowStack whose parts keep their forms (Q4_K_M files give Q4_K and Q6_K rows)."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(list(parts))  # type: ignore[arg-type]
     quant = [p for p in parts if isinstance(p, QuantMatrix)]
@@ -175,4 +259,7 @@ def cat_rows(parts: Sequence[Matrix]) -> Matrix:
         return QuantMatrix(torch.cat([p.packed for p in quant]), torch.cat([p.d for p in quant]),
                            torch.cat([p.m for p in quant]), quant[0].num_planes, "+".join(types),
                            quant[0].dtype)
-    return torch.cat([p.dense() if isinstance(p, QuantMatrix) else p for p in parts])
+    blocks = [p for p in parts if isinstance(p, BlockMatrix)]
+    if len(blocks) == len(parts) and len({p.qtype for p in blocks}) == 1:
+        return replace(blocks[0], raw=torch.cat([p.raw for p in blocks]))
+    return RowStack(tuple(parts))

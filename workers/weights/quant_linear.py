@@ -8,13 +8,12 @@ torch's int4 kernels compute y = x @ W.T with W[n, k] = (code - 8) * scale + zer
   fp32 inputs it takes a scalar loop ~30x slower, so inputs are cast to bf16 and back.
 - CUDA (sm80+): `_convert_weight_to_int4pack` + `_weight_int4pack_mm` (tinygemm), bf16.
 Rows are padded to a multiple of 16 (both kernels tile n). Owns: the repack and the call.
-Does not own: the GGUF blocks (quant_blocks.py) or which path a step takes (weight_paths.py).
+Does not own: the GGUF blocks (quant_blocks.py) or which form a weight takes (paths.py).
 """
 from __future__ import annotations
 
 import torch
 
-from workers.model.forward import Linear
 from workers.weights.quant_blocks import GROUP_SIZE, QuantMatrix
 
 ROW_MULTIPLE = 16
@@ -94,32 +93,3 @@ class Int4Linear:
 
     def warm_up(self, max_rows: int, min_rows: int = 1) -> None:
         """Nothing to build: the kernel keeps no per-shape state."""
-
-
-class DualLinear:
-    """Both paths of one weight: the 4-bit kernel for calls of at most `max_quant_rows` rows
-    (small steps: decode, where reading the weights dominates), the dense fp32 `Linear`
-    (oneDNN) above (large steps: prefill, where the FLOPs dominate)."""
-
-    def __init__(self, dense: Linear, quant: Int4Linear, max_quant_rows: int) -> None:
-        if (dense.out_features, dense.in_features) != (quant.out_features, quant.in_features):
-            raise ValueError(f"dense weight {dense.out_features}x{dense.in_features} and quantized "
-                             f"weight {quant.out_features}x{quant.in_features} differ")
-        self.dense, self.quant = dense, quant
-        self.max_quant_rows = max_quant_rows
-        self.out_features, self.in_features = dense.out_features, dense.in_features
-        self.num_dense_calls = 0
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.max_quant_rows:
-            return self.quant(x)
-        self.num_dense_calls += 1
-        return self.dense(x)
-
-    @property
-    def num_quant_calls(self) -> int:
-        return self.quant.num_calls
-
-    def warm_up(self, max_rows: int, min_rows: int = 1) -> None:
-        """Only the row counts that reach oneDNN build its primitives."""
-        self.dense.warm_up(max_rows, max(min_rows, self.max_quant_rows + 1))

@@ -1,0 +1,98 @@
+"""The CPU kernels over GGUF blocks (csrc/quant_matmul.c via block_kernels.py), per type, on
+blocks made by tests/support/kquant_pack.py from rows whose 32-value groups span orders of
+magnitude, against gguf's own decoder:
+
+- expansion (fp32 and bf16) and lookups equal gguf's values bit for bit;
+- the fp32 matmul equals x @ W.T within fp32 summation's bound, |err| <= K u sum |x| |w|
+  (u = 2^-24; the sum of K products in any order);
+- the int8 matmul equals it within the rounding of x to 8 bits per 32 values: each x moves by
+  at most half its group's step d = max |x| / 127, so |err| <= sum_groups d / 2 sum |w|
+  (+ the fp32 sum's bound on the rounded x);
+- a row of x gives the same bits alone as among others;
+and negative controls show both bounds catch a code-order bug.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from workers.weights.kquant_pack import dequantize, quantize
+from workers.weights.block_kernels import block_kernels
+from workers.weights.block_matrix import BLOCK_TYPES, BlockMatrix, block_matrix
+
+Q = GGMLQuantizationType
+U = 2.0 ** -24
+pytestmark = pytest.mark.skipif(block_kernels() is None, reason="no C compiler: block kernels unavailable")
+
+
+def weights(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> tuple[BlockMatrix, torch.Tensor]:
+    """(BlockMatrix, gguf's fp32 values of it)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)) * np.exp(rng.standard_normal((rows, cols // 32)).repeat(32, 1))
+    blocks = quantize(w.astype(np.float32), qtype)
+    return block_matrix(blocks, qtype, (rows, cols)), torch.from_numpy(dequantize(blocks, qtype, (rows, cols)))
+
+
+def cols_for(qtype: GGMLQuantizationType) -> int:
+    return 512 if qtype.name.endswith("_K") else 160  # 160: five 32-blocks, not a power of two
+
+
+def fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.shape[1] * U * (x.double().abs() @ w.double().abs().T)
+
+
+def int8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    step = x.view(x.shape[0], -1, 32).abs().amax(-1).double() / 127  # [rows, groups]
+    moved = (step / 2 * (1 + 2 ** -20)).repeat_interleave(32, dim=1)  # [rows, in]
+    return moved @ w.double().abs().T + 2 * fp32_bound(x.abs() + moved.float(), w)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=[t.name for t in BLOCK_TYPES])
+def test_expansion_and_lookups_equal_gguf(qtype):
+    matrix, reference = weights(qtype, 37, cols_for(qtype))
+    kernels = block_kernels()
+    assert torch.equal(matrix.dense(), reference)
+    assert torch.equal(kernels.dequantize(matrix.raw, qtype, matrix.in_features), reference)
+    bf16 = kernels.dequantize(matrix.raw, qtype, matrix.in_features, dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, reference.to(torch.bfloat16))
+    ids = torch.tensor([5, 0, 36, 5])
+    assert torch.equal(matrix[ids], reference[ids])
+    assert matrix.num_bytes == matrix.raw.numel() and matrix.raw.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=[t.name for t in BLOCK_TYPES])
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_matmul_equals_the_dequantized_product_within_its_bound(qtype, int8):
+    matrix, w = weights(qtype, 37, cols_for(qtype), seed=1)  # 37 rows: a partial tile of 4
+    x = torch.randn(35, matrix.in_features, generator=torch.Generator().manual_seed(2))  # 35 > 32 per pass
+    x[3] *= 1000.0  # rows of very different magnitude
+    y = block_kernels().matmul(matrix, x, int8=int8)
+    error = (y.double() - x.double() @ w.double().T).abs()
+    bound = int8_bound(x, w) if int8 else fp32_bound(x, w)
+    assert y.shape == (35, 37) and y.dtype == torch.float32
+    assert bool((error <= bound).all()), f"worst error/bound {float((error / bound).max()):.3f}"
+    alone = block_kernels().matmul(matrix, x[33:34], int8=int8)
+    assert torch.equal(alone[0], y[33])  # the same bits without batch mates
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_bounds_catch_codes_in_the_wrong_order(int8):
+    matrix, w = weights(Q.Q4_K, 8, 256, seed=3)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
+    swapped = w.view(8, -1, 2).flip(-1).reshape(8, 256)  # neighbours exchanged: a nibble-order bug
+    error = (block_kernels().matmul(matrix, x, int8=int8).double() - x.double() @ swapped.double().T).abs()
+    bound = int8_bound(x, swapped) if int8 else fp32_bound(x, swapped)
+    assert bool((error > bound).any())
+
+
+def test_bad_inputs_are_refused():
+    matrix, _ = weights(Q.Q6_K, 4, 256)
+    kernels = block_kernels()
+    with pytest.raises(ValueError, match="does not match a 4x256 weight"):
+        kernels.matmul(matrix, torch.zeros(2, 128))
+    with pytest.raises(ValueError, match="row length is not whole blocks"):
+        kernels.dequantize(matrix.raw[:, :105], Q.Q6_K, 128)  # half a block per row
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        kernels.dequantize(matrix.raw, Q.Q6_K, 256, dtype=torch.float16)

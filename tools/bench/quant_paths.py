@@ -1,0 +1,105 @@
+"""Per-matmul timings behind `--weights auto` (used by `python -m tools.bench quant`).
+
+- `path_tables`: for every (weight type, shape) of a model, each path's median time at the
+  plan's row counts, measured as the worker does at start-up (in turns), with torch's int4
+  kernel beside them where the type has exact 4-bit planes (what `--weights q4` runs), the
+  fitted lines and the plan.
+- `int8_step`: the first step toward llama.cpp's decode speed (int8 activations times the
+  weights' integer codes): one decode step's matmuls (every layer, the head) on each kernel at
+  1, 2 and 4 rows, in turns, for this model's types.
+Owns: these two tables. Does not own: the paths (workers/weights/).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from justapi.model.gguf_file import GGUFFile
+from workers.model.forward import Linear, DecoderModel
+from workers.weights.block_linear import BlockLinear, StackLinear
+from workers.weights.path_plan import MEASURE_ROWS, PathPlan, fit_line, paired_medians, plan_from_timings
+from workers.weights.paths import candidate_paths, load_model
+from workers.weights.quant_blocks import is_quantizable, planes_of
+from workers.weights.quant_linear import Int4Linear, has_int4_kernel
+
+
+def block_linears(model: DecoderModel) -> list[BlockLinear]:
+    """Every BlockLinear of the model (parts of stacks included), layers first, then the head."""
+    out: list[BlockLinear] = []
+    for linear in [lin for layer in model.layers for lin in layer.linears()] + [model.output]:
+        parts = linear.parts if isinstance(linear, StackLinear) else [linear]
+        out += [p for p in parts if isinstance(p, BlockLinear)]
+    return out
+
+
+def load_blocks(model_path: str) -> DecoderModel:
+    """The model under auto with one fixed plan (nothing measured at load)."""
+    return load_model(GGUFFile(model_path), weights="auto", progress=False, plan=PathPlan.only("int8"))
+
+
+def distinct_shapes(model: DecoderModel) -> dict[tuple[str, tuple[int, int]], BlockLinear]:
+    shapes: dict[tuple[str, tuple[int, int]], BlockLinear] = {}
+    for linear in block_linears(model):
+        shapes.setdefault((linear.matrix.type_name, linear.matrix.shape), linear)
+    return shapes
+
+
+def runners(linear: BlockLinear) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Each candidate path of one matrix, plus torch's int4 kernel where the type has planes."""
+    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        path: functools.partial(linear.run, path) for path in candidate_paths()}
+    if is_quantizable(linear.matrix.qtype) and has_int4_kernel(torch.device("cpu")):
+        out["int4 (q4)"] = Int4Linear(planes_of(linear.matrix))
+    return out
+
+
+def path_tables(model_path: str, repeats: int) -> dict[tuple[str, tuple[int, int]], PathPlan]:
+    """Print each (type, shape)'s table and plan; return the plans."""
+    plans = {}
+    for (type_name, shape), linear in distinct_shapes(load_blocks(model_path)).items():
+        calls = runners(linear)
+        seconds: dict[str, list[float]] = {name: [] for name in calls}
+        with torch.inference_mode():
+            for rows in MEASURE_ROWS:
+                x = torch.randn(rows, shape[1])
+                medians = paired_medians({name: functools.partial(f, x) for name, f in calls.items()}, repeats)
+                for name in calls:
+                    seconds[name].append(medians[name])
+        plan = plan_from_timings(MEASURE_ROWS, {p: seconds[p] for p in candidate_paths()})
+        plans[(type_name, shape)] = plan
+        print(f"\n{type_name} {shape[0]}x{shape[1]} (out x in): median ms per call, in turns")
+        print(f"{'rows':>5} | " + " ".join(f"{name:>11}" for name in calls))
+        for i, rows in enumerate(MEASURE_ROWS):
+            print(f"{rows:>5} | " + " ".join(f"{seconds[name][i] * 1e3:11.3f}" for name in calls))
+        fits = ", ".join(f"{p} {a * 1e3:.3f} + {b * 1e3:.4f}/row" for p, (a, b) in
+                         ((p, fit_line(MEASURE_ROWS, seconds[p])) for p in candidate_paths()))
+        print(f"fitted ms: {fits}\nplan: {plan.describe()}")
+    return plans
+
+
+def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2, 4)) -> None:
+    """One decode step's matmuls on each kernel, in turns; fp32 from a dense copy for scale."""
+    model = load_blocks(model_path)
+    linears = block_linears(model)
+    dense = [Linear(lin.matrix) for lin in linears]
+    quant_ok = all(is_quantizable(lin.matrix.qtype) for lin in linears) and has_int4_kernel(torch.device("cpu"))
+    int4 = [Int4Linear(planes_of(lin.matrix)) for lin in linears] if quant_ok else []
+    weight_mib = sum(lin.matrix.num_bytes for lin in linears) / 2**20
+    print(f"\none decode step's matmuls ({len(linears)} of them, {weight_mib:.0f} MiB of blocks), "
+          f"median ms in turns (types: {sorted({lin.matrix.type_name for lin in linears})})")
+    names = ["int8", "blocks", "dense fp32 copy"] + (["int4 (q4)"] if int4 else [])
+    print(f"{'rows':>5} | " + " ".join(f"{name:>15}" for name in names) + " | GB/s of blocks (int8)")
+    with torch.inference_mode():
+        for rows in rows_list:
+            xs = [torch.randn(rows, lin.in_features) for lin in linears]
+            calls = {"int8": lambda: [lin.run("int8", x) for lin, x in zip(linears, xs)],
+                     "blocks": lambda: [lin.run("blocks", x) for lin, x in zip(linears, xs)],
+                     "dense fp32 copy": lambda: [d(x) for d, x in zip(dense, xs)]}
+            if int4:
+                calls["int4 (q4)"] = lambda: [q(x) for q, x in zip(int4, xs)]
+            medians = paired_medians(calls, repeats)
+            rate = weight_mib * 2**20 / medians["int8"] / 1e9
+            print(f"{rows:>5} | " + " ".join(f"{medians[n] * 1e3:15.2f}" for n in names) + f" | {rate:.1f}")
+

@@ -1,0 +1,281 @@
+/* Matmuls straight from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K) on CPU.
+ *
+ * y[m][n] = sum_k x[m][k] * W[n][k] with W kept as the file's blocks: each block of a weight
+ * row is decoded to fp32 in L1 once per call and multiplied with every row of x there, so a
+ * matrix is never expanded in memory. Every decoded value equals gguf's dequantization bit for
+ * bit (each is one exact product, at most one rounding: the same with or without FMA), and
+ * the sum for one (m, n) runs in one fixed order whatever M is, so a row of x gives the same
+ * bits alone or in any batch. `quant_dequantize` expands rows (lookups, tiles for large M).
+ * Compiled on first use by workers/model/cpu_kernels.py with -march=native: the vector width
+ * follows the CPU (AVX-512: 16 lanes, else 8). Owns: block layouts and the arithmetic.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "gguf_blocks.h"
+
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4), aligned(4)));  /* unaligned loads ok */
+
+enum { OK = 0, BAD_TYPE = -3, BAD_SHAPE = -4, NO_MEMORY = -1 };
+#define INLINE static inline __attribute__((always_inline))
+/* One copy of a tile function per type: the block layout folds into its loops. */
+#define SWITCH_TYPE(type, CALL) switch (type) { \
+    case Q4_0: CALL(Q4_0); break; case Q4_1: CALL(Q4_1); break; case Q5_0: CALL(Q5_0); break; \
+    case Q5_1: CALL(Q5_1); break; case Q8_0: CALL(Q8_0); break; case Q2_K: CALL(Q2_K); break; \
+    case Q3_K: CALL(Q3_K); break; case Q4_K: CALL(Q4_K); break; case Q5_K: CALL(Q5_K); break; \
+    case Q6_K: CALL(Q6_K); break; }
+#define CHUNK 256   /* most values decoded per row at a time: one K-quant block, eight 32-blocks */
+#define ROWS 4      /* weight rows per tile */
+#define MAX_M 32    /* rows of x per pass (accumulators on the stack) */
+
+/* Values per decoded piece of a row: the most of 256, 128, 64, 32 that splits k into whole
+ * blocks (576 = 9 x 64 for 32-value blocks); BAD_TYPE / BAD_SHAPE (< 0) if none. */
+static int chunk_of(int type, int64_t k) {
+    const layout lay = layout_of(type);
+    if (!lay.elems) return BAD_TYPE;
+    for (int c = CHUNK; c >= 32; c /= 2)
+        if (c % lay.elems == 0 && k % c == 0) return c;
+    return BAD_SHAPE;
+}
+
+static float hsum(vf v) {  /* a fixed pairing: the same bits on every call */
+    float lanes[LANES];
+    memcpy(lanes, &v, sizeof lanes);
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; i++) lanes[i] = lanes[i] + lanes[i + width];
+    return lanes[0];
+}
+
+/* acc[r][m] += buf[r][0..chunk) . x[m][0..chunk) for r < ROWS, m < num_m (buf rows chunk apart). */
+static void chunk_fma(const float *buf, int chunk, const float *x, int64_t ldx, int num_m,
+                      vf acc[][MAX_M]) {
+    for (int m = 0; m < num_m; m++) {
+        const float *xm = x + m * ldx;
+        vf a0 = acc[0][m], a1 = acc[1][m], a2 = acc[2][m], a3 = acc[3][m];
+        for (int j = 0; j < chunk; j += LANES) {
+            const vf xv = *(const vf *)(xm + j);
+            a0 += *(const vf *)(buf + j) * xv;
+            a1 += *(const vf *)(buf + chunk + j) * xv;
+            a2 += *(const vf *)(buf + 2 * chunk + j) * xv;
+            a3 += *(const vf *)(buf + 3 * chunk + j) * xv;
+        }
+        acc[0][m] = a0, acc[1][m] = a1, acc[2][m] = a2, acc[3][m] = a3;
+    }
+}
+
+/* Rows [n0, n0 + num_rows) of y for x rows [m0, m0 + num_m). */
+INLINE void tile(int type, int chunk, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n0,
+                 int num_rows, const float *x, int64_t m0, int num_m, float *y, int64_t n) {
+    float buf[ROWS * CHUNK] __attribute__((aligned(64)));
+    vf acc[ROWS][MAX_M];
+    for (int r = 0; r < ROWS; r++) memset(acc[r], 0, (size_t)num_m * sizeof(vf));
+    if (num_rows < ROWS) memset(buf, 0, sizeof buf);  /* rows past num_rows stay zero */
+    for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+        for (int r = 0; r < num_rows; r++)
+            decode_chunk(type, w + (n0 + r) * row_bytes, k0, chunk, buf + r * chunk);
+        chunk_fma(buf, chunk, x + m0 * k + k0, k, num_m, acc);
+    }
+    for (int r = 0; r < num_rows; r++)
+        for (int m = 0; m < num_m; m++) y[(m0 + m) * n + n0 + r] = hsum(acc[r][m]);
+}
+
+/* y [m, n] = x [m, k] @ W.T, W [n, k] as GGUF blocks of `type` (row_bytes per row). */
+int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
+                 float *y, int num_threads) {
+    const int chunk = chunk_of(type, k);
+    if (chunk < 0) return chunk;
+    const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
+    const int64_t num_tiles = (n + ROWS - 1) / ROWS;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t t = 0; t < num_tiles; t++) {
+        const int64_t n0 = t * ROWS;
+        const int rows = n - n0 < ROWS ? (int)(n - n0) : ROWS;
+        for (int64_t m0 = 0; m0 < m; m0 += MAX_M) {
+            const int num_m = m - m0 < MAX_M ? (int)(m - m0) : MAX_M;
+#define TILE(T) tile(T, chunk, w, row_bytes, k, n0, rows, x, m0, num_m, y, n)
+            SWITCH_TYPE(type, TILE)
+#undef TILE
+        }
+    }
+    return OK;
+}
+
+/* ---- int8 activations: x ~ xd * xq per 32 values, integer dot products with the codes ---- */
+
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+typedef struct {  /* rows of x quantized per 32 values */
+    int8_t *q;    /* [m, k] */
+    float *d;     /* [m, k / 32]: x ~ d * q */
+    float *sums;  /* [m, k / 16] (+ 8 zeros): d * (sum of the 16 q), for the weights' offsets */
+} qx;
+
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *sums) {
+    for (int64_t b = 0; b < k / 32; b++, x += 32, q += 32) {
+        float amax = 0.0f;
+        for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+        const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int half_sum[2] = {0, 0};
+        for (int j = 0; j < 32; j++) {
+            q[j] = (int8_t)nearbyintf(x[j] * inv);  /* |x| * inv <= 127 (+ rounding): no overflow */
+            half_sum[j / 16] += q[j];
+        }
+        d[b] = scale;
+        sums[2 * b] = scale * (float)half_sum[0];
+        sums[2 * b + 1] = scale * (float)half_sum[1];
+    }
+}
+
+typedef struct {  /* one weight row's chunk: value = sc * c + off per 16 values */
+    uint8_t c[CHUNK];
+    float sc[CHUNK / 16], off[CHUNK / 16];  /* entries past chunk / 16 are zero */
+} coded;
+
+INLINE void code_chunk(int type, const uint8_t *row, int64_t k0, int chunk, coded *out) {
+    float mn[CHUNK / 16];
+    const float zero = (float)layout_of(type).zero;
+    codes_chunk(type, row, k0, chunk, out->c, out->sc, mn);
+    for (int h = 0; h < chunk / 16; h++) out->off[h] = mn[h] - zero * out->sc[h];  /* one of z, mn is 0 */
+}
+
+/* acc[r] += per 32-group (codes . xq, in 8 lanes of 4 values) * scale * xd, and
+ * acc_off[r] += offsets . sums (8 halves per vector); the same order for every (r, m). */
+INLINE void chunk_dot_i8(int type, const coded *w, int chunk, const int8_t *xq, const float *xd,
+                         const float *sums, v8 *acc, v8 *acc_off) {
+    const int is_signed = codes_signed(type), sub16 = scales_per_16(type);
+    for (int g = 0; g < chunk / 32; g++) {
+#if defined(__AVX2__)
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(xq + 32 * g)), ones = _mm256_set1_epi16(1);
+        const __m256 xdv = _mm256_set1_ps(xd[g]);
+        for (int r = 0; r < ROWS; r++) {
+            const __m256i c = _mm256_loadu_si256((const __m256i *)(w[r].c + 32 * g));
+            const __m256i cu = is_signed ? _mm256_sign_epi8(c, c) : c, qs = is_signed ? _mm256_sign_epi8(q, c) : q;
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+            (void)ones;
+            const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), cu, qs);
+#else
+            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(cu, qs), ones);  /* |pair| <= 2 * 128 * 127 */
+#endif
+            const __m256 scale = sub16 ? _mm256_setr_m128(_mm_set1_ps(w[r].sc[2 * g]), _mm_set1_ps(w[r].sc[2 * g + 1]))
+                                       : _mm256_set1_ps(w[r].sc[2 * g]);
+            acc[r] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, xdv), (__m256)acc[r]);
+        }
+#else
+        for (int r = 0; r < ROWS; r++) {
+            v8 f, scale;
+            for (int i = 0; i < 8; i++) {
+                int dot = 0;
+                for (int j = 4 * i; j < 4 * i + 4; j++)
+                    dot += (is_signed ? (int)(int8_t)w[r].c[32 * g + j] : (int)w[r].c[32 * g + j]) * xq[32 * g + j];
+                f[i] = (float)dot;
+                scale[i] = w[r].sc[2 * g + i / 4];
+            }
+            acc[r] += f * (scale * xd[g]);
+        }
+#endif
+    }
+    for (int h = 0; h < chunk / 16; h += 8)
+        for (int r = 0; r < ROWS; r++) acc_off[r] += *(const v8 *)(w[r].off + h) * *(const v8 *)(sums + h);
+}
+
+static float hsum8(v8 v) {
+    const float a = (v[0] + v[4]) + (v[2] + v[6]), b = (v[1] + v[5]) + (v[3] + v[7]);
+    return a + b;
+}
+
+INLINE void tile_i8(int type, int chunk, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n0,
+                    int num_rows, const qx *x, int64_t m0, int num_m, float *y, int64_t n) {
+    coded rows[ROWS] __attribute__((aligned(64)));
+    v8 acc[MAX_M][ROWS], acc_off[MAX_M][ROWS];
+    memset(rows, 0, sizeof rows);  /* rows past num_rows, offsets past the chunk: zero */
+    memset(acc, 0, (size_t)num_m * sizeof acc[0]);
+    memset(acc_off, 0, (size_t)num_m * sizeof acc_off[0]);
+    for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+        for (int r = 0; r < num_rows; r++) code_chunk(type, w + (n0 + r) * row_bytes, k0, chunk, rows + r);
+        for (int m = 0; m < num_m; m++) {
+            const int64_t row = m0 + m;
+            chunk_dot_i8(type, rows, chunk, x->q + row * k + k0, x->d + (row * k + k0) / 32,
+                         x->sums + (row * k + k0) / 16, acc[m], acc_off[m]);
+        }
+    }
+    for (int r = 0; r < num_rows; r++)
+        for (int m = 0; m < num_m; m++) y[(m0 + m) * n + n0 + r] = hsum8(acc[m][r]) + hsum8(acc_off[m][r]);
+}
+
+/* quant_matmul with x rounded to 8 bits per 32 values (llama.cpp's Q8_0 activations): integer
+ * dot products, about 4x fewer instructions per weight than decoding to fp32. */
+int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
+                    float *y, int num_threads) {
+    const int chunk = chunk_of(type, k);
+    if (chunk < 0) return chunk;
+    const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
+    const int64_t num_tiles = (n + ROWS - 1) / ROWS;
+    qx xq = {malloc((size_t)(m * k)), malloc((size_t)(m * k / 32) * sizeof(float)),
+             calloc((size_t)(m * k / 16 + 8), sizeof(float))};  /* 8 zeros: read past the last half */
+    if (!xq.q || !xq.d || !xq.sums) {
+        free(xq.q), free(xq.d), free(xq.sums);
+        return NO_MEMORY;
+    }
+    #pragma omp parallel num_threads(num_threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, xq.q + r * k, xq.d + r * k / 32, xq.sums + r * k / 16);
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tiles; t++) {
+            const int64_t n0 = t * ROWS;
+            const int rows = n - n0 < ROWS ? (int)(n - n0) : ROWS;
+            for (int64_t m0 = 0; m0 < m; m0 += MAX_M) {
+                const int num_m = m - m0 < MAX_M ? (int)(m - m0) : MAX_M;
+#define TILE(T) tile_i8(T, chunk, w, row_bytes, k, n0, rows, &xq, m0, num_m, y, n)
+                SWITCH_TYPE(type, TILE)
+#undef TILE
+            }
+        }
+    }
+    free(xq.q), free(xq.d), free(xq.sums);
+    return OK;
+}
+
+static uint16_t to_bf16(float f) {  /* round to nearest even (no NaNs here: finite weights) */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+INLINE void dequantize_row(int type, int chunk, const uint8_t *row, int64_t k, float *out, uint16_t *out_bf16) {
+    float buf[CHUNK] __attribute__((aligned(64)));
+    for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+        if (out) {
+            decode_chunk(type, row, k0, chunk, out + k0);
+            continue;
+        }
+        decode_chunk(type, row, k0, chunk, buf);
+        for (int j = 0; j < chunk; j++) out_bf16[k0 + j] = to_bf16(buf[j]);
+    }
+}
+
+/* out [rows, k] (fp32, or bf16 if is_bf16) = the rows' values. */
+int quant_dequantize(int type, const uint8_t *w, int64_t rows, int64_t k, void *out, int is_bf16,
+                     int num_threads) {
+    const int chunk = chunk_of(type, k);
+    if (chunk < 0) return chunk;
+    const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < rows; r++) {
+#define ROW(T) dequantize_row(T, chunk, w + r * row_bytes, k, is_bf16 ? NULL : (float *)out + r * k, \
+                              is_bf16 ? (uint16_t *)out + r * k : NULL)
+        SWITCH_TYPE(type, ROW)
+#undef ROW
+    }
+    return OK;
+}

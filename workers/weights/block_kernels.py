@@ -1,0 +1,88 @@
+"""The CPU kernels that read GGUF blocks in place (workers/model/csrc/quant_matmul.c), called
+with torch tensors.
+
+- `matmul(matrix, x, int8=True)`: y = x @ W.T, x rounded to 8 bits per 32 values (llama.cpp's
+  Q8_0 activations) and integer dot products with the weights' codes;
+- `matmul(matrix, x, int8=False)`: the same in fp32 (each block decoded to fp32 in L1);
+- `dequantize(raw, qtype, in_features, out=...)`: rows expanded to fp32 or bf16 (lookups, and
+  the tiles large steps multiply with a dense GEMM).
+Both matmuls compute a row of x in one fixed order whatever the other rows are.
+Built by workers/model/cpu_kernels.py (per CPU, -march=native); None where it cannot be.
+Owns: the calls. Does not own: which path a step takes (block_linear.py, path_plan.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import torch
+from gguf import GGMLQuantizationType
+
+from workers.model.cpu_kernels import ENABLE_ENV, KernelBuildError, build
+from workers.weights.block_matrix import BlockMatrix
+
+log = logging.getLogger(__name__)
+_STATUS = {-1: "out of memory", -3: "unsupported type", -4: "row length is not whole blocks"}
+
+
+class BlockKernels:
+    """quant_matmul.c's entry points."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        for name in ("quant_matmul", "quant_matmul_i8"):
+            fn = getattr(library, name)
+            fn.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
+            fn.restype = i32
+        library.quant_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i32, i32]
+        library.quant_dequantize.restype = i32
+        self._lib = library
+
+    def matmul(self, matrix: BlockMatrix, x: torch.Tensor, int8: bool = True) -> torch.Tensor:
+        """x fp32 [rows, in] -> fp32 [rows, out]."""
+        out_features, in_features = matrix.shape
+        x = x.to(torch.float32).contiguous()
+        if x.dim() != 2 or x.shape[1] != in_features:
+            raise ValueError(f"x of shape {tuple(x.shape)} does not match a {out_features}x{in_features} weight")
+        y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+        fn = self._lib.quant_matmul_i8 if int8 else self._lib.quant_matmul
+        _check(fn(int(matrix.qtype), matrix.raw.data_ptr(), out_features, in_features, x.data_ptr(),
+                  x.shape[0], y.data_ptr(), torch.get_num_threads()), matrix.type_name)
+        return y
+
+    def dequantize(self, raw: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
+                   out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """uint8 [rows, bytes per row] -> [rows, in_features] in `dtype` (fp32 or bf16), into `out`
+        if given (a contiguous tensor of that shape and dtype)."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dequantize produces fp32 or bf16, not {dtype}")
+        raw = raw.contiguous()
+        if out is None:
+            out = torch.empty(raw.shape[0], in_features, dtype=dtype)
+        if not out.is_contiguous() or out.dtype != dtype or tuple(out.shape) != (raw.shape[0], in_features):
+            raise ValueError(f"out must be a contiguous {dtype} tensor [{raw.shape[0]}, {in_features}]")
+        _check(self._lib.quant_dequantize(int(qtype), raw.data_ptr(), raw.shape[0], in_features,
+                                          out.data_ptr(), int(dtype == torch.bfloat16),
+                                          torch.get_num_threads()), qtype.name)
+        return out
+
+
+def _check(status: int, type_name: str) -> None:
+    if status == -1:
+        raise MemoryError("block matmul kernel: out of memory for its scratch buffers")
+    if status != 0:
+        raise ValueError(f"block kernel on {type_name}: {_STATUS.get(status, f'status {status}')}")
+
+
+@functools.cache
+def block_kernels() -> BlockKernels | None:
+    """The kernels, or None (with one warning) where they cannot be built here."""
+    if os.environ.get(ENABLE_ENV, "1") == "0":
+        return None
+    try:
+        return BlockKernels(ctypes.CDLL(str(build("quant_matmul"))))
+    except (KernelBuildError, OSError) as exc:
+        log.warning("CPU block kernels unavailable (quantized weights are expanded instead): %s", exc)
+        return None

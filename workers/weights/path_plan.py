@@ -1,0 +1,203 @@
+"""Which kernel a matmul of M rows takes under `--weights auto` (CPU): a plan measured on this
+machine at start-up, per weight type and shape, cached per CPU like the kernel builds.
+
+Paths over one BlockMatrix (block_linear.py runs them):
+  int8        block kernel, activations rounded to 8 bits per 32 values, integer dot products
+  blocks      block kernel in fp32 (each block decoded to fp32 in L1)
+  dense       a tile of the matrix expanded to fp32 in a scratch buffer, dense GEMM (MKL)
+  dense_bf16  the same in bf16: a candidate only where the CPU multiplies bf16 in hardware
+Each path's time is modelled as a + b * rows (a: what a call costs whatever its rows, such as
+decoding the weights or expanding a tile; b: the work per row), fitted by least squares (on
+relative residuals) to the medians measured at a few row counts; a step of M rows takes the path whose line is lowest at
+M. Lines cross at most once pairwise, so a plan is a few ranges, and one noisy median (the
+machine is shared) moves a crossover a little instead of flipping a range. `fit_line`,
+`plan_from_timings` and `PathPlan.path_for` are pure; `measure_plan` times the candidates in
+turns (one call of each per round), so other processes' load falls on all of them alike.
+Owns: the choice rule, the measurement and its cache. Does not own: the kernels.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+PATHS = ("int8", "blocks", "dense", "dense_bf16")
+MEASURE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+"""Row counts timed at start-up: decode batches and speculative verification sit among them,
+prefill chunks past the top (where the lines are extrapolated)."""
+DROP_RATIO = 2.0
+CACHE_VERSION = 3
+
+
+@dataclass(frozen=True)
+class PathPlan:
+    """((most rows, path), ...) by ascending rows; the last entry covers every larger count."""
+
+    steps: tuple[tuple[int, str], ...]
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise ValueError("a path plan needs at least one step")
+        bounds = [rows for rows, _ in self.steps]
+        if bounds != sorted(set(bounds)) or bounds[0] < 1:
+            raise ValueError(f"plan row bounds must rise from >= 1, got {bounds}")
+        unknown = {path for _, path in self.steps} - set(PATHS)
+        if unknown:
+            raise ValueError(f"unknown weight paths {sorted(unknown)} (known: {', '.join(PATHS)})")
+
+    def path_for(self, rows: int) -> str:
+        for most_rows, path in self.steps:
+            if rows <= most_rows:
+                return path
+        return self.steps[-1][1]
+
+    @classmethod
+    def only(cls, path: str) -> PathPlan:
+        return cls(((1, path),))
+
+    def describe(self) -> str:
+        """e.g. 'int8 <= 16 rows < dense'."""
+        parts = [f"{path} <= {rows}" for rows, path in self.steps[:-1]]
+        return " rows < ".join(parts + [self.steps[-1][1]]) if parts else f"{self.steps[-1][1]} always"
+
+
+def fit_line(rows: Sequence[int], seconds: Sequence[float]) -> tuple[float, float]:
+    """(a, b) of seconds ~ a + b * rows, least squares on relative residuals (weights 1 / s^2:
+    a 1-row call of 0.1 ms counts as much as a 64-row call of 20 ms), with a, b >= 0."""
+    w = [1.0 / max(s, 1e-12) ** 2 for s in seconds]
+    total = sum(w)
+    mean_r = sum(wi * r for wi, r in zip(w, rows)) / total
+    mean_s = sum(wi * s for wi, s in zip(w, seconds)) / total
+    spread = sum(wi * (r - mean_r) ** 2 for wi, r in zip(w, rows))
+    b = sum(wi * (r - mean_r) * (s - mean_s) for wi, r, s in zip(w, rows, seconds)) / spread if spread else 0.0
+    b = max(b, 0.0)
+    return max(mean_s - b * mean_r, 0.0), b
+
+
+def plan_from_timings(rows: Sequence[int], seconds: Mapping[str, Sequence[float]],
+                      max_rows: int = 1 << 16) -> PathPlan:
+    """The plan of the fitted lines (ties: the earlier path in `seconds`): each path's range
+    ends where another's line drops below it, found at every crossing up to `max_rows`. A
+    path may have times for the first few counts only (measurement stopped timing it)."""
+    if not seconds or any(not 0 < len(times) <= len(rows) for times in seconds.values()):
+        raise ValueError("every path needs one time per measured row count (or per leading ones)")
+    if list(rows) != sorted(set(rows)) or rows[0] < 1:
+        raise ValueError(f"measured row counts must rise from >= 1, got {list(rows)}")
+    lines = {path: fit_line(rows[:len(times)], times) for path, times in seconds.items()}
+
+    def best(count: int) -> str:
+        return min(lines, key=lambda path: lines[path][0] + lines[path][1] * count)
+
+    counts = sorted({1, max_rows} | {c for c in _crossings(list(lines.values())) if 1 <= c < max_rows})
+    steps: list[tuple[int, str]] = []
+    for count in counts:  # the winner is constant between consecutive crossings
+        path = best(count)
+        if steps and steps[-1][1] == path:
+            steps[-1] = (count, path)
+        else:
+            steps.append((count, path))
+    return PathPlan(tuple(steps))
+
+
+def _crossings(lines: list[tuple[float, float]]) -> set[int]:
+    """Row counts just below and at each pairwise crossing of the lines."""
+    out: set[int] = set()
+    for i, (a1, b1) in enumerate(lines):
+        for a2, b2 in lines[i + 1:]:
+            if b1 != b2:
+                at = (a2 - a1) / (b1 - b2)
+                out |= {int(at), int(at) + 1}
+    return out
+
+
+def paired_medians(calls: Mapping[str, Callable[[], object]], repeats: int,
+                   timer: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median seconds of each call, timed in turns after one untimed round."""
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {path: [] for path in calls}
+    for _ in range(repeats):
+        for path, call in calls.items():
+            start = timer()
+            call()
+            times[path].append(timer() - start)
+    return {path: statistics.median(t) for path, t in times.items()}
+
+
+def measure_plan(run: Callable[[str, torch.Tensor], object], in_features: int, paths: Sequence[str],
+                 rows: Sequence[int] = MEASURE_ROWS, repeats: int = 3,
+                 timer: Callable[[], float] = time.perf_counter) -> tuple[PathPlan, dict]:
+    """Time `run(path, x)` for x of each row count on every path -> (plan, {path: seconds}).
+    A path DROP_RATIO times slower than the best at two counts in a row is not timed at larger
+    counts (its line is fitted to what was measured): a 150k-token head at 128 rows on a slow
+    path would cost seconds of start-up to learn what the first counts already say."""
+    seconds: dict[str, list[float]] = {path: [] for path in paths}
+    active = list(paths)
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for count in rows:
+            x = torch.randn(count, in_features, generator=generator)
+            medians = paired_medians({path: functools.partial(run, path, x) for path in active}, repeats, timer)
+            for path in active:
+                seconds[path].append(medians[path])
+            active = [path for path in active if not _far_behind(seconds, path)]
+    return plan_from_timings(rows, seconds), seconds
+
+
+def _far_behind(seconds: Mapping[str, Sequence[float]], path: str) -> bool:
+    """`path` took DROP_RATIO times the best time at each of the last two counts."""
+    times = seconds[path]
+    if len(times) < 3:
+        return False
+    for back in (1, 2):
+        best = min(t[len(times) - back] for t in seconds.values() if len(t) >= len(times))
+        if times[-back] < DROP_RATIO * best:
+            return False
+    return True
+
+
+class PlanCache:
+    """Measured plans in a JSON file beside the kernel builds, keyed by what they depend on:
+    this CPU, torch, the kernel source, thread count, weight type and shape."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @staticmethod
+    def key(cpu: str, kernel_source: str, type_name: str, shape: tuple[int, int], paths: Sequence[str]) -> str:
+        text = "\0".join([cpu, torch.__version__, kernel_source, str(torch.get_num_threads()),
+                          type_name, f"{shape[0]}x{shape[1]}", ",".join(paths), str(CACHE_VERSION)])
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    def get(self, key: str) -> PathPlan | None:
+        entry = self._read().get(key)
+        if not isinstance(entry, list):
+            return None
+        try:
+            return PathPlan(tuple((int(rows), str(path)) for rows, path in entry))
+        except (TypeError, ValueError):
+            return None
+
+    def put(self, key: str, plan: PathPlan) -> None:
+        """Merge into the file and rename over it (concurrent workers: the last write wins,
+        and every write is a whole file)."""
+        entries = self._read()
+        entries[key] = [list(step) for step in plan.steps]
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, self.path)
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
