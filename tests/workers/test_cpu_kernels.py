@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from workers.model import cpu_kernels
-from workers.model.attention import AttentionBatch, TorchCpuBackend
+from workers.model.attention import AttentionBatch, AttentionParams, TorchCpuBackend
 from workers.spec.tree import TreeLayout, verify_mask
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
@@ -38,10 +38,10 @@ def random_step(starts, rows, heads=9, kv_heads=3, head_dim=64, block_size=16, s
     return batch, kv, q
 
 
-def attend(batch, kv, q, use_kernel=True):
+def attend(batch, kv, q, use_kernel=True, params=AttentionParams()):
     backend = TorchCpuBackend(batch.block_size, use_kernel=use_kernel)
     assert (backend.kernel is not None) == use_kernel
-    return backend.attend(kv, q, backend.prepare(batch))
+    return backend.attend(kv, q, backend.prepare(batch), params)
 
 
 SHAPES = [  # heads, kv_heads, head_dim, block_size
@@ -78,6 +78,50 @@ def test_kernel_follows_token_tree_masks():
     draft_2 = 1 + 1 + 2  # sequence 0's row, the root, drafts 0 and 1
     assert torch.equal(plain[:draft_2 - 1], got[:draft_2 - 1])  # root, draft 0: a chain's rows
     assert not torch.allclose(plain[draft_2], got[draft_2])  # without the tree it sees draft 1
+
+
+def dense_attention(batch, kv, q, params):
+    """Each row by hand: its sequence's keys by block table, q . k * scale, soft-cap, the
+    causal window, softmax, GQA by repeating K/V heads."""
+    out, row = torch.empty_like(q), 0
+    group = q.shape[1] // kv.shape[3]
+    for seq, (start, count) in enumerate(zip(batch.start_positions, batch.num_tokens)):
+        table = batch.block_ids[batch.block_offsets()[seq]:batch.block_offsets()[seq + 1]]
+        keys = kv[:, torch.from_numpy(table.astype(np.int64))].flatten(1, 2)  # [2, slots, kvh, d]
+        for i in range(count):
+            pos = start + i
+            visible = [t for t in range(pos + 1) if not params.window or t > pos - params.window]
+            k, v = (keys[j, visible].repeat_interleave(group, dim=1) for j in (0, 1))  # [K, heads, d]
+            scores = torch.einsum("hd,khd->hk", q[row], k) * params.scale
+            scores = params.softcap * torch.tanh(scores / params.softcap)
+            out[row] = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
+            row += 1
+    return out
+
+
+def test_scale_softcap_and_window_equal_a_dense_reference():
+    """A layer's attention params (Gemma 2's soft-cap, a sliding window shorter than the
+    contexts, a scale other than 1/sqrt(d)) on both paths: short chunks and a long one."""
+    params = AttentionParams(scale=0.3, softcap=5.0, window=6)
+    batch, kv, q = random_step([0, 5, 37, 100, 9], [1, 1, 4, 16, 20], heads=8, kv_heads=2,
+                               head_dim=24, block_size=4, seed=5)
+    want = dense_attention(batch, kv, q, params)
+    for use_kernel in (True, False):
+        torch.testing.assert_close(attend(batch, kv, q, use_kernel, params), want, atol=2e-5, rtol=0)
+    unwindowed = AttentionParams(scale=0.3, softcap=5.0)
+    assert not torch.allclose(attend(batch, kv, q, True, unwindowed), want, atol=1e-3)
+
+
+def test_a_window_on_token_tree_rows_is_alike_on_both_paths():
+    parents = [-1, 0, 0, 1, 2, 2]
+    rows = [1, 1 + len(parents), 1]
+    tree = TreeLayout()
+    tree.add(verify_mask(seq=1, num_tokens=rows[1], start=20, parents=parents))
+    batch, kv, q = random_step([7, 20, 40], rows, tree=tree)
+    params = AttentionParams(window=5)
+    got, want = attend(batch, kv, q, True, params), attend(batch, kv, q, False, params)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+    assert not torch.allclose(got, attend(batch, kv, q), atol=1e-3)
 
 
 def test_a_row_is_bit_identical_alone_beside_longer_mates_and_as_a_verification_row():

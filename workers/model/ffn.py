@@ -8,15 +8,13 @@ sigmoid(x . w). Owns: that math. Does not own: the linears' kernels (forward.py,
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from workers.model.linear_like import LinearFactory, LinearLike
 from workers.weights.gguf_loader import ExpertWeights
-
-if TYPE_CHECKING:
-    from workers.model.forward import LinearFactory, LinearLike
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

@@ -12,13 +12,13 @@ blocks (ffn.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from workers.model.attention import DEFAULT_PARAMS, AttentionBackend, AttentionMetadata, AttentionParams
 from workers.model.ffn import GatedFfn, MoeFfn
+from workers.model.linear_like import LinearFactory, LinearLike
 from workers.weights.gguf_loader import LayerWeights, ModelWeights
 from workers.weights.hparams import HyperParams
 from workers.weights.quant_blocks import Matrix, QuantMatrix
@@ -99,21 +99,6 @@ class Linear:
             return
         for rows in sorted({onednn_rows(m) for m in range(min_rows, max_rows + 1)}):
             self(torch.zeros(rows, self.in_features, dtype=torch.float32))
-
-
-class LinearLike(Protocol):
-    """What the forward needs of a linear layer: Linear, or the 4-bit kernels of quant_linear.py."""
-
-    out_features: int
-    in_features: int
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def warm_up(self, max_rows: int, min_rows: int = 1) -> None: ...
-
-
-LinearFactory = Callable[[Matrix], LinearLike]
-"""Makes the linear of one loaded weight (dense, or kept quantized: weight_paths.py)."""
 
 
 @dataclass
