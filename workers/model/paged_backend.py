@@ -17,6 +17,7 @@ from workers.model.attention import AttentionBackend, AttentionBatch, AttentionM
 from workers.model.paged_layout import PagedLayout, paged_layout
 from workers.model.triton_attention import (
     AttentionParams,
+    LayerAttention,
     has_triton,
     is_interpreted,
     paged_attention,
@@ -67,7 +68,7 @@ class TritonPagedBackend(AttentionBackend):
     Triton's interpreter: slow, for tests only."""
 
     def __init__(self, block_size: int, device: torch.device | str, group: int,
-                 params: AttentionParams) -> None:
+                 params: LayerAttention = AttentionParams()) -> None:
         self.block_size = block_size
         self.device = torch.device(device)
         if self.device.type == "cpu" and not is_interpreted():
@@ -85,9 +86,12 @@ class TritonPagedBackend(AttentionBackend):
                  meta: AttentionMetadata) -> None:
         store_kv(kv, k, v, meta.slots)
 
-    def attend(self, kv: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(self, kv: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata,
+               params: LayerAttention | None = None) -> torch.Tensor:
+        """`params`: this layer's scale, window and soft-cap where a model passes them (else
+        the backend's); the same metadata serves every layer, windowed or not."""
         assert isinstance(meta, PagedMetadata), "metadata from another backend"
-        return paged_attention(q, kv, meta, self.params)
+        return paged_attention(q, kv, meta, self.params if params is None else params)
 
 
 def triton_backend(device: str, block_size: int, num_heads: int, num_kv_heads: int,
