@@ -5,6 +5,8 @@ masks, GQA, half-precision KV, sliding window and soft-capping, padding rows. Sh
 small: the interpreter runs each program in numpy, one at a time."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pytest
 import torch
@@ -101,6 +103,25 @@ def test_window_softcap_and_scale_are_parameters():
     batch, kv, q = random_step([0, 37], [20, 1], 4, 2, 16, 8, seed=3)
     params = AttentionParams(scale=0.3, window=11, softcap=2.5)
     assert_close(triton_attend(batch, kv, q, params), reference(batch, kv, q, params))
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """A model's per-layer attention fields (#18's shape of them), not the kernel's class."""
+
+    scale: float | None = None
+    softcap: float = 0.0
+    window: int = 0
+
+
+def test_a_layer_passes_its_own_parameters_to_attend():
+    """attend(..., params) overrides the backend's; scale None means head_dim ** -0.5."""
+    batch, kv, q = random_step([0, 37], [20, 1], 4, 2, 16, 8, seed=3)
+    backend = TritonPagedBackend(8, "cpu", 2)
+    meta = backend.prepare(batch)
+    want = reference(batch, kv, q, AttentionParams(16 ** -0.5, window=11, softcap=2.5))
+    assert_close(backend.attend(kv, q, meta, LayerParams(window=11, softcap=2.5)), want)
+    assert_close(backend.attend(kv, q, meta), reference(batch, kv, q, AttentionParams(16 ** -0.5)))
 
 
 def test_half_precision_kv():

@@ -14,16 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from workers.model.attention import (
-    DEFAULT_PARAMS,
-    AttentionBackend,
-    AttentionBatch,
-    AttentionMetadata,
-)
-from workers.model.attention import AttentionParams as LayerParams
+from workers.model.attention import AttentionBackend, AttentionBatch, AttentionMetadata
 from workers.model.paged_layout import PagedLayout, paged_layout
 from workers.model.triton_attention import (
     AttentionParams,
+    LayerAttention,
     has_triton,
     is_interpreted,
     paged_attention,
@@ -74,7 +69,7 @@ class TritonPagedBackend(AttentionBackend):
     Triton's interpreter: slow, for tests only."""
 
     def __init__(self, block_size: int, device: torch.device | str, group: int,
-                 params: AttentionParams) -> None:
+                 params: LayerAttention = AttentionParams()) -> None:
         self.block_size = block_size
         self.device = torch.device(device)
         if self.device.type == "cpu" and not is_interpreted():
@@ -93,16 +88,11 @@ class TritonPagedBackend(AttentionBackend):
         store_kv(kv, k, v, meta.slots)
 
     def attend(self, kv: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata,
-               params: LayerParams = DEFAULT_PARAMS) -> torch.Tensor:
-        """`params`: the layer's scale, soft-cap and sliding window (the kernel takes all three)."""
+               params: LayerAttention | None = None) -> torch.Tensor:
+        """`params`: this layer's scale, window and soft-cap where a model passes them (else
+        the backend's); the same metadata serves every layer, windowed or not."""
         assert isinstance(meta, PagedMetadata), "metadata from another backend"
-        return paged_attention(q, kv, meta, self._kernel_params(params))
-
-    def _kernel_params(self, layer: LayerParams) -> AttentionParams:
-        if layer is DEFAULT_PARAMS:
-            return self.params
-        scale = self.params.scale if layer.scale is None else layer.scale
-        return AttentionParams(scale=scale, window=layer.window, softcap=layer.softcap)
+        return paged_attention(q, kv, meta, self.params if params is None else params)
 
 
 def triton_backend(device: str, block_size: int, num_heads: int, num_kv_heads: int,

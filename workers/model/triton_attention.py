@@ -14,7 +14,7 @@ Owns: the kernels and their launch. Does not own: the layout (paged_layout.py) o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, no_type_check
+from typing import Any, Protocol, no_type_check
 
 import torch
 
@@ -35,13 +35,27 @@ BLOCK_N = 32
 """Keys per inner-loop iteration (two 16-slot blocks): the tile width of both dots."""
 
 
+class LayerAttention(Protocol):
+    """How one layer attends, as the kernel reads it: AttentionParams below, or any object with
+    these fields (a model's per-layer parameters, #18)."""
+
+    @property
+    def scale(self) -> float | None: ...  # of q . k; None: head_dim ** -0.5
+
+    @property
+    def window(self) -> int: ...  # >0: a query at position p sees keys in (p - window, p]
+
+    @property
+    def softcap(self) -> float: ...  # >0: scores become softcap * tanh(score / softcap)
+
+
 @dataclass(frozen=True)
 class AttentionParams:
-    """Per-model attention constants (a layer with a sliding window passes its own)."""
+    """Per-model attention constants (a LayerAttention; a layer with a window passes its own)."""
 
-    scale: float  # softmax scale, usually head_dim ** -0.5
-    window: int = 0  # >0: a query at position p sees keys in (p - window, p]
-    softcap: float = 0.0  # >0: scores become softcap * tanh(score / softcap)
+    scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    window: int = 0
+    softcap: float = 0.0
 
 
 @_jit
@@ -172,7 +186,7 @@ def store_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         BLOCK_H=_next_pow2(kv_heads), BLOCK_D=_next_pow2(max(head_dim, 16)))
 
 
-def paged_attention(q: torch.Tensor, kv: torch.Tensor, meta: Any, params: AttentionParams,
+def paged_attention(q: torch.Tensor, kv: torch.Tensor, meta: Any, params: LayerAttention,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim], attending every row to its sequence's
     keys in the pool (kv: one layer). `meta`: device tensors named as PagedLayout's fields,
@@ -180,13 +194,14 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, meta: Any, params: Attent
     _, num_blocks, block_size, kv_heads, head_dim = kv.shape
     assert kv.is_contiguous() and q.stride(-1) == 1
     group = q.shape[1] // kv_heads
+    scale = head_dim ** -0.5 if params.scale is None else params.scale
     out = torch.empty_like(q) if out is None else out
     grid = (meta.num_tiles, kv_heads)
     _attention_kernel[grid](
         q, kv, out, meta.tables, meta.first_rows, meta.starts, meta.num_rows, meta.num_keys,
         meta.tile_seqs, meta.tile_rows, meta.tree_first_rows, meta.tree_bases, meta.tree_rows,
         meta.tree_spans, meta.tree_offsets, meta.tree_bits,
-        params.scale, params.softcap, params.window,
+        scale, params.softcap, params.window,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         out.stride(0), out.stride(1), meta.tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_next_pow2(max(head_dim, 16)),
