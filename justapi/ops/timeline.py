@@ -2,7 +2,7 @@
 
 Off unless `JUSTAPI_TIMELINE=DIR` is set in `justapi serve`'s environment (its children
 inherit it): then the frontend, the scheduler and every worker record `(monotonic ns, event,
-step id, count)` at the points of a step (docs/runtime.md, "Where a step's time goes") and
+step id, count)` at the points of a step (docs/runtime.md, "Where a served step's time goes") and
 write `DIR/<role><index>-<pid>.json` when they stop. CLOCK_MONOTONIC is one clock for every
 process of a host, so `python -m tools.bench timeline` lines the three files up.
 Owns: the ring and its file. Does not own: the events' meaning (the processes that mark them).
