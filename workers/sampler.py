@@ -102,15 +102,19 @@ def apply_token_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndar
     """Structured outputs, in place: logits[rows[r], t] = -inf unless bit t % 32 of word t // 32
     of bitmask[r] is set (tokens past the mask's words, padding rows of the vocabulary, never
     are). logits [num_rows, vocab]; rows int32 [R]; bitmask int32 [R, words]."""
+    vocab = logits.shape[1]
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1,
+                         bitorder="little")  # [R, 32 * words], 1 = allowed
+    blocked = np.ones((len(rows), vocab), dtype=np.bool_)
+    width = min(vocab, bits.shape[1])
+    np.equal(bits[:, :width], 0, out=blocked[:, :width])
     with torch.inference_mode():
-        words = torch.from_numpy(np.ascontiguousarray(bitmask)).to(logits.device)  # [R, words]
-        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((words[:, :, None] >> shifts) & 1).reshape(len(rows), -1).bool()  # [R, 32 words]
-        vocab = logits.shape[1]
-        if allowed.shape[1] < vocab:
-            allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
-        index = torch.from_numpy(rows.astype(np.int64)).to(logits.device)
-        logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))
+        blocked_t = torch.from_numpy(blocked).to(logits.device)
+        if len(rows) == logits.shape[0] and np.array_equal(rows, np.arange(len(rows))):
+            logits.masked_fill_(blocked_t, float("-inf"))  # every row constrained
+        else:
+            index = torch.from_numpy(rows.astype(np.int64)).to(logits.device)
+            logits[index] = logits[index].masked_fill(blocked_t, float("-inf"))
 
 
 def _wants_logprobs(rows: list[SamplingRow]) -> bool:

@@ -88,6 +88,7 @@ class StepBatch:
     def add_decode(self, req: Request, num_tokens: int) -> None:
         """add() for a decoding request (one known token, then drafts): the hot path."""
         start = req.num_computed_tokens
+        assert start == len(req.token_ids) - 1, f"{req.request_id}: not one token to decode"
         self.reqs.append(req)
         self.starts.append(start)
         self.num_tokens.append(num_tokens)

@@ -89,7 +89,8 @@ def _check_handoff(state: SchedulerState, req: Request) -> None:
     assert handoff is not None and handoff.req is req, f"{rid}: handed off but not in the table"
     assert req.queue_entry is None and req.worker_id == -1, f"{rid}: handed off but placed"
     assert not any(rid in w.running for w in state.workers.values()), f"{rid}: on a worker"
-    assert req.num_computed_tokens == req.num_tokens - 1, f"{rid}: handed off mid-prompt"
+    assert req.num_computed_tokens == req.num_tokens - 1 - req.num_jumped, \
+        f"{rid}: handed off mid-prompt"
     assert all(state.pool.pool_of(b) == req.pool_id for b in req.block_ids), f"{rid}: wrong pool"
     assert len(req.block_ids) >= state.kv.num_blocks_for(req.num_computed_tokens)
     expected_pool = handoff.dst_pool_id if handoff.is_copied else handoff.src_pool_id

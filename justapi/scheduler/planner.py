@@ -61,21 +61,26 @@ class StepPlanner:
             if req.status is not RUNNING:
                 continue  # preempted while this loop ran
             num_computed = req.num_computed_tokens
-            if num_computed < len(req.token_ids) - 1:
+            if num_computed < len(req.token_ids) - 1 - req.num_jumped:
                 prefills.append(req)
                 continue
             if not batch.has_decode_room:
                 is_capped = True
                 continue
             # The hot path (_schedule inlined): a decode needs a new block every block_size steps.
-            num_tokens = min(1 + len(req.draft_token_ids), batch.budget_tokens)
+            known = 1 + req.num_jumped  # the last sampled token, then tokens a grammar forced
+            num_tokens = min(known + len(req.draft_token_ids), batch.budget_tokens)
             end = num_computed + num_tokens
             if (end + bs - 1) // bs > len(req.block_ids):
-                if num_tokens > 1 and not self.allocate(req, end):
-                    num_tokens, end = 1, num_computed + 1  # drafts never preempt anyone
+                if num_tokens > known and not self.allocate(req, end):
+                    num_tokens = min(known, num_tokens)  # drafts never preempt anyone
+                    end = num_computed + num_tokens
                 if not self.ensure_blocks(req, end, batch):
                     continue
-            batch.add_decode(req, num_tokens)
+            if req.num_jumped:
+                batch.add(req, num_tokens, is_prefill=False)
+            else:
+                batch.add_decode(req, num_tokens)
             if req.spec_propose:
                 self._lookahead(req, batch, req.spec_propose)
         if is_capped:  # round robin: the decodes served now go to the back of the line
@@ -107,22 +112,19 @@ class StepPlanner:
         self._prefill_propose = 0
         if spec is None:
             return
-        decodes = [r for r in worker.running.values() if r.status is RUNNING
-                   and r.num_computed_tokens >= len(r.token_ids) - 1]
+        decodes = [r for r in worker.running.values() if r.status is RUNNING and r.is_decode]
         levels = spec.prepare(decodes)
         if spec.uses_draft_model:
             self._prefill_propose = spec.nodes_for(levels)
 
     def _fit_grammar_drafts(self, worker: WorkerState) -> None:
-        """Constrained decodes: drafts cut to the grammar, or the tokens it forces as drafts
-        (not beside a draft model: its drafts must stay its own proposals)."""
-        structured, spec = self.state.structured, self.state.spec
+        """Constrained decodes' drafts, cut at the first one the grammar refuses."""
+        structured = self.state.structured
         assert structured is not None
-        may_force = spec is None or not spec.uses_draft_model
         for req in worker.running.values():
-            if (req.grammar is not None and req.status is RUNNING
-                    and req.num_computed_tokens >= len(req.token_ids) - 1):
-                structured.fit_drafts(req, may_force)
+            if req.grammar is not None and req.draft_token_ids and req.status is RUNNING \
+                    and req.is_decode:
+                structured.fit_drafts(req)
 
     def _lookahead(self, req: Request, batch: StepBatch, num_propose: int) -> None:
         """Blocks for the positions the worker's draft model writes while proposing num_propose

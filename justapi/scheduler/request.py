@@ -8,6 +8,8 @@ verification are all that rule.
     token_ids:  | prompt ............ | output ...... |  drafts (not yet accepted)
                 0                num_prompt    num_tokens   num_tokens + num_draft_tokens
     computed:   [0, num_computed_tokens)  -- KV written at the slots of block_ids
+    decoding:   num_computed_tokens >= num_tokens - 1 - num_jumped (the last sampled token
+                and the tokens a grammar forced after it are computed in one chunk)
 
 Owns: the per-request fields. Does not own: blocks (BlockPool/KvCacheManager), queues.
 """
@@ -42,7 +44,7 @@ class Request:
                  "cache_node", "num_cached_blocks", "num_cached_tokens", "has_reported",
                  "is_in_flight", "is_abort_pending", "finish_reason", "num_preemptions",
                  "queue_entry", "enqueued_step", "draft_parents", "spec_acceptance",
-                 "spec_idle_steps", "spec_propose", "grammar")
+                 "spec_idle_steps", "spec_propose", "grammar", "num_jumped")
 
     def __init__(self, request_id: str, sampling: SamplingParams, prompt_token_ids: array.array,
                  seq: int, priority: int = 0) -> None:
@@ -81,8 +83,11 @@ class Request:
         self.spec_acceptance = Acceptance()
         self.spec_idle_steps = 0
         self.spec_propose = 0
-        # Structured outputs (justapi/scheduler/structured.py): the output's matcher; None = free.
+        # Structured outputs (justapi/scheduler/structured.py): the output's matcher (None =
+        # free), and how many tokens the grammar forced after the last sampled one (appended
+        # without a model call, computed with the next chunk: jump-forward).
         self.grammar: RequestGrammar | None = None
+        self.num_jumped = 0
 
     @property
     def num_tokens(self) -> int:
@@ -103,8 +108,9 @@ class Request:
 
     @property
     def is_decode(self) -> bool:
-        """Only the last known token (and any drafts) is left to compute."""
-        return self.num_computed_tokens >= len(self.token_ids) - 1
+        """Only the last sampled token (then any tokens jumped after it, and drafts) is left
+        to compute."""
+        return self.num_computed_tokens >= len(self.token_ids) - 1 - self.num_jumped
 
     @property
     def is_finished(self) -> bool:

@@ -1,7 +1,8 @@
 """Applies a worker's StepResult: accept tokens, roll back rejected drafts, finish, cache.
 
-Finish checks, after each appended token, in this order: a constrained request's grammar
-refuses it -> "error", or is complete -> "stop"; a stop token id or (unless
+A constrained request's grammar consumes each emitted token, then the tokens it forces are
+appended too (jump-forward, structured.py). Finish checks, after each appended token, in this
+order: the grammar refuses it -> "error", or is complete -> "stop"; a stop token id or (unless
 ignore_eos) an end-of-generation id -> "stop"; max_tokens reached, or the context cap
 (min(model context, pool capacity)) reached -> "length". Tokens after a stop are dropped.
 An abort that arrived while the request was in flight finishes it here ("abort"), after
@@ -130,26 +131,40 @@ class ResultApplier:
         counters = self.state.counters
         counters.num_draft_tokens += num_drafts
         counters.num_accepted_draft_tokens += num_accepted
-        is_forced = req.grammar is not None and req.grammar.num_forced_drafts > 0
-        if self.state.structured is not None and is_forced:
-            self.state.structured.accepted(req, num_accepted)
-        elif self.state.spec is not None:  # (forced drafts say nothing of the proposer)
+        if self.state.spec is not None:
             self.state.spec.verified(req, depth, num_drafts, num_accepted)
         if num_accepted < num_drafts:  # rejected drafts: their KV slots are garbage (a tree's
             # accepted path was moved to the positions of its tokens by the worker)
             req.num_computed_tokens -= num_drafts - num_accepted
             self.kv.truncate(req, req.num_computed_tokens)
         num_before = len(req.token_ids)
+        req.num_jumped = 0
         reason = self._append(req, tokens)
         emitted = tokens[:len(req.token_ids) - num_before]
+        num_forced = 0
+        if req.grammar is not None and not reason:
+            reason, num_forced = self._jump_forward(req)
+            emitted = emitted + list(req.token_ids[len(req.token_ids) - num_forced:])
         self.kv.cache_computed(req)
         error = req.grammar.error if reason == FINISH_ERROR and req.grammar is not None else ""
         if reason:
             self.state.counters.num_errors += reason == FINISH_ERROR
             self.state.finish(req, reason)
-        deltas.add(req, emitted, reason, first_index)
+        deltas.add(req, emitted, reason, first_index, num_forced)
         if reason == FINISH_ERROR:
             deltas.errors[req.request_id] = f"the grammar refused token {emitted[-1]}: {error}"
+
+    def _jump_forward(self, req: Request) -> tuple[str, int]:
+        """Append the tokens the request's grammar forces (structured.py): returns the finish
+        reason they bring and how many were appended."""
+        assert self.state.structured is not None
+        forced = self.state.structured.forced_tokens(req)
+        if not forced:
+            return "", 0
+        num_before = len(req.token_ids)
+        reason = self._append(req, forced)
+        req.num_jumped = 0 if reason else len(req.token_ids) - num_before
+        return reason, len(req.token_ids) - num_before
 
     def _append(self, req: Request, tokens: list[int]) -> str:
         """Append tokens until one finishes the request; return the finish reason or "". A

@@ -1,20 +1,24 @@
 """Structured outputs in the scheduler core: requests waiting for their grammar, drafts fitted
-to it, the token bitmasks of a step, and the matcher's verdict on each emitted token.
+to it, the token bitmasks of a step, and forced tokens.
 
     add_request -> hold (compile on the pool) -> ready: queued as usual | failed: "error"
-    before a step: drafts cut at the first grammar-invalid one; forced tokens as free drafts
+    before a step: drafts cut at the first node the grammar refuses
     the step:      one mask row per constrained logits row (root + drafts), in the plan
-    the result:    each emitted token is consumed once; a complete grammar finishes "stop"
+    the result:    each emitted token is consumed once; a complete grammar finishes "stop";
+                   then the tokens the grammar forces are appended at once (jump-forward)
 
-Forced tokens (llguidance's compute_ff_tokens: bytes only one continuation allows, e.g. a
-schema's fixed keys and closing braces) are proposed as drafts and verified like any other,
-so output is token for token what plain constrained decoding gives, in fewer steps. With a
-draft model the worker's proposals are only cut (its draws must stay a prefix of them).
+Forced tokens (llguidance's compute_ff_tokens: the canonical tokens of the bytes that are the
+only continuation, e.g. a schema's fixed keys and closing braces) need no model call: at a
+forced position the mask allows exactly that token (llguidance masks forced bytes to their
+canonical tokenization), so plain constrained decoding would pick it whatever the logits,
+greedy or sampled. They are emitted with the step's tokens (logprob 0) and their KV is
+computed with the request's next chunk, like a prompt's tail: no logits, no sampling.
 Owns: the waiting table, the mask executor and the counters. Does not own: compiling
 (justapi/structured/compiler.py), requests' lifecycle (state.py) or applying masks (worker).
 """
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Collection
 from concurrent.futures import FIRST_COMPLETED, wait
@@ -30,24 +34,26 @@ from justapi.structured.masks import MaskItem, fill_masks
 from justapi.structured.matcher import RequestGrammar
 from justapi.structured.tokenizer import mask_words
 
-MAX_FORCED_DRAFTS = 16
-"""Most forced tokens proposed for one step (each costs a position of the forward)."""
+MAX_FORCED_TOKENS = 32
+"""Most forced tokens appended at once (each is a position of the next chunk)."""
 
 
 class StructuredOutputs:
     """The core's structured-output state (None on the core when the model has no tokenizer)."""
 
     def __init__(self, compiler: GrammarCompiler, eos_token_ids: Collection[int],
-                 max_forced_drafts: int = MAX_FORCED_DRAFTS, num_threads: int = 1) -> None:
+                 max_forced_tokens: int = MAX_FORCED_TOKENS, num_threads: int = 0) -> None:
+        """num_threads: mask threads for big batches (0: half the CPUs, 1 to 8)."""
         self.compiler = compiler
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.max_forced_drafts = max_forced_drafts
+        self.max_forced_tokens = max_forced_tokens
+        num_threads = num_threads or min(8, max(1, (os.cpu_count() or 2) // 2))
         self.executor = llg.LLExecutor(num_threads=num_threads)
         self.pending: dict[str, Request] = {}  # waiting for their compile, in arrival order
         self.num_requests = 0
         self.num_failed = 0
-        self.num_forced_drafts = 0
-        self.num_accepted_forced = 0
+        self.num_forced_tokens = 0
+        self.num_cut_drafts = 0
         self.num_mask_rows = 0
         self.mask_seconds = 0.0
 
@@ -79,33 +85,25 @@ class StructuredOutputs:
         return self.pending.pop(request_id, None)
 
     # ------------------------------------------------------------------ before a step
-    def fit_drafts(self, req: Request, may_force: bool) -> None:
-        """Cut the request's drafts at the first grammar-invalid node; with none left (and
-        may_force), propose the tokens the grammar forces."""
-        grammar = req.grammar
-        assert grammar is not None and grammar.matcher is not None
+    def fit_drafts(self, req: Request) -> None:
+        """Cut the request's drafts at the first node the grammar refuses."""
+        grammar = _grammar_of(req)
         tokens, parents = req.draft_token_ids, req.draft_parents
-        grammar.num_forced_drafts = 0
-        if tokens:
-            keep = grammar.num_valid_drafts(tokens, parents, self.eos_token_ids)
-            if keep < len(tokens):
-                tokens, parents = tokens[:keep], parents[:keep]
-                req.draft_token_ids = tokens
-                req.draft_parents = [] if is_chain(parents) else parents
-        if tokens or not may_force:
-            return
-        forced = grammar.forced_tokens(min(self.max_forced_drafts, req.final_len - req.num_tokens))
-        if forced:
-            req.draft_token_ids, req.draft_parents = forced, []
-            grammar.num_forced_drafts = len(forced)
-            self.num_forced_drafts += len(forced)
+        keep = grammar.num_valid_drafts(tokens, parents, self.eos_token_ids)
+        if keep < len(tokens):
+            req.draft_token_ids = tokens[:keep]
+            parents = parents[:keep]
+            req.draft_parents = [] if is_chain(parents) else parents
+            self.num_cut_drafts += len(tokens) - keep
 
-    def accepted(self, req: Request, num_accepted: int) -> None:
-        """A step verified the request's drafts and accepted num_accepted of them."""
-        grammar = req.grammar
-        if grammar is not None and grammar.num_forced_drafts:
-            self.num_accepted_forced += min(num_accepted, grammar.num_forced_drafts)
-            grammar.num_forced_drafts = 0
+    # ------------------------------------------------------------------ after a step
+    def forced_tokens(self, req: Request) -> list[int]:
+        """The tokens the grammar forces after the request's output (jump-forward), at most
+        max_forced_tokens and never past its finish; the caller appends them."""
+        limit = min(self.max_forced_tokens, req.final_len - req.num_tokens)
+        forced = _grammar_of(req).forced_tokens(limit)
+        self.num_forced_tokens += len(forced)
+        return forced
 
     # ------------------------------------------------------------------ the step
     def masks(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray] | None:
@@ -139,8 +137,8 @@ class StructuredOutputs:
             "structured_requests": self.num_requests,
             "structured_compile_failures": self.num_failed,
             "structured_waiting": len(self.pending),
-            "structured_forced_draft_tokens": self.num_forced_drafts,
-            "structured_forced_accepted_tokens": self.num_accepted_forced,
+            "structured_forced_tokens": self.num_forced_tokens,
+            "structured_cut_draft_tokens": self.num_cut_drafts,
             "structured_mask_rows": self.num_mask_rows,
             "structured_mask_seconds": self.mask_seconds,
         })

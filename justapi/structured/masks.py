@@ -22,6 +22,9 @@ import numpy as np
 
 from justapi.structured.matcher import RequestGrammar
 
+PARALLEL_MIN_ROWS = 64
+"""Fewer rows are filled in the caller's thread (a thread hand-off costs more than it saves)."""
+
 
 @dataclass(frozen=True)
 class MaskItem:
@@ -33,11 +36,17 @@ class MaskItem:
     parents: Sequence[int]
 
 
-def fill_masks(executor: llg.LLExecutor, items: Sequence[MaskItem], num_words: int) -> np.ndarray:
+def fill_masks(executor: llg.LLExecutor | None, items: Sequence[MaskItem],
+               num_words: int) -> np.ndarray:
     """int32 [sum(1 + drafts), num_words]: every item's rows, items in order, first_row
-    counting rows of this array."""
+    counting rows of this array. With an executor and at least PARALLEL_MIN_ROWS rows the
+    rows are filled on its threads, else here, one after the other."""
     num_rows = sum(1 + len(item.drafts) for item in items)
     out = np.zeros((num_rows, num_words), dtype=np.int32)
+    if executor is None or num_rows < PARALLEL_MIN_ROWS:
+        for item in items:
+            _fill_chain(item, out) if not item.parents else _fill_tree(item, out)
+        return out
     plain = [(item.grammar.live, item.first_row) for item in items if not item.drafts]
     if plain:
         lnp.fill_next_token_bitmask_par(executor, plain, out)
@@ -49,6 +58,18 @@ def fill_masks(executor: llg.LLExecutor, items: Sequence[MaskItem], num_words: i
         if item.parents:
             _fill_tree(item, out)
     return out
+
+
+def _fill_chain(item: MaskItem, out: np.ndarray) -> None:
+    """A chain's rows: fill, consume the next draft, fill, ...; then roll the drafts back."""
+    matcher = item.grammar.live
+    lnp.fill_next_token_bitmask(matcher, out, item.first_row)
+    for j, token in enumerate(item.drafts):
+        if not matcher.consume_token(int(token)):  # the core cut invalid drafts: cannot happen
+            raise ValueError(f"draft {int(token)} is not valid: {matcher.get_error()}")
+        lnp.fill_next_token_bitmask(matcher, out, item.first_row + 1 + j)
+    if item.drafts:
+        matcher.rollback(len(item.drafts))
 
 
 def _fill_tree(item: MaskItem, out: np.ndarray) -> None:

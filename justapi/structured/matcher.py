@@ -19,12 +19,11 @@ from justapi.structured.grammar import short_error
 
 
 class RequestGrammar:
-    __slots__ = ("future", "matcher", "num_forced_drafts")
+    __slots__ = ("future", "matcher")
 
     def __init__(self, future: Future[Compiled]) -> None:
         self.future = future
         self.matcher: llg.LLMatcher | None = None  # set by start()
-        self.num_forced_drafts = 0  # the request's drafts begin with this many forced tokens
 
     @property
     def is_compiled(self) -> bool:

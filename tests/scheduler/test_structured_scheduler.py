@@ -77,7 +77,7 @@ def test_constrained_and_free_requests_share_steps() -> None:
     stats = harness.scheduler.stats()
     assert stats["structured_requests"] == 6
     assert stats["structured_cache_hits"] == 2  # JSON and REGEX twice each... compiled once
-    assert stats["structured_forced_accepted_tokens"] > 0
+    assert stats["structured_forced_tokens"] > 0
 
 
 def test_every_constrained_output_is_valid() -> None:
@@ -90,18 +90,40 @@ def test_every_constrained_output_is_valid() -> None:
         jsonschema.validate(json.loads(text_of(harness.outputs[rid])), SCHEMA)
 
 
-def test_forced_drafts_change_steps_not_tokens() -> None:
+def test_forced_tokens_change_steps_not_tokens() -> None:
+    """Jump-forward: forced tokens are appended without a step of their own; the output is
+    plain constrained decoding's (one token a step, no jumps)."""
     structured = [JSON, CHOICE, GBNF, REGEX]
-    forced = Harness(with_structured(build_scheduler(pool_blocks=256)), vocab_size=SIM_VOCAB)
-    plain = Harness(with_structured(build_scheduler(pool_blocks=256), max_forced_drafts=0),
+    jumping = Harness(with_structured(build_scheduler(pool_blocks=256)), vocab_size=SIM_VOCAB)
+    plain = Harness(with_structured(build_scheduler(pool_blocks=256), max_forced_tokens=0),
                     vocab_size=SIM_VOCAB)
-    _run(forced, structured)
+    _run(jumping, structured)
     _run(plain, structured)
-    assert forced.outputs == plain.outputs and forced.finish_reasons == plain.finish_reasons
-    _check_outputs(forced, structured)
-    fast, slow = forced.scheduler.stats(), plain.scheduler.stats()
+    assert jumping.outputs == plain.outputs and jumping.finish_reasons == plain.finish_reasons
+    _check_outputs(jumping, structured)
+    fast, slow = jumping.scheduler.stats(), plain.scheduler.stats()
     assert fast["num_steps"] < slow["num_steps"]
-    assert fast["structured_forced_accepted_tokens"] == fast["structured_forced_draft_tokens"]
+    assert fast["structured_forced_tokens"] > 10 and slow["structured_forced_tokens"] == 0
+    assert fast["num_draft_tokens"] == 0  # forced tokens are no drafts
+
+
+def test_forced_tokens_get_logprob_zero() -> None:
+    harness = Harness(with_structured(build_scheduler(pool_blocks=64)), vocab_size=SIM_VOCAB)
+    harness.submit("c", [3, 4, 5], structured=CHOICE, logprobs=2)
+    harness.submit("f", [3, 4, 6], logprobs=2)
+    forced_seen = False
+    while harness.scheduler.has_work():
+        for worker_id, plan in harness.schedule():
+            deltas = harness.complete(worker_id, plan)
+            off = np.concatenate([[0], np.cumsum(deltas.num_new_tokens)])
+            for i, rid in enumerate(deltas.request_ids):
+                if rid == "c" and deltas.num_new_tokens[i] > 1:  # "a" sampled, "lpha" forced
+                    lo, hi = int(off[i]) + 1, int(off[i + 1])
+                    assert np.all(deltas.logprobs[lo:hi] == 0.0)
+                    assert deltas.top_logprob_ids[lo:hi, 0].tolist() == deltas.token_ids[lo:hi].tolist()
+                    assert np.all(deltas.top_logprob_ids[lo:hi, 1] == -1)
+                    forced_seen = True
+    assert forced_seen and text_of(harness.outputs["c"]) in ("alpha", "beta", "gamma")
 
 
 @pytest.mark.parametrize("branch", [1, 2])

@@ -4,6 +4,8 @@ and a step's bitmask rows (drafts and trees equal one-at-a-time masks)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import llguidance as llg
 import llguidance.numpy as lnp
@@ -13,7 +15,7 @@ import pytest
 from justapi.sampling import SamplingParams, StructuredOutput
 from justapi.structured import check_structured, grammar_text
 from justapi.structured.compiler import GrammarCompiler
-from justapi.structured.masks import MaskItem, fill_masks
+from justapi.structured.masks import PARALLEL_MIN_ROWS, MaskItem, fill_masks
 from justapi.structured.matcher import RequestGrammar
 from justapi.structured.tokenizer import mask_words
 from justapi.wire.codec import decode, encode
@@ -208,9 +210,9 @@ def test_a_refused_token_is_an_error() -> None:
 
 
 # ---------------------------------------------------------------------- masks
-def _rows(items: list[MaskItem]) -> np.ndarray:
+def _rows(items: list[MaskItem], executor: llg.LLExecutor | None = None) -> np.ndarray:
     tokenizer = TOKENS.ll_tokenizer()
-    return fill_masks(llg.LLExecutor(num_threads=1), items, mask_words(tokenizer.vocab_size))
+    return fill_masks(executor, items, mask_words(tokenizer.vocab_size))
 
 
 def _allowed(row: np.ndarray) -> list[int]:
@@ -259,3 +261,24 @@ def test_padding_ids_are_never_allowed() -> None:
         assert grammar.consume(token)
     row = _rows([MaskItem(grammar, 0, [], [])])[0]
     assert len(row) * 32 > len(TOKENS.tokens) > max(_allowed(row)) > 90
+
+
+def test_parallel_rows_equal_sequential_rows() -> None:
+    regex = StructuredOutput("regex", "(ab|ac)[0-9]{1,2}")
+    items = [MaskItem(_grammar(regex), 3 * i, _ids("ab") if i % 2 else [], [])
+             for i in range(PARALLEL_MIN_ROWS)]
+    items = [MaskItem(item.grammar, sum(1 + len(x.drafts) for x in items[:i]), item.drafts, [])
+             for i, item in enumerate(items)]
+    parallel = _rows(items, llg.LLExecutor(num_threads=2))
+    assert np.array_equal(parallel, _rows(items))
+    assert len(parallel) >= PARALLEL_MIN_ROWS
+
+
+def test_the_constraint_engine_is_torch_free() -> None:
+    code = ("import sys, justapi.structured.compiler, justapi.structured.masks, "
+            "justapi.structured.tokenizer, justapi.scheduler.structured; "
+            "found = [m for m in ('torch', 'workers', 'transformers') if m in sys.modules]; "
+            "assert not found, found")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr

@@ -23,6 +23,7 @@ SCENARIOS = {
     "cross-host": "KV hand-off between network namespaces (--launcher ray; needs root)",
     "soak": "many requests with disconnects and aborts; nothing may leak",
     "tokenizer": "tokenizer, detokenizer and chat template speed",
+    "structured": "structured outputs: constrained vs free decoding, grammar compile times",
 }
 USAGE = "usage: python -m tools.bench SCENARIO [flags]   (python -m tools.bench SCENARIO --help)"
 

@@ -244,8 +244,9 @@ class HandOffManager:
         had_drop = rid in worker.pending_drops
         self.state.claim(req, worker)
         self.latency.observe(max(0.0, self.now_s - handoff.created_s))
-        if self.planner.ensure_blocks(req, req.num_computed_tokens + 1, batch):
-            batch.add_decode(req, 1)
+        num_tokens = min(1 + req.num_jumped, batch.budget_tokens)  # (+ a grammar's forced tokens)
+        if self.planner.ensure_blocks(req, req.num_computed_tokens + num_tokens, batch):
+            batch.add(req, num_tokens, is_prefill=False)
         if req.status is RequestStatus.RUNNING:
             batch.new_requests[rid] = req
         elif not had_drop:  # preempted itself before the worker ever heard of it

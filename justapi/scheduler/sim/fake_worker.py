@@ -1,8 +1,8 @@
 """A worker stand-in that executes StepPlans against a FakeKvStore and checks them.
 
-It keeps the token history the plans taught it (NewRequest, then its own samples), and for
-each chunk checks: it knows the request; the chunk's tokens are the request's tokens at
-those positions; the block table has exactly the blocks the positions need, all inside the
+It keeps the token history the plans taught it (NewRequest, then its own samples, then tokens
+a chunk adds after them: a grammar's forced tokens), and for each chunk checks: it knows the
+request; the chunk's tokens are the request's tokens at the positions it knows; the block table has exactly the blocks the positions need, all inside the
 pool; the entry before the chunk reads back with the right position. It then writes the
 chunk's KV entries and, for sampled chunks, reads every position back through the table
 (positions must match) to compute the next token - verifying drafts greedily (accepted
@@ -104,8 +104,10 @@ class FakeWorker:
         if known is None:
             raise FakeWorkerError(f"step {step_id}: no state for {rid!r} (missing NewRequest)")
         num_known = len(chunk) - num_drafts
-        if start + num_known > len(known) or list(chunk[:num_known]) != known[start:start + num_known]:
+        overlap = known[start:start + num_known]
+        if start > len(known) or list(chunk[:len(overlap)]) != overlap:
             raise FakeWorkerError(f"step {step_id}: {rid!r} chunk at {start} is not its tokens")
+        known.extend(int(t) for t in chunk[len(overlap):num_known])  # forced by a grammar
         bs = self.store.block_size
         needed = -(-(start + len(chunk) + c.num_propose) // bs)
         if len(table) != needed:

@@ -149,8 +149,8 @@ class Speculation:
     def record_proposal(self, req: Request, tokens: list[int], parents: list[int]) -> None:
         """A worker's draft model proposed these for the request's next step (capped so none
         lies past the request's finish)."""
-        if not tokens or not req.is_decode:
-            return
+        if not tokens or not req.is_decode or req.num_jumped:
+            return  # (after a grammar's forced tokens they would be for other positions)
         room = req.final_len - req.num_tokens
         parents = parents or chain_parents(len(tokens))
         tokens, parents = keep_depth(tokens, parents, max(0, room))
