@@ -1,7 +1,8 @@
 """Chooses one worker's next step.
 
 Continuous (`scheduled=True`), decode-first like vLLM's "running before waiting":
-  1. running decodes (1 token + drafts each) - a prefill never takes their budget;
+  1. running decodes (1 token - plus any a grammar forced after it - + drafts each) - a
+     prefill never takes their budget;
   2. running prefills / recomputes, oldest first, chunk_size tokens each at most;
   3. admissions from the pool's waiting queue in policy order, head-of-line, while
      max_seqs, max_prefill, the token budget and the pool's blocks allow, and while this

@@ -122,13 +122,22 @@ class Scheduler:
             pool_id = None if error else self.router.choose_pool(req)
             if pool_id is not None:
                 self._queue(req, pool_id)
-                continue
-            req.status = RequestStatus.FINISHED
-            req.finish_reason = FINISH_ERROR
-            self.state.counters.num_errors += 1
-            deltas.add_error(req, FINISH_ERROR, error or self._why_unplaceable(
-                req.request_id, req.num_tokens))
+            else:
+                self._finish_unqueued(req, FINISH_ERROR, deltas, error or self._why_unplaceable(
+                    req.request_id, req.num_tokens))
         return deltas.build() if len(deltas) else None
+
+    def _finish_unqueued(self, req: Request, reason: str, deltas: DeltaBuilder,
+                         error: str = "") -> None:
+        """Finish a request that never reached a queue (it waited for its grammar)."""
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if reason == FINISH_ERROR:
+            self.state.counters.num_errors += 1
+            deltas.add_error(req, reason, error)
+        else:
+            self.state.counters.num_aborted += 1
+            deltas.add(req, [], reason)
 
     def _why_unplaceable(self, rid: str, num_tokens: int) -> str:
         pools = [p for p in self.state.queues if self.state.healthy_workers(p)]
@@ -145,15 +154,12 @@ class Scheduler:
         from update() once the worker is done with its blocks)."""
         self.imports.on_abort(request_id)
         req = self.state.requests.get(request_id)
-        if req is None and self.state.structured is not None:
-            req = self.state.structured.drop(request_id)  # still waiting for its grammar
-            if req is not None:
-                req.status = RequestStatus.FINISHED
-                req.finish_reason = FINISH_ABORT
-                self.state.counters.num_aborted += 1
-                deltas = DeltaBuilder(NOT_A_STEP)
-                deltas.add(req, [], FINISH_ABORT)
-                return deltas.build()
+        structured = self.state.structured
+        held = structured.drop(request_id) if structured is not None else None
+        if held is not None:  # still waiting for its grammar
+            deltas = DeltaBuilder(NOT_A_STEP)
+            self._finish_unqueued(held, FINISH_ABORT, deltas)
+            return deltas.build()
         if req is None:
             return None
         if req.is_in_flight:

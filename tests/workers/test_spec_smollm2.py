@@ -1,14 +1,18 @@
 """Speculative decoding on the real SmolLM2 (one load, shared by every variant): greedy outputs
 equal plain decoding for n-gram chains and trees on input-grounded and free text, SmolLM2 as
 its own draft (chain and tree: every draft accepted) and a random draft with SmolLM2's
-vocabulary (almost nothing accepted; the adaptive rule then stops proposing)."""
+vocabulary (almost nothing accepted; the adaptive rule then stops proposing); a JSON schema
+constraint with n-gram drafts and forced tokens."""
 from __future__ import annotations
+
+import json
 
 import pytest
 
 from justapi.config.spec import SpecConfig
 from justapi.model.gguf_file import GGUFFile
-from justapi.sampling import SamplingParams
+from justapi.sampling import SamplingParams, StructuredOutput
+from justapi.scheduler.structured import MAX_FORCED_TOKENS
 from workers.engine import LLMEngine
 from workers.kv.pool import KVPool, PoolShape
 from workers.model.attention import make_backend
@@ -99,3 +103,29 @@ def test_a_random_draft_is_harmless_and_the_adaptive_rule_drops_it(engine, promp
     assert [o.token_ids for o in engine.generate(prompts, GREEDY)] == plain
     adaptive = engine.loop.stats()
     assert adaptive["spec_decode_num_draft_tokens"] < 0.3 * fixed["spec_decode_num_draft_tokens"]
+
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+    "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 3}},
+    "required": ["name", "age", "hobbies"], "additionalProperties": False}
+
+
+def test_a_json_schema_constraint_with_ngram_drafts_and_forced_tokens_is_plain(engine):
+    """Structured outputs on SmolLM2: plain constrained greedy (one token a step, no forced
+    tokens) == forced tokens jumped over + n-gram drafts cut to the grammar; the JSON validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    prompt = engine.chat_prompt([{"role": "user", "content": "Describe a person as JSON: name, "
+                                                             "age and hobbies."}])
+    params = SamplingParams(temperature=0.0, max_tokens=80,
+                            structured=StructuredOutput("json_schema", json.dumps(PERSON)))
+    structured = engine.structured_outputs()
+    speculate(engine, SpecConfig())
+    structured.max_forced_tokens = 0
+    [plain] = engine.generate([prompt], params)
+    structured.max_forced_tokens = MAX_FORCED_TOKENS
+    speculate(engine, SpecConfig(spec="ngram", gamma=4))
+    [fast] = engine.generate([prompt], params)
+    assert fast.token_ids == plain.token_ids and fast.finish_reason == "stop"
+    jsonschema.validate(json.loads(fast.text), PERSON)
+    assert engine.loop is not None and engine.loop.stats()["structured_forced_tokens"] > 5
