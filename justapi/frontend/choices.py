@@ -34,6 +34,16 @@ class OutputRules:
     """The checked output constraint (response_format, tool calls, ...)."""
     show_special_tokens: bool = False
     """Keep special tokens in the text (a tool-call trigger that is one)."""
+    param: str = ""
+    """The request field that carried `structured` (for a 400 naming it)."""
+
+    def refusal(self, error: str | None) -> ApiError | None:
+        """A 400 when the engine could not compile the constraint against the vocabulary (the
+        frontend's check passed, e.g. a grammar naming a special token the model lacks)."""
+        kind = self.structured.kind if self.structured else None
+        if kind is None or not (error or "").startswith(f"{kind}: "):
+            return None
+        return ApiError(f"{self.param}: {error}", param=self.param or None)
 
 
 def start_choices(serving: Serving, request: GenerationFields, prompts: list[Prompt],
@@ -108,13 +118,14 @@ async def collect_all(generations: Sequence[Generation]) -> list[GenerationOutpu
         close_all(generations)
 
 
-async def collect_choices(serving: Serving,
-                          generations: Sequence[Generation]) -> list[GenerationOutput]:
-    """Every choice whole, in index order; the first failed one fails the response."""
+async def collect_choices(serving: Serving, generations: Sequence[Generation],
+                          rules: OutputRules = OutputRules()) -> list[GenerationOutput]:
+    """Every choice whole, in index order; the first failed one fails the response (a 400 if
+    its output constraint did not compile)."""
     outputs = await collect_all(generations)
     for output in outputs:
         if output.finish_reason == FINISH_ERROR:
-            raise serving.generation_failed(output.error)
+            raise rules.refusal(output.error) or serving.generation_failed(output.error)
     return outputs
 
 

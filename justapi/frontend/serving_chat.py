@@ -75,7 +75,7 @@ async def create_chat_completion(serving: Serving, request: ChatCompletionReques
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         return stream_choices(generations, chunks, {**header, "object": "chat.completion.chunk"},
                               num_prompt, include_usage)
-    outputs = await collect_choices(serving, generations)
+    outputs = await collect_choices(serving, generations, output_rules)
     choices = [chunks.choice(index, output) for index, output in enumerate(outputs)]
     return {**header, "choices": choices, "usage": usage(num_prompt, generations)}
 
@@ -85,13 +85,13 @@ def chat_output_rules(serving: Serving, request: ChatCompletionRequest,
     """The request's one output constraint: its response format, or its tool calls."""
     response = request_constraint(request)
     if plan is None:
-        return OutputRules(response.structured if response else None)
+        return OutputRules(response.structured, param=response.param) if response else OutputRules()
     if response is not None:
         raise ApiError(f"a request takes one output constraint; got tools and {response.param}",
                        param=response.param)
     trigger_id = special_token_id(serving.tokenizer, plan.tool_format.trigger)
     return OutputRules(tool_constraint(plan, serving.tokenizer).structured,
-                       show_special_tokens=trigger_id is not None)
+                       show_special_tokens=trigger_id is not None, param="tools")
 
 
 def chat_prompt(serving: Serving, messages: list[ChatMessage], tools: list[ToolDefinition] | None,

@@ -65,7 +65,8 @@ async def create_completion(serving: Serving, request: CompletionRequest,
     prompts = completion_prompts(serving, request.prompt, request.n)
     limits = [serving.prompts.max_tokens_for(request.max_tokens, len(p.token_ids))
               for p in prompts]
-    output = OutputRules(constraint.structured if constraint else None)
+    output = OutputRules(constraint.structured, param=constraint.param) if constraint \
+        else OutputRules()
     generations = start_choices(serving, request, prompts, limits, request.logprobs, arrival_s,
                                 output=output)
     header = {"id": serving.new_id("cmpl"), "object": "text_completion",
@@ -77,7 +78,7 @@ async def create_completion(serving: Serving, request: CompletionRequest,
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         return stream_choices(generations, CompletionChunks(serving, echoes), header,
                               prompt_lengths, include_usage)
-    outputs = await collect_choices(serving, generations)
+    outputs = await collect_choices(serving, generations, output)
     with_logprobs = request.logprobs is not None
     choices = [_choice(serving, index, echoes[index] + output.text, output, len(echoes[index]),
                        with_logprobs) for index, output in enumerate(outputs)]

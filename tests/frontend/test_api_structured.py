@@ -265,6 +265,29 @@ def test_tools_and_an_output_constraint_together_are_400():
     run(scenario)
 
 
+def test_a_constraint_the_engine_cannot_compile_is_400_other_failures_500():
+    """A grammar naming a special token the model lacks passes the frontend's check and fails
+    in the scheduler ("gbnf: ..."): still the client's fault, so a 400 naming the field."""
+    grammar = "start: <|no_such_token|>"
+    async def scenario():
+        async with serving_stack() as stack:
+            stack.fake.fail_after = 0
+            stack.fake.fail_message = "gbnf: unknown special token <|no_such_token|>"
+            for route, body in (("/v1/chat/completions", {"messages": CHAT}),
+                                ("/v1/completions", {"prompt": "hi"})):
+                response = await stack.http.post(route, json={
+                    **body, "structured_outputs": {"grammar": grammar}, "max_tokens": 4})
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+                assert error["param"] == "structured_outputs.grammar"
+                assert "no_such_token" in error["message"]
+            stack.fake.fail_message = "worker lost"  # not the constraint's: a server error
+            response = await stack.http.post("/v1/completions", json={
+                "prompt": "hi", "structured_outputs": {"grammar": grammar}, "max_tokens": 4})
+            assert response.status_code == 500, response.text
+    run(scenario)
+
+
 def test_zmq_client_constraints_and_tool_calls():
     schema = StructuredOutput("json_schema", SCHEMA_TEXT)
 
