@@ -1,8 +1,8 @@
 """SmolLM2-135M (Q4_1 layers, Q8_0 tied head) on the int4 path (--weights q4): perplexity on
 the repo's fixed text within 1% of fp32, computed in whole windows and in 16-token chunks
 (decode-sized steps), and greedy decoding on the int4 path departs from fp32's only where fp32
-itself nearly ties (the chosen token within a small margin of fp32's best). auto's block
-kernels (int8 and fp32 activations, each forced for every matrix) stay within 0.5% of fp32.
+itself nearly ties (the chosen token within a small margin of fp32's best). auto's int8 block
+kernel (forced for every matrix, 16-row steps) stays within 0.5% of fp32.
 The agreement figures are printed (pytest -s) and recorded as test properties."""
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_int4_perplexity_within_one_percent_of_fp32(engines, fp32_perplexity, re
         assert result.perplexity != fp32.perplexity  # computed on another kernel
 
 
-@pytest.mark.parametrize("path", ["int8", "blocks"])
+@pytest.mark.parametrize("path", ["int8"])  # measured +0.49% here; fp32 activations ("blocks") gave +0.00%
 def test_auto_block_kernels_keep_perplexity_within_half_a_percent(engines, fp32_perplexity, smollm2_path,
                                                                    monkeypatch, record_property, path):
     monkeypatch.setattr(weight_paths, "_default_cache", lambda: None)
