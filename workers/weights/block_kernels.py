@@ -16,15 +16,31 @@ import ctypes
 import functools
 import logging
 import os
+from typing import Protocol
 
 import torch
 from gguf import GGMLQuantizationType
 
 from workers.model.cpu_kernels import ENABLE_ENV, KernelBuildError, build
-from workers.weights.block_matrix import BlockMatrix
 
 log = logging.getLogger(__name__)
 _STATUS = {-1: "out of memory", -3: "unsupported type", -4: "row length is not whole blocks"}
+
+
+class Blocks(Protocol):
+    """What a matmul reads of a matrix kept as GGUF blocks (block_matrix.BlockMatrix)."""
+
+    @property
+    def raw(self) -> torch.Tensor: ...  # uint8 [out_features, bytes per row]
+
+    @property
+    def qtype(self) -> GGMLQuantizationType: ...
+
+    @property
+    def shape(self) -> tuple[int, int]: ...
+
+    @property
+    def type_name(self) -> str: ...
 
 
 class BlockKernels:
@@ -40,7 +56,7 @@ class BlockKernels:
         library.quant_dequantize.restype = i32
         self._lib = library
 
-    def matmul(self, matrix: BlockMatrix, x: torch.Tensor, int8: bool = True) -> torch.Tensor:
+    def matmul(self, matrix: Blocks, x: torch.Tensor, int8: bool = True) -> torch.Tensor:
         """x fp32 [rows, in] -> fp32 [rows, out]."""
         out_features, in_features = matrix.shape
         x = x.to(torch.float32).contiguous()
