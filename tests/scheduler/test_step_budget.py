@@ -206,12 +206,14 @@ def test_with_the_budget_off_a_step_takes_the_whole_chunk():
 
 
 @pytest.mark.parametrize("itl_target_ms, short_first", [(-1, True), (0, False)])
-def test_a_short_prompt_goes_ahead_of_a_long_running_prefill(itl_target_ms, short_first):
+def test_a_short_prompt_goes_ahead_of_long_ones(itl_target_ms, short_first):
+    """One prefill seat: "long" prefills, "long-b" waits; "turn" arrives last."""
     harness = learned_harness(itl_target_ms=itl_target_ms, max_prefill=1, chunk_size=128)
     harness.submit("long", [5] * 1500, max_tokens=2)
-    one_plan(harness)
+    harness.submit("long-b", [7] * 1500, max_tokens=2)
+    assert "long-b" not in one_plan(harness).request_ids
     harness.submit("turn", [6] * 40, max_tokens=2)
     plan = one_plan(harness)
     assert ("turn" in plan.request_ids) is short_first
     assert ("long" in plan.request_ids) is not short_first
-    assert np.sum(plan.num_tokens) > 1
+    assert "long-b" not in plan.request_ids and np.sum(plan.num_tokens) > 1
