@@ -211,11 +211,16 @@ class StepPlanner:
 
     # ------------------------------------------------------------------ step budget
     def _limit_prefill(self, worker: WorkerState, batch: StepBatch) -> None:
-        """With decodes in the step and the worker's cost known: the prefill time allowance."""
-        cost = self.budget.cost(worker.worker_id) if batch.num_decode else None
-        if cost is not None:
-            decodes = batch.features(decodes_only=True)
-            batch.limit_prefill(cost, self.budget.allowance_s(cost, decodes))
+        """With decodes in the step: the prefill time allowance from the worker's cost, or
+        while that is not measured yet, one chunk_size of prefill tokens."""
+        if not batch.num_decode:
+            return
+        cost = self.budget.cost(worker.worker_id)
+        if cost is None:
+            batch.budget_tokens = min(batch.budget_tokens, self.config.chunk_size)
+            return
+        decodes = batch.features(decodes_only=True)
+        batch.limit_prefill(cost, self.budget.allowance_s(cost, decodes))
 
     def _prefill_shortest_first(self, worker: WorkerState, batch: StepBatch,
                                 prefills: list[Request], admits: bool) -> None:

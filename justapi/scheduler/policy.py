@@ -1,7 +1,12 @@
 """Waiting-queue policies: in which order waiting requests are offered for admission, and
 which running request is preempted when blocks run out.
 
-- fcfs: arrival order. priority: (priority, arrival) - lower priority value first.
+- fcfs: arrival order; with the stall-free step budget on (step_budget.py), fewest remaining
+  prompt tokens first (after a probe of the prefix cache), aged so that a request waiting
+  PREFILL_AGING_STEPS steps ranks first - a new conversation turn goes ahead of long prompts.
+  Like lpm's ranking, only while at most lpm_max_waiting requests wait and none has waited
+  lpm_max_wait_steps steps; else arrival order.
+- priority: (priority, arrival) - lower priority value first.
 - lpm: longest cached prefix first (ties by arrival), computed only while at most
   lpm_max_waiting requests wait (ranking costs one tree probe each); above that, or when the
   oldest waiting request has waited more than lpm_max_wait_steps steps, plain FCFS - so a
@@ -18,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from justapi.config.sections import SchedulerConfig
 from justapi.scheduler.kv.manager import KvCacheManager
 from justapi.scheduler.request import Request
+from justapi.scheduler.step_budget import ITL_TARGET_OFF, prefill_rank
 from justapi.scheduler.waiting_queue import WaitingQueue
 
 
@@ -34,11 +40,15 @@ class AdmissionOrder:
 
     def candidates(self, queue: WaitingQueue, pool_id: int, step_id: int) -> Iterator[Request]:
         """Yield requests to try; the caller admits (removing it from the queue) or stops."""
-        if self.config.policy != "lpm" or len(queue) > self.config.lpm_max_waiting:
+        policy = self.config.policy
+        is_shortest = policy == "fcfs" and self.config.itl_target_ms != ITL_TARGET_OFF
+        if not (policy == "lpm" or is_shortest) or len(queue) > self.config.lpm_max_waiting:
             return self._queue_order(queue)
         oldest = queue.peek()
         if oldest is None or step_id - oldest.enqueued_step > self.config.lpm_max_wait_steps:
             return self._queue_order(queue)
+        if is_shortest:
+            return self._shortest_first(queue, pool_id, step_id)
         return self._longest_prefix_first(queue, pool_id)
 
     @staticmethod
@@ -56,6 +66,15 @@ class AdmissionOrder:
         ranked = sorted(
             queue, key=lambda r: (-probe(pool_id, r.token_bytes(), r.cache_salt, r.num_tokens),
                                   r.sort_key))
+        for req in ranked:
+            if req.queue_entry is not None:
+                yield req
+
+    def _shortest_first(self, queue: WaitingQueue, pool_id: int, step_id: int) -> Iterator[Request]:
+        probe, block_size = self.kv.probe, self.kv.block_size
+        ranked = sorted(queue, key=lambda r: (prefill_rank(
+            r.num_tokens - block_size * probe(pool_id, r.token_bytes(), r.cache_salt, r.num_tokens),
+            step_id - r.enqueued_step), r.sort_key))
         for req in ranked:
             if req.queue_entry is not None:
                 yield req

@@ -9,6 +9,7 @@ chunks get a time allowance, turned into tokens by the worker's fitted cost:
     still gets 5/6 of each step (chunking costs its prefill ~20% at most) and a stream's
     inter-token latency stays near 6 decode steps;
   - either way at least MIN_PREFILL_PER_DECODE x the decode time, so prompts always progress.
+Before the worker's cost is fitted, a step with decodes carries one chunk_size of prefill.
 A step without decodes keeps max_batched_tokens (nobody is waiting on it for a token).
 Prefill order with the budget on: fewest remaining tokens first (a new conversation turn,
 mostly served from the prefix cache, goes ahead of long prompts), aged so that a prompt

@@ -171,7 +171,9 @@ def test_speculative_drafts_never_change_outputs(seed):
 def test_fcfs_neither_overtakes_nor_starves(pool_blocks):
     trace = generate_trace(TraceSpec(num_requests=40, rate_per_s=400.0, prompt_len=(1, 30),
                                      output_len=(1, 16), seed=5))
-    sched = build(dict(chunk_size=8, max_seqs=4), 4, pool_blocks, 1, True)
+    # Strict arrival order is FCFS with the stall-free budget off (with it, the fewest
+    # remaining tokens go first: test_stall_free_simulation.py).
+    sched = build(dict(chunk_size=8, max_seqs=4, itl_target_ms=0), 4, pool_blocks, 1, True)
     result = Simulation(sched, vocab_size=V, check_invariants=True).run(trace)
     check_result(sched, result)
     records = sorted(result.records.values(), key=lambda r: (r.arrival_s, int(r.request_id[4:])))

@@ -82,10 +82,11 @@ def test_a_short_turn_goes_ahead_of_the_long_prompts():
     assert auto < 0.5 < off and auto < off / 4
 
 
-def test_a_long_prompt_never_starves_behind_short_ones():
+@pytest.mark.parametrize("long_arrival_s", [0.0, 0.05])  # running first, or waiting
+def test_a_long_prompt_never_starves_behind_short_ones(long_arrival_s):
     """One prefill seat, short prompts arriving faster than they are served: they go first,
     but aging gets the long one its turn while they are still arriving."""
-    trace = [TraceRequest(0.0, 2, 400, request_id="long")]
+    trace = [TraceRequest(long_arrival_s, 2, 400, request_id="long")]
     trace += [TraceRequest(0.01 + 0.005 * i, 2, 8, request_id=f"short-{i}") for i in range(500)]
     sched = build(dict(max_prefill=1, chunk_size=64), 8, 1024, 1, True)
     result = Simulation(sched, vocab_size=V, cost=StepCostModel(a_s=0.01, b_s=1e-5, c_s=0.0)

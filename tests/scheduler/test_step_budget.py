@@ -192,6 +192,20 @@ def test_an_explicit_target_sets_the_step_time():
     assert COST.step_time_s(plan) == pytest.approx(0.15, rel=0.1)
 
 
+@pytest.mark.parametrize("itl_target_ms, cap", [(-1, 128), (0, 4 * 128)])  # off: 4 prefill seats
+def test_before_the_fit_a_step_that_decodes_carries_one_chunk(itl_target_ms, cap):
+    sched = build_scheduler(pool_blocks=1024, block_size=16, max_context=4096, chunk_size=128,
+                            itl_target_ms=itl_target_ms)
+    harness = Harness(sched, step_cost=COST)
+    harness.submit("s", list(range(3, 19)), max_tokens=200)
+    one_plan(harness)  # its prompt: one measured step, no estimate yet
+    for name in ("long-a", "long-b", "long-c", "long-d"):
+        harness.submit(name, [5] * 1500, max_tokens=2)
+    plan = one_plan(harness)
+    assert chunk_of(plan, "s") == 1
+    assert np.sum(plan.num_tokens) - 1 == cap
+
+
 def test_a_step_without_decodes_takes_the_whole_chunk():
     harness = learned_harness()
     harness.run()
@@ -206,12 +220,14 @@ def test_with_the_budget_off_a_step_takes_the_whole_chunk():
 
 
 @pytest.mark.parametrize("itl_target_ms, short_first", [(-1, True), (0, False)])
-def test_a_short_prompt_goes_ahead_of_a_long_running_prefill(itl_target_ms, short_first):
+def test_a_short_prompt_goes_ahead_of_long_ones(itl_target_ms, short_first):
+    """One prefill seat: "long" prefills, "long-b" waits; "turn" arrives last."""
     harness = learned_harness(itl_target_ms=itl_target_ms, max_prefill=1, chunk_size=128)
     harness.submit("long", [5] * 1500, max_tokens=2)
-    one_plan(harness)
+    harness.submit("long-b", [7] * 1500, max_tokens=2)
+    assert "long-b" not in one_plan(harness).request_ids
     harness.submit("turn", [6] * 40, max_tokens=2)
     plan = one_plan(harness)
     assert ("turn" in plan.request_ids) is short_first
     assert ("long" in plan.request_ids) is not short_first
-    assert np.sum(plan.num_tokens) > 1
+    assert "long-b" not in plan.request_ids and np.sum(plan.num_tokens) > 1
