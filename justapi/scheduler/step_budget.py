@@ -43,6 +43,11 @@ def prefill_rank(remaining_tokens: int, waited_steps: int) -> float:
     return remaining_tokens * (1.0 - age / PREFILL_AGING_STEPS)
 
 
+MAX_STEPS_IN_FLIGHT = 4
+"""Dispatched steps remembered per worker until their results report a time (overlap keeps two
+in flight); older ones are forgotten."""
+
+
 class StepBudget:
     """Per-worker step-cost fits, fed by dispatched steps and the times their results report."""
 
@@ -50,18 +55,22 @@ class StepBudget:
         self.is_enabled = itl_target_ms != ITL_TARGET_OFF
         self.itl_target_s = itl_target_ms / 1000.0 if itl_target_ms > 0 else ITL_TARGET_AUTO
         self._fits: dict[int, StepCostFit] = {}
-        self._in_flight: dict[int, tuple[int, StepFeatures]] = {}  # worker -> (step_id, features)
+        # worker -> {step_id: features} of its steps in flight (two with overlap), oldest first
+        self._in_flight: dict[int, dict[int, StepFeatures]] = {}
 
     def dispatched(self, worker_id: int, step_id: int, features: StepFeatures) -> None:
         if self.is_enabled:
-            self._in_flight[worker_id] = (step_id, features)
+            steps = self._in_flight.setdefault(worker_id, {})
+            steps[step_id] = features
+            while len(steps) > MAX_STEPS_IN_FLIGHT:  # results that never came (a lost worker)
+                del steps[next(iter(steps))]
 
     def observe(self, worker_id: int, step_id: int, time_s: float) -> None:
         """A step's result came back after time_s of work on the worker (0: not measured)."""
-        sent = self._in_flight.pop(worker_id, None)
-        if sent is None or sent[0] != step_id or time_s <= 0:
+        features = self._in_flight.get(worker_id, {}).pop(step_id, None)
+        if features is None or time_s <= 0:
             return
-        self._fits.setdefault(worker_id, StepCostFit()).observe(sent[1], time_s)
+        self._fits.setdefault(worker_id, StepCostFit()).observe(features, time_s)
 
     def cost(self, worker_id: int) -> StepCost | None:
         """The worker's fitted step cost; None while too few steps were measured."""

@@ -12,6 +12,7 @@ from justapi.config.sections import ConfigError, SchedulerConfig
 from justapi.scheduler.sim.cost_model import StepCostModel
 from justapi.scheduler.sim.harness import Harness, build_scheduler
 from justapi.scheduler.step_budget import (
+    MAX_STEPS_IN_FLIGHT,
     MIN_PREFILL_PER_DECODE,
     PREFILL_AGING_STEPS,
     PREFILL_PER_DECODE,
@@ -125,6 +126,21 @@ def test_budget_learns_only_from_matching_measured_steps():
     assert set(budget.stats()) == {"worker_0_step_fixed_s", "worker_0_step_prefill_token_s",
                                    "worker_0_step_decode_token_s", "worker_0_step_read_s"}
 
+
+
+def test_budget_learns_from_two_steps_in_flight_and_forgets_lost_ones():
+    """Overlap dispatches step N + 1 before N's result: both results still teach the fit; steps
+    whose results never come are forgotten, not kept."""
+    budget = StepBudget(itl_target_ms=-1)
+    features = StepFeatures(100, 0, context_reads(0, 100))
+    budget.dispatched(0, 1, features)
+    for step_id in range(2, 6):
+        budget.dispatched(0, step_id, features)
+        budget.observe(0, step_id - 1, 0.1)
+    assert budget.cost(0) is not None
+    for step_id in range(100, 100 + 10 * MAX_STEPS_IN_FLIGHT):
+        budget.dispatched(1, step_id, features)  # worker 1 never answers
+    assert len(budget._in_flight[1]) == MAX_STEPS_IN_FLIGHT
 
 def test_budget_off_learns_nothing():
     budget = StepBudget(itl_target_ms=0)
