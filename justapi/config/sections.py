@@ -79,7 +79,8 @@ class SchedulerConfig:
                                            "cache-aware balance thresholds).")
     overlap: bool = option(True, "Plan a worker's next step while its current one runs, so it "
                                  "starts as soon as that is done (not with speculative decoding, "
-                                 "nor on PD prefill workers); --no-overlap: one step at a time.",
+                                 "nor on PD prefill workers; local CPU workers only when their threads leave a core "
+                                 "free); --no-overlap: one step at a time.",
                            decls=("--overlap/--no-overlap",))
 
     def __post_init__(self) -> None:

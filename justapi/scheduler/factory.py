@@ -10,7 +10,9 @@ Owns: that translation and its validation. Does not own: the shell (process.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +62,9 @@ def _build_core(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, 
     role_of = pd.role_of if pd.is_enabled else None
     topology = topology_of(readies, config.cache.block_size, role_of)
     limits = limits_of(config, readies, extra)
+    if config.scheduler.overlap and not config.overlaps_steps(os.cpu_count() or 1):
+        logger.info("overlap off: the CPU workers' threads take every core (--threads to leave one)")
+        config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, overlap=False))
     if not pd.is_enabled and config.server.launcher == "ray":
         hosts = HostMap((r.pool for r in readies), config.cluster.cross_host_copy_cost)
         return Scheduler(config.scheduler, config.cache, topology, limits, config.speculative,

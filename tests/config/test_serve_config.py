@@ -47,3 +47,17 @@ def test_bad_toml(tmp_path):
     path.write_text("[scheduler]\nmax-seqs = 3\n")
     with pytest.raises(ConfigError, match="flat"):
         load_toml(str(path))
+
+
+def test_cpu_workers_overlap_only_with_a_core_to_spare():
+    def config(**sections: dict) -> ServeConfig:
+        return ServeConfig.from_dict(sections)
+
+    assert not config().overlaps_steps(cores=2)  # one worker takes both cores
+    assert config(server={"threads": 1}).overlaps_steps(cores=2)
+    assert not config(server={"workers": 2}).overlaps_steps(cores=2)
+    assert config().overlaps_steps(cores=3) is False  # 3 cores, one worker: all 3 threads
+    assert config(server={"threads": 2}).overlaps_steps(cores=3)
+    assert config(model={"device": "cuda"}).overlaps_steps(cores=1)
+    assert not config(model={"device": "cuda"}, scheduler={"overlap": False}).overlaps_steps(cores=8)
+    assert not config(server={"threads": 1}, scheduler={"overlap": False}).overlaps_steps(cores=8)

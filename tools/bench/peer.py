@@ -235,7 +235,7 @@ def show(name: str, workload: Workload, figures: dict[str, dict[str, Any]]) -> d
         ratios[f"justapi/{other}"] = ratio(figures["justapi"]["figure"], figures[other]["figure"],
                                            workload.higher_is_better)
     print(f"{'':<10} {'(> 1: justapi better)':<34} " + "  ".join(
-        f"{k} {fmt(v)}x" for k, v in ratios.items()))
+        f"{k} {fmt(v)}x" for k, v in ratios.items()), flush=True)
     return {"metric": workload.metric, "figures": figures, "ratios": ratios}
 
 
