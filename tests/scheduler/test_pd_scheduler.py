@@ -12,22 +12,11 @@ from justapi.config.sections import ConfigError
 from justapi.config.serve import build_config
 from justapi.scheduler.pd.scheduler import PdScheduler
 from justapi.scheduler.request import RequestStatus
-from justapi.scheduler.sim.fake_model import ReferenceModel
 from justapi.scheduler.sim.harness import Harness, build_pd_scheduler
 from justapi.scheduler.topology import ModelLimits, Topology
 from justapi.wire import codec
 from justapi.wire.protocol import BlocksCopied, CopyBlocks, PoolInfo, Ready, StepPlan
-
-V = 64
-REF = ReferenceModel(V)
-
-
-def prompt(n: int, base: int = 2) -> list[int]:
-    return [base + (i * 5) % (V - base) for i in range(n)]
-
-
-def reference(p: list[int], max_tokens: int) -> list[int]:
-    return REF.generate(p, max_tokens, frozenset(), 10_000)[0]
+from tests.support.sim_prompts import V, prompt, reference
 
 
 def plans(out) -> list[tuple[int, StepPlan]]:

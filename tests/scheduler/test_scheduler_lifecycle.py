@@ -5,24 +5,9 @@ import numpy as np
 import pytest
 
 from justapi.scheduler.request import RequestStatus
-from justapi.scheduler.sim.fake_model import ReferenceModel
 from justapi.scheduler.sim.harness import Harness, build_scheduler
 from justapi.wire.protocol import PoolInfo, Ready
-
-V = 64
-REF = ReferenceModel(V)
-
-
-def prompt(n: int, base: int = 2) -> list[int]:
-    return [base + (i * 5) % (V - base) for i in range(n)]
-
-
-def reference(p: list[int], max_tokens: int) -> list[int]:
-    return REF.generate(p, max_tokens, frozenset(), 10_000)[0]
-
-
-def in_use(h: Harness) -> int:
-    return int(h.scheduler.stats()["kv_blocks_in_use"])
+from tests.support.sim_prompts import V, in_use, prompt, reference
 
 
 # ---------------------------------------------------------------------- preemption
