@@ -6,7 +6,9 @@ off the top of the heap when freed, so each step maps fresh pages and takes a pa
 every 4 KiB of them. With a tiny model at 64 sequences that was half of a decode step (one
 thread: 4.3 -> 2.0 ms). Raising the mmap and trim thresholds keeps the pages: the process
 holds its peak working set, which a worker reaches in its first steps anyway.
-Owns: that malloc setting. Does nothing on other C libraries (musl, macOS): they lack mallopt
+A load that measured weight-path plans frees what it timed with (`release_freed_memory`), or
+the worker would hold that peak (40-90 MiB for a small model) for good.
+Owns: those malloc calls. Does nothing on other C libraries (musl, macOS): they lack mallopt
 or these parameters, and the step stays correct, only slower.
 """
 from __future__ import annotations
@@ -37,3 +39,16 @@ def keep_freed_memory() -> bool:
             _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
                             and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
     return _applied
+
+
+def release_freed_memory() -> bool:
+    """Hand the heap's free pages back to the kernel now (glibc's malloc_trim); False where the
+    C library has no such call."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True

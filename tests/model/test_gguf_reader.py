@@ -2,7 +2,10 @@
 the SmolLM2 file), and refuses arrays that run past the end of a truncated file."""
 from __future__ import annotations
 
+import os
 import struct
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -75,3 +78,28 @@ def test_absurd_array_length_is_refused(synthetic_path: str, tmp_path) -> None:
     bad.write_bytes(bytes(data))
     with pytest.raises(GGUFError, match="corrupt or truncated"):
         GGUFFile(str(bad))
+
+
+OPEN_COST = r"""
+import gc, sys
+import justapi.model.gguf_reader
+from justapi.model.gguf_file import GGUFFile
+from tools.bench.quant import private_mib
+
+gc.collect()
+before, _ = private_mib()
+gguf = GGUFFile(sys.argv[1])
+gc.collect()
+after, _ = private_mib()
+print(after - before, len(gguf.get("tokenizer.ggml.tokens")))
+"""
+
+
+def test_open_file_holds_no_object_per_vocabulary_entry() -> None:
+    """A worker keeps its GGUFFile open: SmolLM2's 49k tokens and 49k merges as one object each
+    held ~22 MiB (the memory bound of `--weights auto` is 1.3x the file); offsets hold < 2."""
+    out = subprocess.run([sys.executable, "-c", OPEN_COST, default_model_path()], check=True,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    mib, tokens = out.stdout.split()
+    assert int(tokens) == 49152
+    assert float(mib) < 8, mib

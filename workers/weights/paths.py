@@ -27,8 +27,9 @@ from gguf import GGMLQuantizationType
 
 from justapi.config.sections import WEIGHT_MODES
 from justapi.model.gguf_file import GGUFFile
+from workers.cpu_memory import release_freed_memory
 from workers.model.cpu_kernels import SOURCE_DIR, KernelBuildError, cache_dir, cpu_id
-from workers.model.forward import Linear, LinearLike, DecoderModel, has_onednn_bf16
+from workers.model.forward import DecoderModel, Linear, LinearLike, has_onednn_bf16
 from workers.weights.block_kernels import BlockKernels, block_kernels
 from workers.weights.block_linear import BlockLinear, StackLinear, TileScratch
 from workers.weights.block_matrix import BlockMatrix, RowStack, is_block_type
@@ -60,6 +61,7 @@ class PathPlanner:
         self.kernels, self.scratch, self.cache = kernels, scratch, cache
         self.paths = candidate_paths()
         self.plans: dict[tuple[str, tuple[int, int]], PathPlan] = {}
+        self.measured = 0
         self._source = (SOURCE_DIR / "quant_matmul.c").read_text() + (SOURCE_DIR / "gguf_blocks.h").read_text()
 
     def plan_for(self, matrix: BlockMatrix) -> PathPlan:
@@ -74,6 +76,7 @@ class PathPlanner:
         if plan is None:
             probe = BlockLinear(matrix, self.kernels, PathPlan.only("dense"), self.scratch)
             plan, _ = measure_plan(probe.run, matrix.shape[1], self.paths)
+            self.measured += 1
             if self.cache:
                 self.cache.put(key, plan)
         logger.info("weights %s %dx%d: %s", matrix.type_name, *matrix.shape, plan.describe())
@@ -146,5 +149,8 @@ def load_model(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.f
     """The model of a GGUF file with the weights kept and computed as `weights` says."""
     paths = WeightPaths(weights, device, plan)
     loaded = load_weights(gguf, device, dtype, progress, keep_quantized=paths.form)
-    return DecoderModel(loaded, paths)
+    model = DecoderModel(loaded, paths)
+    if paths.planner is not None and paths.planner.measured:
+        release_freed_memory()  # what the plans were timed with
+    return model
 
