@@ -138,6 +138,10 @@ class ServerConfig:
                                "barrier (10000 is about 0.1-0.3 ms); 0: it sleeps at once; -1 "
                                "(auto): 10000, or 0 for tiny models and where the workers' "
                                "threads outnumber the cores.")
+    control_nice: int = option(-1, "Niceness of the frontend and the scheduler (0-19: the higher, "
+                                   "the sooner they yield a core to a CPU worker's threads); -1 "
+                                   "(auto): 10 where local CPU workers' threads take every core, "
+                                   "else 0.")
     served_model_name: str = option("", "Model id shown by /v1/models (none: the GGUF's name).")
     ready_timeout_s: float = option(120.0, "How long start-up waits for each process's Ready.")
     launcher: str = option("local", "Where workers run: local processes, or Ray actors on the "
@@ -161,6 +165,7 @@ class ServerConfig:
         check_number(self.workers, "workers", low=1, high=64, integer=True)
         check_number(self.threads, "threads", low=0, high=1024, integer=True)
         check_number(self.cpu_spin, "cpu-spin", low=-1, high=10**9, integer=True)
+        check_number(self.control_nice, "control-nice", low=-1, high=19, integer=True)
         check_number(self.ready_timeout_s, "ready-timeout-s", above=0.0)
         check_choice(self.launcher, "launcher", LAUNCHERS)
         check_choice(self.log_level, "log-level", LOG_LEVELS)

@@ -72,6 +72,18 @@ class ServeConfig:
         workers = self.server.workers
         return sum(self.cpu_worker_threads(i, workers, cores) for i in range(workers)) < cores
 
+    def control_niceness(self, cores: int) -> int:
+        """The niceness the frontend and the scheduler take. Auto: 10 where local CPU workers'
+        threads take every core. Their work beside a running step (a stream's deltas, HTTP)
+        otherwise preempts one of the worker's threads, and the step's next OpenMP barrier
+        waits for it (docs/runtime.md); niced, they take the gaps between steps instead."""
+        if self.server.control_nice >= 0:
+            return self.server.control_nice
+        if self.model.device != "cpu" or self.server.launcher != "local":
+            return 0
+        workers = self.server.workers
+        return 10 if sum(self.cpu_worker_threads(i, workers, cores) for i in range(workers)) >= cores else 0
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ServeConfig:
         return cls(**{name: section(**data.get(name, {}))

@@ -23,6 +23,8 @@ from justapi.wire import transport
 from justapi.wire.protocol import ProcessFailed, ProcessReady
 
 _PR_SET_PDEATHSIG = 1
+CONTROL_ROLES = ("frontend", "scheduler")
+"""Processes that serve requests beside the workers, niced by `control_niceness`."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,10 @@ def start_child(argv: list[str] | None = None) -> tuple[ChildSpec, StopFlag]:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stop = StopFlag()
     signal.signal(signal.SIGTERM, stop.set)
+    if spec.role in CONTROL_ROLES:
+        niceness = spec.config.control_niceness(os.cpu_count() or 1)
+        if niceness:
+            os.nice(niceness)
     level = getattr(logging, spec.config.server.log_level.upper())
     logging.basicConfig(level=level, stream=sys.stderr,
                         format=f"%(asctime)s {spec.role}{spec.index} %(levelname)s %(name)s: %(message)s")

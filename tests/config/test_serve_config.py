@@ -61,3 +61,19 @@ def test_cpu_workers_overlap_only_with_a_core_to_spare():
     assert config(model={"device": "cuda"}).overlaps_steps(cores=1)
     assert not config(model={"device": "cuda"}, scheduler={"overlap": False}).overlaps_steps(cores=8)
     assert not config(server={"threads": 1}, scheduler={"overlap": False}).overlaps_steps(cores=8)
+
+
+def test_control_processes_nice_only_where_cpu_workers_take_every_core():
+    def config(**sections: dict) -> ServeConfig:
+        return ServeConfig.from_dict(sections)
+
+    assert config().control_niceness(cores=2) == 10  # one worker's threads take both cores
+    assert config(server={"threads": 1}).control_niceness(cores=2) == 0
+    assert config(server={"workers": 2}).control_niceness(cores=2) == 10
+    assert config(server={"threads": 2}).control_niceness(cores=3) == 0
+    assert config(model={"device": "cuda"}).control_niceness(cores=1) == 0
+    assert config(server={"launcher": "ray"}).control_niceness(cores=2) == 0
+    assert config(server={"control_nice": 0}).control_niceness(cores=2) == 0  # set: it wins
+    assert config(server={"control_nice": 5, "threads": 1}).control_niceness(cores=8) == 5
+    with pytest.raises(ConfigError, match="control-nice"):
+        config(server={"control_nice": 20})

@@ -150,3 +150,19 @@ def test_auto_keeps_every_quantized_matrix_as_the_files_blocks(tiny_gguf, type_n
     for ours, theirs in zip(linears, [lin for layer in fp32.layers for lin in layer.linears()]):
         x = torch.randn(3, ours.in_features)
         assert torch.allclose(ours(x), theirs(x), rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("load, kept", [(0.5, True), (3.0, False)])
+def test_plans_measured_on_a_busy_host_are_not_cached(tmp_path, monkeypatch, load, kept):
+    """A plan timed beside other work is used for that run and measured again next start."""
+    from workers.weights import paths
+
+    monkeypatch.setattr(paths.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(paths.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(paths, "measure_plan", lambda *args, **kw: (PathPlan.only("int8"), {}))
+    cache = PlanCache(tmp_path / "plans.json")
+    planner = paths.PathPlanner(block_kernels(), TileScratch(), cache)
+    assert planner.plan_for(blocks(Q.Q4_K, 8, 256)) == PathPlan.only("int8")
+    assert planner.measured == 1
+    assert (tmp_path / "plans.json").exists() is kept
