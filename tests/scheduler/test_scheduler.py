@@ -5,16 +5,14 @@ import numpy as np
 import pytest
 
 from justapi.sampling import SamplingParams
-from justapi.scheduler.sim.fake_model import ReferenceModel
 from justapi.scheduler.sim.harness import Harness, build_scheduler
 from justapi.wire.protocol import StepResult, SubmitRequest
-
-V = 64
-REF = ReferenceModel(V)
+from tests.support import sim_prompts
+from tests.support.sim_prompts import REF, V
 
 
 def prompt(n: int, base: int = 2) -> list[int]:
-    return [base + (i * 7) % (V - base) for i in range(n)]
+    return sim_prompts.prompt(n, base, stride=7)
 
 
 def expected(p: list[int], max_tokens: int, stop=frozenset({1}), max_len: int = 1024):

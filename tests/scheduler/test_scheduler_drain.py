@@ -5,19 +5,13 @@ from __future__ import annotations
 import pytest
 
 from justapi.scheduler.request import RequestStatus
-from justapi.scheduler.sim.fake_model import ReferenceModel
 from justapi.scheduler.sim.harness import Harness, build_scheduler
-
-V = 64
-REF = ReferenceModel(V)
+from tests.support import sim_prompts
+from tests.support.sim_prompts import V, reference
 
 
 def prompt(n: int, base: int = 2) -> list[int]:
-    return [base + (i * 7) % (V - base) for i in range(n)]
-
-
-def reference(p: list[int], max_tokens: int) -> list[int]:
-    return REF.generate(p, max_tokens, frozenset(), 10_000)[0]
+    return sim_prompts.prompt(n, base, stride=7)
 
 
 def test_a_draining_worker_finishes_its_requests_and_admits_nothing():

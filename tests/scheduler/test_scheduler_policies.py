@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 from justapi.scheduler.sim.harness import Harness, build_scheduler
-
-V = 64
+from tests.support import sim_prompts
 
 
 def prompt(n: int, base: int = 2) -> list[int]:
-    return [base + (i * 3) % (V - base) for i in range(n)]
+    return sim_prompts.prompt(n, base, stride=3)
 
 
 def admission_order(h: Harness) -> list[str]:

@@ -9,8 +9,8 @@ V = 64
 REF = ReferenceModel(V)
 
 
-def prompt(n: int, base: int = 2) -> list[int]:
-    return [base + (i * 5) % (V - base) for i in range(n)]
+def prompt(n: int, base: int = 2, stride: int = 5) -> list[int]:
+    return [base + (i * stride) % (V - base) for i in range(n)]
 
 
 def reference(p: list[int], max_tokens: int) -> list[int]:

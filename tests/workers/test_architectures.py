@@ -22,7 +22,12 @@ from workers.model.attention import TorchCpuBackend, TorchPagedBackend
 from workers.model.ffn import MoeFfn
 from workers.model.forward import DecoderModel
 from workers.runner import ModelRunner
+from workers.weights.block_kernels import block_kernels
+from workers.weights.block_linear import BlockLinear, StackLinear
+from workers.weights.block_matrix import BlockMatrix
 from workers.weights.gguf_loader import load_weights
+from workers.weights.path_plan import PathPlan
+from workers.weights.paths import load_model
 
 pytest.importorskip("transformers")
 
@@ -159,6 +164,35 @@ def test_greedy_tokens_equal_transformers(pair):
         tokens.append(int(runner.execute(StepPlan.build(step, [chunk], new)).sampled_token_ids[0]))
         chunk, new = ("g", len(tokens) - 1, tokens[-1:], table, True), []
     assert tokens[12:] == hf_greedy(pair.hf, prompt, 32)
+
+
+def block_matrices(model: DecoderModel) -> list[BlockMatrix]:
+    """Every matrix a model keeps as GGUF blocks (experts, head and embedding included), once."""
+    linears = [lin for layer in model.layers for lin in layer.linears()] + [model.output]
+    parts = [p for lin in linears for p in (lin.parts if isinstance(lin, StackLinear) else [lin])]
+    found = [p.matrix for p in parts if isinstance(p, BlockLinear)]
+    found += [model.token_embd] if isinstance(model.token_embd, BlockMatrix) else []
+    return list({id(m): m for m in found}.values())
+
+
+def test_auto_keeps_the_files_blocks_and_computes_what_fp32_does(pair):
+    """`--weights auto` on every architecture: each quantized matrix (experts, fused rows, head)
+    stays the file's blocks byte for byte, with no dense copy, and a prefill's logits equal the
+    fp32 model's (the blocks path decodes each block exactly; only the sums' order differs)."""
+    if pair.path.endswith("-F32.gguf"):
+        pytest.skip("an F32 file has no blocks to keep")
+    if block_kernels() is None:
+        pytest.skip("no C compiler: block kernels unavailable")
+    gguf = GGUFFile(pair.path)
+    auto = load_model(gguf, weights="auto", progress=False, plan=PathPlan.only("blocks"))
+    quantized = [t for t in gguf.reader.tensors if t.tensor_type.name == "Q8_0"]
+    assert quantized and sum(m.raw.numel() for m in block_matrices(auto)) == \
+        sum(int(t.n_bytes) for t in quantized)
+    seqs = Seqs({"a": 21}, auto.params.vocab_size, seed=6)
+    chunk, new = [seqs.chunk("a", 0, 21)], [seqs.new("a")]
+    (ours,) = all_row_logits(make_runner(auto), 0, chunk, new)
+    (fp32,) = all_row_logits(make_runner(pair.ours), 0, chunk, new)
+    assert_matches(ours, fp32)
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen2moe", "qwen3moe"])

@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--greedy-tokens", type=int, default=48)
     parser.add_argument("--skip-perplexity", action="store_true")
     parser.add_argument("--plans", action="store_true", help="only the per-matmul path timings")
-    parser.add_argument("--int8", action="store_true", help="only the int8-activation step")
+    parser.add_argument("--int8", action="store_true",
+                        help="only one step's matmuls on each kernel (at --batches rows)")
     parser.add_argument("--repeats", type=int, default=5, help="--plans / --int8: timed rounds")
     parser.add_argument("--paired", default="", help="only time decode steps of these paths in turns")
     parser.add_argument("--rounds", type=int, default=5, help="--paired: rounds per batch size")
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.plans:
             path_tables(path, args.repeats)
         elif args.int8:
-            int8_step(path, args.repeats)
+            int8_step(path, args.repeats, tuple(int(b) for b in args.batches.split(",")))
         else:
             bench_file(path, args.paths.split(","), args)
 

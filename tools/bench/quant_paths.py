@@ -80,7 +80,9 @@ def path_tables(model_path: str, repeats: int) -> dict[tuple[str, tuple[int, int
 
 
 def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2, 4)) -> None:
-    """One decode step's matmuls on each kernel, in turns; fp32 from a dense copy for scale."""
+    """One decode step's matmuls on each kernel, in turns: auto's three paths (int8, blocks,
+    tile: expanded into the scratch buffer, then GEMM), an fp32 copy (what --weights fp32
+    multiplies) and torch's int4 kernel (q4) where the types allow."""
     model = load_blocks(model_path)
     linears = block_linears(model)
     dense = [Linear(lin.matrix) for lin in linears]
@@ -89,13 +91,14 @@ def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2,
     weight_mib = sum(lin.matrix.num_bytes for lin in linears) / 2**20
     print(f"\none decode step's matmuls ({len(linears)} of them, {weight_mib:.0f} MiB of blocks), "
           f"median ms in turns (types: {sorted({lin.matrix.type_name for lin in linears})})")
-    names = ["int8", "blocks", "dense fp32 copy"] + (["int4 (q4)"] if int4 else [])
+    names = ["int8", "blocks", "tile", "dense fp32 copy"] + (["int4 (q4)"] if int4 else [])
     print(f"{'rows':>5} | " + " ".join(f"{name:>15}" for name in names) + " | GB/s of blocks (int8)")
     with torch.inference_mode():
         for rows in rows_list:
             xs = [torch.randn(rows, lin.in_features) for lin in linears]
             calls = {"int8": lambda: [lin.run("int8", x) for lin, x in zip(linears, xs)],
                      "blocks": lambda: [lin.run("blocks", x) for lin, x in zip(linears, xs)],
+                     "tile": lambda: [lin.run("dense", x) for lin, x in zip(linears, xs)],
                      "dense fp32 copy": lambda: [d(x) for d, x in zip(dense, xs)]}
             if int4:
                 calls["int4 (q4)"] = lambda: [q(x) for q, x in zip(int4, xs)]
