@@ -59,18 +59,22 @@ class ServeConfig:
             return 1 if self.pd.role_of(index) == ROLE_DECODE else max(1, cores // self.pd.num_prefill)
         return max(1, cores // num_workers)
 
+    def local_cpu_threads(self, cores: int) -> int | None:
+        """The torch threads of all local CPU workers together; None for GPU workers and
+        workers on other hosts (they take no core from the frontend and the scheduler)."""
+        if self.model.device != "cpu" or self.server.launcher != "local":
+            return None
+        workers = self.server.workers
+        return sum(self.cpu_worker_threads(i, workers, cores) for i in range(workers))
+
     def overlaps_steps(self, cores: int) -> bool:
         """Whether a worker's next step is planned while its current one runs. GPU workers (and
         workers on other hosts) overlap as configured; local CPU workers only with a core to
         spare beyond their threads: otherwise the scheduler's planning takes a core from the
         very step it overlaps (2 vCPUs, SmolLM2: overlap cost 8-9% of served tok/s at 1 and 16
         streams, docs/bench.md)."""
-        if not self.scheduler.overlap:
-            return False
-        if self.model.device != "cpu" or self.server.launcher != "local":
-            return True
-        workers = self.server.workers
-        return sum(self.cpu_worker_threads(i, workers, cores) for i in range(workers)) < cores
+        threads = self.local_cpu_threads(cores)
+        return self.scheduler.overlap and (threads is None or threads < cores)
 
     def control_niceness(self, cores: int) -> int:
         """The niceness the frontend and the scheduler take. Auto: 10 where local CPU workers'
@@ -79,10 +83,8 @@ class ServeConfig:
         waits for it (docs/runtime.md); niced, they take the gaps between steps instead."""
         if self.server.control_nice >= 0:
             return self.server.control_nice
-        if self.model.device != "cpu" or self.server.launcher != "local":
-            return 0
-        workers = self.server.workers
-        return 10 if sum(self.cpu_worker_threads(i, workers, cores) for i in range(workers)) >= cores else 0
+        threads = self.local_cpu_threads(cores)
+        return 10 if threads is not None and threads >= cores else 0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ServeConfig:

@@ -175,6 +175,23 @@ INLINE void code_chunk(int type, const uint8_t *row, int64_t k0, int chunk, code
     for (int h = 0; h < chunk / 16; h++) out->off[h] = mn[h] - zero * out->sc[h];  /* one of z, mn is 0 */
 }
 
+#if defined(__AVX2__)
+/* Unsigned codes cu . signed activations qs, 4 values per int32 lane. */
+INLINE __m256i codes_dot(__m256i cu, __m256i qs) {
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), cu, qs);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(cu, qs), _mm256_set1_epi16(1));  /* |pair| <= 2 * 128 * 127 */
+#endif
+}
+
+/* Group g's scale per lane: one per 32 values, or one per 16 (lanes 0-3, 4-7). */
+INLINE __m256 group_scale(const coded *w, int g, int sub16) {
+    return sub16 ? _mm256_setr_m128(_mm_set1_ps(w->sc[2 * g]), _mm_set1_ps(w->sc[2 * g + 1]))
+                 : _mm256_set1_ps(w->sc[2 * g]);
+}
+#endif
+
 /* acc[r] += per 32-group (codes . xq, in 8 lanes of 4 values) * scale * xd, and
  * acc_off[r] += offsets . sums (8 halves per vector); the same order for every (r, m). */
 INLINE void chunk_dot_i8(int type, const coded *w, int chunk, const int8_t *xq, const float *xd,
@@ -182,20 +199,13 @@ INLINE void chunk_dot_i8(int type, const coded *w, int chunk, const int8_t *xq, 
     const int is_signed = codes_signed(type), sub16 = scales_per_16(type);
     for (int g = 0; g < chunk / 32; g++) {
 #if defined(__AVX2__)
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(xq + 32 * g)), ones = _mm256_set1_epi16(1);
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(xq + 32 * g));
         const __m256 xdv = _mm256_set1_ps(xd[g]);
         for (int r = 0; r < ROWS; r++) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)(w[r].c + 32 * g));
             const __m256i cu = is_signed ? _mm256_sign_epi8(c, c) : c, qs = is_signed ? _mm256_sign_epi8(q, c) : q;
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-            (void)ones;
-            const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), cu, qs);
-#else
-            const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(cu, qs), ones);  /* |pair| <= 2 * 128 * 127 */
-#endif
-            const __m256 scale = sub16 ? _mm256_setr_m128(_mm_set1_ps(w[r].sc[2 * g]), _mm_set1_ps(w[r].sc[2 * g + 1]))
-                                       : _mm256_set1_ps(w[r].sc[2 * g]);
-            acc[r] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, xdv), (__m256)acc[r]);
+            const __m256 scale = group_scale(w + r, g, sub16);
+            acc[r] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_dot(cu, qs)), _mm256_mul_ps(scale, xdv), (__m256)acc[r]);
         }
 #else
         for (int r = 0; r < ROWS; r++) {
@@ -223,8 +233,6 @@ INLINE void chunk_dot_i8_x2(int type, const coded *w, int chunk, const int8_t *x
                             v8 *acca, v8 *accb, v8 *offa, v8 *offb) {
 #if defined(__AVX2__)
     const int is_signed = codes_signed(type), sub16 = scales_per_16(type);
-    const __m256i ones = _mm256_set1_epi16(1);
-    (void)ones;
     for (int g = 0; g < chunk / 32; g++) {
         const __m256i qa = _mm256_loadu_si256((const __m256i *)(xqa + 32 * g));
         const __m256i qb = _mm256_loadu_si256((const __m256i *)(xqb + 32 * g));
@@ -234,17 +242,9 @@ INLINE void chunk_dot_i8_x2(int type, const coded *w, int chunk, const int8_t *x
             const __m256i cu = is_signed ? _mm256_sign_epi8(c, c) : c;
             const __m256i qsa = is_signed ? _mm256_sign_epi8(qa, c) : qa;
             const __m256i qsb = is_signed ? _mm256_sign_epi8(qb, c) : qb;
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-            const __m256i dota = _mm256_dpbusd_epi32(_mm256_setzero_si256(), cu, qsa);
-            const __m256i dotb = _mm256_dpbusd_epi32(_mm256_setzero_si256(), cu, qsb);
-#else
-            const __m256i dota = _mm256_madd_epi16(_mm256_maddubs_epi16(cu, qsa), ones);
-            const __m256i dotb = _mm256_madd_epi16(_mm256_maddubs_epi16(cu, qsb), ones);
-#endif
-            const __m256 scale = sub16 ? _mm256_setr_m128(_mm_set1_ps(w[r].sc[2 * g]), _mm_set1_ps(w[r].sc[2 * g + 1]))
-                                       : _mm256_set1_ps(w[r].sc[2 * g]);
-            acca[r] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(dota), _mm256_mul_ps(scale, xdva), (__m256)acca[r]);
-            accb[r] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(dotb), _mm256_mul_ps(scale, xdvb), (__m256)accb[r]);
+            const __m256 scale = group_scale(w + r, g, sub16);
+            acca[r] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_dot(cu, qsa)), _mm256_mul_ps(scale, xdva), (__m256)acca[r]);
+            accb[r] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_dot(cu, qsb)), _mm256_mul_ps(scale, xdvb), (__m256)accb[r]);
         }
     }
     for (int h = 0; h < chunk / 16; h += 8)
