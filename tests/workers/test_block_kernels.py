@@ -77,6 +77,19 @@ def test_matmul_equals_the_dequantized_product_within_its_bound(qtype, int8):
     assert torch.equal(alone[0], y[33])  # the same bits without batch mates
 
 
+@pytest.mark.parametrize("qtype,cols", [(Q.Q4_1, 2208), (Q.Q8_0, 2080), (Q.Q6_K, 2304)],
+                         ids=["Q4_1", "Q8_0", "Q6_K"])
+def test_int8_matmul_over_rows_longer_than_one_coded_piece(qtype, cols):
+    """Rows past the int8 kernel's 2048-value piece: the accumulators carry across pieces, and
+    the last, shorter piece's offsets do not reuse the previous piece's."""
+    matrix, w = weights(qtype, 9, cols, seed=5)
+    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(6))
+    y = block_kernels().matmul(matrix, x, int8=True)
+    error = (y.double() - x.double() @ w.double().T).abs()
+    assert bool((error <= int8_bound(x, w)).all()), f"worst error/bound {float((error / int8_bound(x, w)).max()):.3f}"
+    assert torch.equal(block_kernels().matmul(matrix, x[4:], int8=True)[0], y[4])
+
+
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
 def test_bounds_catch_codes_in_the_wrong_order(int8):
     matrix, w = weights(Q.Q4_K, 8, 256, seed=3)

@@ -37,6 +37,7 @@ enum { OK = 0, BAD_TYPE = -3, BAD_SHAPE = -4, NO_MEMORY = -1 };
 #define CHUNK 256   /* most values decoded per row at a time: one K-quant block, eight 32-blocks */
 #define ROWS 4      /* weight rows per tile */
 #define MAX_M 32    /* rows of x per pass (accumulators on the stack) */
+#define PREFETCH_ROWS 8
 
 /* Values per decoded piece of a row: the most of 256, 128, 64, 32 that splits k into whole
  * blocks (576 = 9 x 64 for 32-value blocks); BAD_TYPE / BAD_SHAPE (< 0) if none. */
@@ -149,30 +150,59 @@ typedef struct {  /* rows of x quantized per 32 values */
 
 static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *sums) {
     for (int64_t b = 0; b < k / 32; b++, x += 32, q += 32) {
+#if defined(__AVX2__)
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v[4], amax8 = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + 8 * i);
+            amax8 = _mm256_max_ps(amax8, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
         float amax = 0.0f;
         for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+#endif
         const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         int half_sum[2] = {0, 0};
+#if defined(__AVX2__)
+        __m256i n[4];  /* round to nearest even, as nearbyintf in the default mode */
+        for (int i = 0; i < 4; i++) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+        for (int h = 0; h < 2; h++) {
+            __m256i t = _mm256_add_epi32(n[2 * h], n[2 * h + 1]);
+            __m128i u = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4e));
+            half_sum[h] = _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, 0xb1)));
+        }
+        const __m256i words = _mm256_packs_epi32(n[0], n[1]), words2 = _mm256_packs_epi32(n[2], n[3]);
+        const __m256i bytes = _mm256_packs_epi16(words, words2);  /* lanes interleaved by 32-bit pieces */
+        _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
         for (int j = 0; j < 32; j++) {
             q[j] = (int8_t)nearbyintf(x[j] * inv);  /* |x| * inv <= 127 (+ rounding): no overflow */
             half_sum[j / 16] += q[j];
         }
+#endif
         d[b] = scale;
         sums[2 * b] = scale * (float)half_sum[0];
         sums[2 * b + 1] = scale * (float)half_sum[1];
     }
 }
 
-typedef struct {  /* one weight row's chunk: value = sc * c + off per 16 values */
-    uint8_t c[CHUNK];
-    float sc[CHUNK / 16], off[CHUNK / 16];  /* entries past chunk / 16 are zero */
+#define PIECE 2048  /* most values of a weight row coded at a time (4 rows: 12 KiB, in L1) */
+
+typedef struct {  /* one weight row's piece: value = sc * c + off per 16 values */
+    uint8_t c[PIECE];
+    float sc[PIECE / 16], off[PIECE / 16 + 8];  /* entries past the piece's are zero */
 } coded;
 
-INLINE void code_chunk(int type, const uint8_t *row, int64_t k0, int chunk, coded *out) {
+/* Values [k0, k0 + piece) of a row, a chunk at a time (piece: whole chunks). */
+INLINE void code_piece(int type, const uint8_t *row, int64_t k0, int piece, int chunk, coded *out) {
     float mn[CHUNK / 16];
-    const float zero = (float)layout_of(type).zero;
-    codes_chunk(type, row, k0, chunk, out->c, out->sc, mn);
-    for (int h = 0; h < chunk / 16; h++) out->off[h] = mn[h] - zero * out->sc[h];  /* one of z, mn is 0 */
+    for (int j = 0; j < piece; j += chunk)
+        codes_chunk(type, row, k0 + j, chunk, out->c + j, out->sc + j / 16, mn, out->off + j / 16);
+    memset(out->off + piece / 16, 0, 8 * sizeof(float));  /* the dot product's last vector of halves */
 }
 
 #if defined(__AVX2__)
@@ -187,8 +217,8 @@ INLINE __m256i codes_dot(__m256i cu, __m256i qs) {
 
 /* Group g's scale per lane: one per 32 values, or one per 16 (lanes 0-3, 4-7). */
 INLINE __m256 group_scale(const coded *w, int g, int sub16) {
-    return sub16 ? _mm256_setr_m128(_mm_set1_ps(w->sc[2 * g]), _mm_set1_ps(w->sc[2 * g + 1]))
-                 : _mm256_set1_ps(w->sc[2 * g]);
+    return sub16 ? _mm256_setr_m128(_mm_broadcast_ss(w->sc + 2 * g), _mm_broadcast_ss(w->sc + 2 * g + 1))
+                 : _mm256_broadcast_ss(w->sc + 2 * g);
 }
 #endif
 
@@ -197,15 +227,20 @@ INLINE __m256 group_scale(const coded *w, int g, int sub16) {
 INLINE void chunk_dot_i8(int type, const coded *w, int chunk, const int8_t *xq, const float *xd,
                          const float *sums, v8 *acc, v8 *acc_off) {
     const int is_signed = codes_signed(type), sub16 = scales_per_16(type);
+#if defined(__AVX2__)
+    __m256 a[ROWS];
+    for (int r = 0; r < ROWS; r++) a[r] = (__m256)acc[r];
+#endif
     for (int g = 0; g < chunk / 32; g++) {
 #if defined(__AVX2__)
         const __m256i q = _mm256_loadu_si256((const __m256i *)(xq + 32 * g));
-        const __m256 xdv = _mm256_set1_ps(xd[g]);
+        const __m256 xdv = _mm256_broadcast_ss(xd + g);
+#pragma GCC unroll 4
         for (int r = 0; r < ROWS; r++) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)(w[r].c + 32 * g));
             const __m256i cu = is_signed ? _mm256_sign_epi8(c, c) : c, qs = is_signed ? _mm256_sign_epi8(q, c) : q;
             const __m256 scale = group_scale(w + r, g, sub16);
-            acc[r] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_dot(cu, qs)), _mm256_mul_ps(scale, xdv), (__m256)acc[r]);
+            a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_dot(cu, qs)), _mm256_mul_ps(scale, xdv), a[r]);
         }
 #else
         for (int r = 0; r < ROWS; r++) {
@@ -221,8 +256,18 @@ INLINE void chunk_dot_i8(int type, const coded *w, int chunk, const int8_t *xq, 
         }
 #endif
     }
+#if defined(__AVX2__)
+    for (int r = 0; r < ROWS; r++) acc[r] = (v8)a[r], a[r] = (__m256)acc_off[r];
+    for (int h = 0; h < chunk / 16; h += 8) {
+        const __m256 sv = _mm256_loadu_ps(sums + h);
+#pragma GCC unroll 4
+        for (int r = 0; r < ROWS; r++) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w[r].off + h), sv, a[r]);
+    }
+    for (int r = 0; r < ROWS; r++) acc_off[r] = (v8)a[r];
+#else
     for (int h = 0; h < chunk / 16; h += 8)
         for (int r = 0; r < ROWS; r++) acc_off[r] += *(const v8 *)(w[r].off + h) * *(const v8 *)(sums + h);
+#endif
 }
 
 /* chunk_dot_i8 for two rows of x (a, b) at once: each weight code vector is loaded and made
@@ -233,61 +278,92 @@ INLINE void chunk_dot_i8_x2(int type, const coded *w, int chunk, const int8_t *x
                             v8 *acca, v8 *accb, v8 *offa, v8 *offb) {
 #if defined(__AVX2__)
     const int is_signed = codes_signed(type), sub16 = scales_per_16(type);
+    __m256 a[ROWS], b[ROWS];  /* in registers for the whole piece (stores through acca: every group) */
+    for (int r = 0; r < ROWS; r++) a[r] = (__m256)acca[r], b[r] = (__m256)accb[r];
     for (int g = 0; g < chunk / 32; g++) {
         const __m256i qa = _mm256_loadu_si256((const __m256i *)(xqa + 32 * g));
         const __m256i qb = _mm256_loadu_si256((const __m256i *)(xqb + 32 * g));
-        const __m256 xdva = _mm256_set1_ps(xda[g]), xdvb = _mm256_set1_ps(xdb[g]);
+        const __m256 xdva = _mm256_broadcast_ss(xda + g), xdvb = _mm256_broadcast_ss(xdb + g);
+#pragma GCC unroll 4
         for (int r = 0; r < ROWS; r++) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)(w[r].c + 32 * g));
             const __m256i cu = is_signed ? _mm256_sign_epi8(c, c) : c;
             const __m256i qsa = is_signed ? _mm256_sign_epi8(qa, c) : qa;
             const __m256i qsb = is_signed ? _mm256_sign_epi8(qb, c) : qb;
             const __m256 scale = group_scale(w + r, g, sub16);
-            acca[r] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_dot(cu, qsa)), _mm256_mul_ps(scale, xdva), (__m256)acca[r]);
-            accb[r] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_dot(cu, qsb)), _mm256_mul_ps(scale, xdvb), (__m256)accb[r]);
+            a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_dot(cu, qsa)), _mm256_mul_ps(scale, xdva), a[r]);
+            b[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_dot(cu, qsb)), _mm256_mul_ps(scale, xdvb), b[r]);
         }
     }
-    for (int h = 0; h < chunk / 16; h += 8)
+    for (int r = 0; r < ROWS; r++) acca[r] = (v8)a[r], accb[r] = (v8)b[r];
+    for (int r = 0; r < ROWS; r++) a[r] = (__m256)offa[r], b[r] = (__m256)offb[r];
+    for (int h = 0; h < chunk / 16; h += 8) {
+        const __m256 sa = _mm256_loadu_ps(sumsa + h), sb = _mm256_loadu_ps(sumsb + h);
+#pragma GCC unroll 4
         for (int r = 0; r < ROWS; r++) {
-            offa[r] += *(const v8 *)(w[r].off + h) * *(const v8 *)(sumsa + h);
-            offb[r] += *(const v8 *)(w[r].off + h) * *(const v8 *)(sumsb + h);
+            const __m256 off = _mm256_loadu_ps(w[r].off + h);
+            a[r] = _mm256_fmadd_ps(off, sa, a[r]);
+            b[r] = _mm256_fmadd_ps(off, sb, b[r]);
         }
+    }
+    for (int r = 0; r < ROWS; r++) offa[r] = (v8)a[r], offb[r] = (v8)b[r];
 #else
     chunk_dot_i8(type, w, chunk, xqa, xda, sumsa, acca, offa);
     chunk_dot_i8(type, w, chunk, xqb, xdb, sumsb, accb, offb);
 #endif
 }
 
-static float hsum8(v8 v) {
-    const float a = (v[0] + v[4]) + (v[2] + v[6]), b = (v[1] + v[5]) + (v[3] + v[7]);
-    return a + b;
+/* y[r] = the sum of the lanes of acc[r] + off[r] for the tile's ROWS rows, in a fixed order. */
+INLINE void sum_rows(const v8 *acc, const v8 *off, float *y, int num_rows) {
+#if defined(__AVX2__)
+    __m256 v[ROWS];
+    for (int r = 0; r < ROWS; r++) v[r] = _mm256_add_ps((__m256)acc[r], (__m256)off[r]);
+    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  /* rows 0-3 */
+    if (num_rows == ROWS) {
+        _mm_storeu_ps(y, sums);
+        return;
+    }
+    float all[ROWS];
+    _mm_storeu_ps(all, sums);
+    for (int r = 0; r < num_rows; r++) y[r] = all[r];
+#else
+    for (int r = 0; r < num_rows; r++) {
+        const v8 v = acc[r] + off[r];
+        y[r] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+    }
+#endif
 }
 
+/* Rows [n0, n0 + num_rows) of y for x rows [m0, m0 + num_m): a piece of each weight row is
+ * coded once and every row of x (two at a time) runs over all of it with its accumulators in
+ * registers. Per (r, m) the groups are summed in order, whatever the piece or the pairing. */
 INLINE void tile_i8(int type, int chunk, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n0,
                     int num_rows, const qx *x, int64_t m0, int num_m, float *y, int64_t n) {
     coded rows[ROWS] __attribute__((aligned(64)));
     v8 acc[MAX_M][ROWS], acc_off[MAX_M][ROWS];
-    memset(rows, 0, sizeof rows);  /* rows past num_rows, offsets past the chunk: zero */
+    if (num_rows < ROWS) memset(rows, 0, sizeof rows);  /* rows past num_rows: zero */
     memset(acc, 0, (size_t)num_m * sizeof acc[0]);
     memset(acc_off, 0, (size_t)num_m * sizeof acc_off[0]);
-    for (int64_t k0 = 0; k0 < k; k0 += chunk) {
-        for (int r = 0; r < num_rows; r++) code_chunk(type, w + (n0 + r) * row_bytes, k0, chunk, rows + r);
+    const int most = PIECE / chunk * chunk;
+    for (int64_t k0 = 0; k0 < k; k0 += most) {
+        const int piece = k - k0 < most ? (int)(k - k0) : most;
+        for (int r = 0; r < num_rows; r++) code_piece(type, w + (n0 + r) * row_bytes, k0, piece, chunk, rows + r);
         int m = 0;
         for (; m + 2 <= num_m; m += 2) {
             const int64_t a = m0 + m, b = a + 1;
-            chunk_dot_i8_x2(type, rows, chunk, x->q + a * k + k0, x->q + b * k + k0,
+            chunk_dot_i8_x2(type, rows, piece, x->q + a * k + k0, x->q + b * k + k0,
                             x->d + (a * k + k0) / 32, x->d + (b * k + k0) / 32,
                             x->sums + (a * k + k0) / 16, x->sums + (b * k + k0) / 16,
                             acc[m], acc[m + 1], acc_off[m], acc_off[m + 1]);
         }
         for (; m < num_m; m++) {
             const int64_t row = m0 + m;
-            chunk_dot_i8(type, rows, chunk, x->q + row * k + k0, x->d + (row * k + k0) / 32,
+            chunk_dot_i8(type, rows, piece, x->q + row * k + k0, x->d + (row * k + k0) / 32,
                          x->sums + (row * k + k0) / 16, acc[m], acc_off[m]);
         }
     }
-    for (int r = 0; r < num_rows; r++)
-        for (int m = 0; m < num_m; m++) y[(m0 + m) * n + n0 + r] = hsum8(acc[m][r]) + hsum8(acc_off[m][r]);
+    for (int m = 0; m < num_m; m++) sum_rows(acc[m], acc_off[m], y + (m0 + m) * n + n0, num_rows);
 }
 
 /* quant_matmul with x rounded to 8 bits per 32 values (llama.cpp's Q8_0 activations): integer
