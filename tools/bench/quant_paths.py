@@ -12,6 +12,7 @@ Owns: these two tables. Does not own: the paths (workers/weights/).
 from __future__ import annotations
 
 import functools
+import statistics
 from typing import Callable
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from justapi.model.gguf_file import GGUFFile
 from workers.model.forward import Linear, DecoderModel
 from workers.weights.block_linear import BlockLinear, StackLinear
-from workers.weights.path_plan import MEASURE_ROWS, PathPlan, fit_line, paired_medians, plan_from_timings
+from workers.weights.path_plan import MEASURE_ROWS, PathPlan, fit_line, paired_times, plan_from_timings
 from workers.weights.paths import candidate_paths, load_model
 from workers.weights.quant_blocks import is_quantizable, planes_of
 from workers.weights.quant_linear import Int4Linear, has_int4_kernel
@@ -64,7 +65,8 @@ def path_tables(model_path: str, repeats: int) -> dict[tuple[str, tuple[int, int
         with torch.inference_mode():
             for rows in MEASURE_ROWS:
                 x = torch.randn(rows, shape[1])
-                medians = paired_medians({name: functools.partial(f, x) for name, f in calls.items()}, repeats)
+                medians = paired_times({name: functools.partial(f, x) for name, f in calls.items()}, repeats,
+                                       reduce=statistics.median)
                 for name in calls:
                     seconds[name].append(medians[name])
         plan = plan_from_timings(MEASURE_ROWS, {p: seconds[p] for p in candidate_paths()})
@@ -102,7 +104,7 @@ def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2,
                      "dense fp32 copy": lambda: [d(x) for d, x in zip(dense, xs)]}
             if int4:
                 calls["int4 (q4)"] = lambda: [q(x) for q, x in zip(int4, xs)]
-            medians = paired_medians(calls, repeats)
+            medians = paired_times(calls, repeats, reduce=statistics.median)
             rate = weight_mib * 2**20 / medians["int8"] / 1e9
             print(f"{rows:>5} | " + " ".join(f"{medians[n] * 1e3:15.2f}" for n in names) + f" | {rate:.1f}")
 

@@ -8,11 +8,13 @@ Paths over one BlockMatrix (block_linear.py runs them):
   dense_bf16  the same in bf16: a candidate only where the CPU multiplies bf16 in hardware
 Each path's time is modelled as a + b * rows (a: what a call costs whatever its rows, such as
 decoding the weights or expanding a tile; b: the work per row), fitted by least squares (on
-relative residuals) to the medians measured at a few row counts; a step of M rows takes the path whose line is lowest at
-M. Lines cross at most once pairwise, so a plan is a few ranges, and one noisy median (the
-machine is shared) moves a crossover a little instead of flipping a range. `fit_line`,
+relative residuals) to the fastest of a few rounds at several row counts; a step of M rows
+takes the path whose line is lowest at M. Lines cross at most once pairwise, so a plan is a few
+ranges, and one noisy time (the machine is shared) moves a crossover a little instead of
+flipping a range. `fit_line`,
 `plan_from_timings` and `PathPlan.path_for` are pure; `measure_plan` times the candidates in
-turns (one call of each per round), so other processes' load falls on all of them alike.
+turns (one call of each per round), so other processes' load falls on all of them alike, and
+keeps each one's fastest round.
 Owns: the choice rule, the measurement and its cache. Does not own: the kernels.
 """
 from __future__ import annotations
@@ -21,7 +23,6 @@ import functools
 import hashlib
 import json
 import os
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ MEASURE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 """Row counts timed at start-up: decode batches and speculative verification sit among them,
 prefill chunks past the top (where the lines are extrapolated)."""
 DROP_RATIO = 2.0
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -118,9 +119,12 @@ def _crossings(lines: list[tuple[float, float]]) -> set[int]:
     return out
 
 
-def paired_medians(calls: Mapping[str, Callable[[], object]], repeats: int,
-                   timer: Callable[[], float] = time.perf_counter) -> dict[str, float]:
-    """Median seconds of each call, timed in turns after one untimed round."""
+def paired_times(calls: Mapping[str, Callable[[], object]], repeats: int,
+                 timer: Callable[[], float] = time.perf_counter,
+                 reduce: Callable[[list[float]], float] = min) -> dict[str, float]:
+    """Seconds of each call, timed in turns after one untimed round, reduced over the repeats:
+    by default the minimum, the estimate other processes cannot raise (a burst of load while
+    one path was timed made the median pick a path 2x slower for a whole shape, cached)."""
     for call in calls.values():
         call()
     times: dict[str, list[float]] = {path: [] for path in calls}
@@ -129,11 +133,11 @@ def paired_medians(calls: Mapping[str, Callable[[], object]], repeats: int,
             start = timer()
             call()
             times[path].append(timer() - start)
-    return {path: statistics.median(t) for path, t in times.items()}
+    return {path: reduce(t) for path, t in times.items()}
 
 
 def measure_plan(run: Callable[[str, torch.Tensor], object], in_features: int, paths: Sequence[str],
-                 rows: Sequence[int] = MEASURE_ROWS, repeats: int = 3,
+                 rows: Sequence[int] = MEASURE_ROWS, repeats: int = 5,
                  timer: Callable[[], float] = time.perf_counter) -> tuple[PathPlan, dict]:
     """Time `run(path, x)` for x of each row count on every path -> (plan, {path: seconds}).
     A path DROP_RATIO times slower than the best at two counts in a row is not timed at larger
@@ -145,9 +149,9 @@ def measure_plan(run: Callable[[str, torch.Tensor], object], in_features: int, p
     with torch.inference_mode():
         for count in rows:
             x = torch.randn(count, in_features, generator=generator)
-            medians = paired_medians({path: functools.partial(run, path, x) for path in active}, repeats, timer)
+            best = paired_times({path: functools.partial(run, path, x) for path in active}, repeats, timer)
             for path in active:
-                seconds[path].append(medians[path])
+                seconds[path].append(best[path])
             active = [path for path in active if not _far_behind(seconds, path)]
     return plan_from_timings(rows, seconds), seconds
 
