@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from workers.model.layer_ops import layer_ops
 from workers.model.linear_like import LinearFactory, LinearLike
 from workers.weights.gguf_loader import ExpertWeights
 
@@ -28,11 +29,15 @@ class GatedFfn:
     def __init__(self, gate_up: LinearLike, down: LinearLike, activation: str = "silu") -> None:
         self.gate_up, self.down = gate_up, down
         self.ffn_size = gate_up.out_features // 2
-        self.act = ACTIVATIONS[activation]
+        self.activation, self.act = activation, ACTIVATIONS[activation]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)  # [T, 2 * ffn]
-        return self.down(self.act(gate_up[:, :self.ffn_size]) * gate_up[:, self.ffn_size:])
+        ops = layer_ops() if gate_up.device.type == "cpu" else None
+        hidden = ops.act_mul(gate_up, self.activation) if ops is not None else None
+        if hidden is None:
+            hidden = self.act(gate_up[:, :self.ffn_size]) * gate_up[:, self.ffn_size:]
+        return self.down(hidden)
 
     def linears(self) -> list[LinearLike]:
         return [self.gate_up, self.down]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from workers.model.attention import DEFAULT_PARAMS, AttentionBackend, AttentionMetadata, AttentionParams
 from workers.model.ffn import GatedFfn, MoeFfn
+from workers.model.layer_ops import layer_ops
 from workers.model.linear_like import LinearFactory, LinearLike
 from workers.weights.gguf_loader import LayerWeights, ModelWeights
 from workers.weights.hparams import HyperParams
@@ -143,7 +144,9 @@ class LayerLinears:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalized in fp32 whatever the compute dtype (bf16 on GPU), as HF's LlamaRMSNorm does."""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+        ops = layer_ops() if x.device.type == "cpu" else None
+        out = ops.rms_norm(x, weight, eps) if ops is not None else None
+        return out if out is not None else F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
@@ -167,6 +170,10 @@ class Rotary:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim]; cos/sin [T, 1, rotary_dims / 2]. Pairs are (i, i + rotary_dims / 2);
     dims from rotary_dims on pass through."""
+    ops = layer_ops() if x.device.type == "cpu" else None
+    out = ops.rotary(x, cos, sin) if ops is not None else None
+    if out is not None:
+        return out
     half = cos.shape[-1]
     if 2 * half != x.shape[-1]:
         return torch.cat([apply_rotary(x[..., :2 * half], cos, sin), x[..., 2 * half:]], dim=-1)

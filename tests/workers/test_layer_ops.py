@@ -1,0 +1,66 @@
+"""The CPU forward's fused small ops (workers/model/csrc/layer_ops.c via layer_ops.py) against
+their torch forms: RMS norm, rotary embedding (whole and partial heads, token rows apart as in
+the fused qkv output) and the gated activations; each row's bits alone equal its bits in a
+batch; layouts a kernel does not read fall back (None)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.model import forward
+from workers.model.layer_ops import layer_ops
+
+pytestmark = pytest.mark.skipif(layer_ops() is None, reason="no C compiler: layer kernels unavailable")
+GEN = torch.Generator().manual_seed(0)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 576), (37, 100), (300, 640)])  # 300 x 640: threads split rows
+def test_rms_norm_matches_torch_and_rows_alone(rows, n):
+    x = torch.randn(rows, 2 * n, generator=GEN)[:, :n] * 3  # rows 2n apart
+    w = torch.randn(n, generator=GEN)
+    out = layer_ops().rms_norm(x, w, 1e-6)
+    assert close(out, F.rms_norm(x, (n,), w, 1e-6))
+    assert torch.equal(layer_ops().rms_norm(x[rows - 1:], w, 1e-6)[0], out[-1])
+    assert not close(out, F.rms_norm(x, (n,), w.flip(0), 1e-6))  # the weight is applied per value
+
+
+@pytest.mark.parametrize("dim,half", [(64, 32), (64, 16)], ids=["whole", "partial"])
+def test_rotary_matches_torch_on_fused_qkv_rows(dim, half):
+    tokens, heads = 5, 6
+    qkv = torch.randn(tokens, (heads + 2) * dim, generator=GEN)
+    x = qkv[:, :heads * dim].view(tokens, heads, dim)  # token rows (heads + 2) * dim apart
+    angles = torch.randn(tokens, half, generator=GEN)
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    out = layer_ops().rotary(x, cos, sin)
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    expected = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], dim=-1)
+    assert close(out, expected)
+    assert torch.equal(forward.apply_rotary(x, cos, sin), out)  # the forward takes it
+    assert torch.equal(layer_ops().rotary(x[2:3], cos[2:3], sin[2:3])[0], out[2])
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("rows", [1, 64])  # 64 x 1536: threads split rows
+def test_act_mul_matches_torch(activation, rows):
+    f = 1536
+    x = torch.randn(rows, 2 * f, generator=GEN) * 4
+    act = F.silu if activation == "silu" else (lambda v: F.gelu(v, approximate="tanh"))
+    out = layer_ops().act_mul(x, activation)
+    assert torch.allclose(out, act(x[:, :f]) * x[:, f:], rtol=1e-5, atol=1e-5)  # 1 + tanh cancels near -1
+    assert torch.equal(layer_ops().act_mul(x[-1:], activation)[0], out[-1])
+
+
+def test_layouts_it_does_not_read_fall_back():
+    ops = layer_ops()
+    x = torch.randn(4, 8, generator=GEN)
+    assert ops.rms_norm(x.T, torch.ones(4), 1e-6) is None  # values not contiguous
+    assert ops.rms_norm(x.double(), torch.ones(8, dtype=torch.float64), 1e-6) is None
+    assert ops.act_mul(x.T, "silu") is None and ops.act_mul(x, "relu") is None
+    heads = torch.randn(3, 4, 8, generator=GEN).transpose(0, 1)  # heads not within a token's row
+    assert ops.rotary(heads, torch.ones(4, 1, 4), torch.zeros(4, 1, 4)) is None
+    assert torch.equal(forward.rms_norm(x.T, torch.ones(4), 1e-6), F.rms_norm(x.T, (4,), torch.ones(4), 1e-6))

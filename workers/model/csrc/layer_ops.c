@@ -1,0 +1,70 @@
+/* The small per-layer operations of the CPU forward, each one call instead of 4-10 torch ops:
+ * RMS norm, rotary embedding and the gated activation. At batch 1 SmolLM2's step ran ~270
+ * elementwise torch ops whose dispatch (5-70 us each on a 2-vCPU VM) cost as much as the
+ * matmuls. Each row is computed alone in a fixed order, so a row's bits do not depend on its
+ * batch. Rows are split over threads only where a call has enough work to pay for waking them.
+ * Compiled on first use by workers/model/cpu_kernels.py. Owns: that arithmetic.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define PARALLEL_VALUES 65536  /* fewer values than this: one thread */
+
+/* out[r] = x[r] * 1 / sqrt(mean(x[r]^2) + eps) * w, rows of n values (x rows ldx apart). */
+void rms_norm_rows(const float *x, int64_t ldx, const float *w, float *out, int64_t rows, int64_t n,
+                   float eps, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= PARALLEL_VALUES)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * ldx;
+        float *yr = out + r * n;
+        float lanes[8] = {0};  /* eight partial sums, then a fixed pairing */
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8)
+            for (int l = 0; l < 8; l++) lanes[l] += xr[j + l] * xr[j + l];
+        for (; j < n; j++) lanes[0] += xr[j] * xr[j];
+        const float sum = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+        const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+        for (j = 0; j < n; j++) yr[j] = xr[j] * inv * w[j];
+    }
+}
+
+/* out [T, heads, dim] = x (token rows ldx apart, heads dim apart) with its first 2 * half dims
+ * of each head rotated by the token's angles: (a, b) = (x[i], x[i + half]) ->
+ * (a cos - b sin, b cos + a sin); dims past 2 * half copied. cos, sin: [T, half]. */
+void rotary_rows(const float *x, int64_t ldx, const float *cos_t, const float *sin_t, float *out,
+                 int64_t tokens, int64_t heads, int64_t dim, int64_t half, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens * heads * dim >= PARALLEL_VALUES)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_t + t * half, *s = sin_t + t * half;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xh = x + t * ldx + h * dim;
+            float *yh = out + (t * heads + h) * dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = xh[i], b = xh[i + half];
+                yh[i] = a * c[i] - b * s[i];
+                yh[i + half] = b * c[i] + a * s[i];
+            }
+            for (int64_t i = 2 * half; i < dim; i++) yh[i] = xh[i];
+        }
+    }
+}
+
+enum { SILU = 0, GELU_TANH = 1 };
+
+/* out [rows, f] = act(g) * u where each row of x is [g (f values) | u (f values)]. */
+void act_mul_rows(const float *x, float *out, int64_t rows, int64_t f, int act, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * f >= PARALLEL_VALUES)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * 2 * f, *u = g + f;
+        float *y = out + r * f;
+        if (act == SILU) {
+            for (int64_t j = 0; j < f; j++) y[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        } else {
+            const float k = 0.7978845608028654f;  /* sqrt(2 / pi) */
+            for (int64_t j = 0; j < f; j++) {
+                const float v = g[j];
+                y[j] = 0.5f * v * (1.0f + tanhf(k * (v + 0.044715f * v * v * v))) * u[j];
+            }
+        }
+    }
+}

@@ -1,0 +1,80 @@
+"""The CPU forward's small per-layer operations as one C call each (csrc/layer_ops.c): RMS norm,
+rotary embedding and the gated activation. At batch 1 their torch forms (4-10 dispatched ops
+each) cost about as much as the matmuls. `layer_ops()` is None where the kernel cannot be
+built or JUSTAPI_CPU_KERNELS=0; each method returns None for what it does not cover (not CPU,
+not fp32, a layout it does not read), and the caller keeps its torch form.
+Owns: the calls. Does not own: where the forward uses them (forward.py, ffn.py).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import torch
+
+from workers.model.cpu_kernels import ENABLE_ENV, KernelBuildError, build
+
+log = logging.getLogger(__name__)
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32
+
+
+class LayerOps:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        library.rms_norm_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, i32]
+        library.rotary_rows.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+        library.act_mul_rows.argtypes = [ptr, ptr, i64, i64, i32, i32]
+        for fn in (library.rms_norm_rows, library.rotary_rows, library.act_mul_rows):
+            fn.restype = None
+        self._lib = library
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """x [rows, n] (rows may be apart, values contiguous) -> x / rms(x) * weight."""
+        if x.dim() != 2 or not (_plain(x) and _plain(weight)) or x.stride(1) != 1 or not weight.is_contiguous():
+            return None
+        rows, n = x.shape
+        out = torch.empty(rows, n, dtype=torch.float32)
+        self._lib.rms_norm_rows(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n,
+                                eps, torch.get_num_threads())
+        return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+        """x [T, heads, dim] (heads contiguous within a token) -> rotated copy; cos/sin [T, 1, half]."""
+        if x.dim() != 3 or not (_plain(x) and _plain(cos) and _plain(sin)):
+            return None
+        tokens, heads, dim = x.shape
+        half = cos.shape[-1]
+        if x.stride(2) != 1 or x.stride(1) != dim or not (cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        out = torch.empty(tokens, heads, dim, dtype=torch.float32)
+        self._lib.rotary_rows(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                              tokens, heads, dim, half, torch.get_num_threads())
+        return out
+
+    def act_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
+        """x [rows, 2 f] = [g | u] -> act(g) * u [rows, f]."""
+        if x.dim() != 2 or not _plain(x) or not x.is_contiguous() or activation not in ACTIVATIONS:
+            return None
+        rows, f = x.shape[0], x.shape[1] // 2
+        out = torch.empty(rows, f, dtype=torch.float32)
+        self._lib.act_mul_rows(x.data_ptr(), out.data_ptr(), rows, f, ACTIVATIONS[activation],
+                               torch.get_num_threads())
+        return out
+
+
+@functools.cache
+def layer_ops() -> LayerOps | None:
+    """The kernel, or None (with one warning) where it cannot be built here."""
+    if os.environ.get(ENABLE_ENV, "1") == "0":
+        return None
+    try:
+        return LayerOps(ctypes.CDLL(str(build("layer_ops"))))
+    except (KernelBuildError, OSError) as exc:
+        log.warning("CPU layer kernels unavailable, using torch ops (slower at small batches): %s", exc)
+        return None
