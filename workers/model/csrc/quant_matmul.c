@@ -223,13 +223,16 @@ INLINE __m256 group_scale(const coded *w, int g, int sub16) {
 #endif
 
 /* acc[r] += per 32-group (codes . xq, in 8 lanes of 4 values) * scale * xd, and
- * acc_off[r] += offsets . sums (8 halves per vector); the same order for every (r, m). */
+ * acc_off[r] += offsets . sums (8 halves per vector); the same order for every (r, m).
+ * first: acc and acc_off start from zero (their contents are not read). */
 INLINE void chunk_dot_i8(int type, const coded *w, int chunk, const int8_t *xq, const float *xd,
-                         const float *sums, v8 *acc, v8 *acc_off) {
+                         const float *sums, v8 *acc, v8 *acc_off, int first) {
     const int is_signed = codes_signed(type), sub16 = scales_per_16(type);
 #if defined(__AVX2__)
     __m256 a[ROWS];
-    for (int r = 0; r < ROWS; r++) a[r] = (__m256)acc[r];
+    for (int r = 0; r < ROWS; r++) a[r] = first ? _mm256_setzero_ps() : (__m256)acc[r];
+#else
+    if (first) memset(acc, 0, ROWS * sizeof *acc), memset(acc_off, 0, ROWS * sizeof *acc_off);
 #endif
     for (int g = 0; g < chunk / 32; g++) {
 #if defined(__AVX2__)
@@ -257,7 +260,7 @@ INLINE void chunk_dot_i8(int type, const coded *w, int chunk, const int8_t *xq, 
 #endif
     }
 #if defined(__AVX2__)
-    for (int r = 0; r < ROWS; r++) acc[r] = (v8)a[r], a[r] = (__m256)acc_off[r];
+    for (int r = 0; r < ROWS; r++) acc[r] = (v8)a[r], a[r] = first ? _mm256_setzero_ps() : (__m256)acc_off[r];
     for (int h = 0; h < chunk / 16; h += 8) {
         const __m256 sv = _mm256_loadu_ps(sums + h);
 #pragma GCC unroll 4
@@ -275,11 +278,12 @@ INLINE void chunk_dot_i8(int type, const coded *w, int chunk, const int8_t *xq, 
  * the same operations in the same order as chunk_dot_i8's, so the bits are the same. */
 INLINE void chunk_dot_i8_x2(int type, const coded *w, int chunk, const int8_t *xqa, const int8_t *xqb,
                             const float *xda, const float *xdb, const float *sumsa, const float *sumsb,
-                            v8 *acca, v8 *accb, v8 *offa, v8 *offb) {
+                            v8 *acca, v8 *accb, v8 *offa, v8 *offb, int first) {
 #if defined(__AVX2__)
     const int is_signed = codes_signed(type), sub16 = scales_per_16(type);
     __m256 a[ROWS], b[ROWS];  /* in registers for the whole piece (stores through acca: every group) */
-    for (int r = 0; r < ROWS; r++) a[r] = (__m256)acca[r], b[r] = (__m256)accb[r];
+    for (int r = 0; r < ROWS; r++)
+        a[r] = first ? _mm256_setzero_ps() : (__m256)acca[r], b[r] = first ? _mm256_setzero_ps() : (__m256)accb[r];
     for (int g = 0; g < chunk / 32; g++) {
         const __m256i qa = _mm256_loadu_si256((const __m256i *)(xqa + 32 * g));
         const __m256i qb = _mm256_loadu_si256((const __m256i *)(xqb + 32 * g));
@@ -296,7 +300,8 @@ INLINE void chunk_dot_i8_x2(int type, const coded *w, int chunk, const int8_t *x
         }
     }
     for (int r = 0; r < ROWS; r++) acca[r] = (v8)a[r], accb[r] = (v8)b[r];
-    for (int r = 0; r < ROWS; r++) a[r] = (__m256)offa[r], b[r] = (__m256)offb[r];
+    for (int r = 0; r < ROWS; r++)
+        a[r] = first ? _mm256_setzero_ps() : (__m256)offa[r], b[r] = first ? _mm256_setzero_ps() : (__m256)offb[r];
     for (int h = 0; h < chunk / 16; h += 8) {
         const __m256 sa = _mm256_loadu_ps(sumsa + h), sb = _mm256_loadu_ps(sumsb + h);
 #pragma GCC unroll 4
@@ -308,8 +313,8 @@ INLINE void chunk_dot_i8_x2(int type, const coded *w, int chunk, const int8_t *x
     }
     for (int r = 0; r < ROWS; r++) offa[r] = (v8)a[r], offb[r] = (v8)b[r];
 #else
-    chunk_dot_i8(type, w, chunk, xqa, xda, sumsa, acca, offa);
-    chunk_dot_i8(type, w, chunk, xqb, xdb, sumsb, accb, offb);
+    chunk_dot_i8(type, w, chunk, xqa, xda, sumsa, acca, offa, first);
+    chunk_dot_i8(type, w, chunk, xqb, xdb, sumsb, accb, offb, first);
 #endif
 }
 
@@ -343,8 +348,6 @@ INLINE void tile_i8(int type, int chunk, const uint8_t *w, int64_t row_bytes, in
     coded rows[ROWS] __attribute__((aligned(64)));
     v8 acc[MAX_M][ROWS], acc_off[MAX_M][ROWS];
     if (num_rows < ROWS) memset(rows, 0, sizeof rows);  /* rows past num_rows: zero */
-    memset(acc, 0, (size_t)num_m * sizeof acc[0]);
-    memset(acc_off, 0, (size_t)num_m * sizeof acc_off[0]);
     const int most = PIECE / chunk * chunk;
     for (int64_t k0 = 0; k0 < k; k0 += most) {
         const int piece = k - k0 < most ? (int)(k - k0) : most;
@@ -355,12 +358,12 @@ INLINE void tile_i8(int type, int chunk, const uint8_t *w, int64_t row_bytes, in
             chunk_dot_i8_x2(type, rows, piece, x->q + a * k + k0, x->q + b * k + k0,
                             x->d + (a * k + k0) / 32, x->d + (b * k + k0) / 32,
                             x->sums + (a * k + k0) / 16, x->sums + (b * k + k0) / 16,
-                            acc[m], acc[m + 1], acc_off[m], acc_off[m + 1]);
+                            acc[m], acc[m + 1], acc_off[m], acc_off[m + 1], k0 == 0);
         }
         for (; m < num_m; m++) {
             const int64_t row = m0 + m;
             chunk_dot_i8(type, rows, piece, x->q + row * k + k0, x->d + (row * k + k0) / 32,
-                         x->sums + (row * k + k0) / 16, acc[m], acc_off[m]);
+                         x->sums + (row * k + k0) / 16, acc[m], acc_off[m], k0 == 0);
         }
     }
     for (int m = 0; m < num_m; m++) sum_rows(acc[m], acc_off[m], y + (m0 + m) * n + n0, num_rows);
