@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.model.forward import has_onednn_linear, onednn_rows
 from workers.weights.block_kernels import BlockKernels
 from workers.weights.block_matrix import BlockMatrix
 from workers.weights.path_plan import PATHS, PathPlan
@@ -21,6 +22,7 @@ tile), small next to the blocks of any model (SmolLM2 Q4_1: 92 MiB; 32 MiB would
 resident memory past 1.3x the file), and it stays in a server CPU's L3 between expansion and
 GEMM."""
 ROW_MULTIPLE = 16
+HAS_ONEDNN = has_onednn_linear()
 
 
 class TileScratch:
@@ -76,12 +78,26 @@ class BlockLinear:
         step = self.scratch.rows_per_tile(num_out, self.in_features, dtype)
         xd = x.to(dtype)
         if step == num_out:  # one tile: the whole matrix
-            return (xd @ self._tile(0, num_out, dtype).T).float()
+            return self._gemm(xd, self._tile(0, num_out, dtype)).float()
         out = torch.empty(x.shape[0], num_out, dtype=torch.float32)
         for n0 in range(0, num_out, step):
             n1 = min(num_out, n0 + step)
-            out[:, n0:n1] = xd @ self._tile(n0, n1, dtype).T
+            out[:, n0:n1] = self._gemm(xd, self._tile(n0, n1, dtype))
         return out
+
+    @staticmethod
+    def _gemm(x: torch.Tensor, tile: torch.Tensor) -> torch.Tensor:
+        """x @ tile.T: oneDNN's inner product on the plain tile where torch has it (SmolLM2's
+        gate/up at 512 rows: 15 ms, against 26 ms for MKL's x @ W.T), rows padded to the
+        buckets fp32's Linear uses, so oneDNN keeps few primitives."""
+        if not HAS_ONEDNN:
+            return x @ tile.T
+        rows = x.shape[0]
+        padded = onednn_rows(rows)
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        out = torch.ops.mkldnn._linear_pointwise(x, tile, None, "none", [], "")
+        return out[:rows] if padded != rows else out
 
     def _tile(self, n0: int, n1: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows [n0, n1) expanded into the scratch: [n1 - n0, in]."""
