@@ -8,6 +8,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "exp_nonpositive.h"
+
 #define PARALLEL_VALUES 65536  /* fewer values than this: one thread */
 
 /* out[r] = x[r] * 1 / sqrt(mean(x[r]^2) + eps) * w, rows of n values (x rows ldx apart). */
@@ -51,6 +53,21 @@ void rotary_rows(const float *x, int64_t ldx, const float *cos_t, const float *s
 
 enum { SILU = 0, GELU_TANH = 1 };
 
+/* The activations from e^-|v| (exp_nonpositive: plain arithmetic, so the loops vectorize; with
+ * libm's expf a 256-row call took 3x torch's vectorized silu). */
+static inline float silu(float v) {
+    const float e = exp_nonpositive(-fabsf(v));  /* sigmoid(v) = 1 / (1 + e^-v) */
+    const float s = 1.0f / (1.0f + e), es = e * s;  /* both computed: the select vectorizes */
+    return v * (v >= 0.0f ? s : es);
+}
+
+static inline float gelu_tanh(float v) {
+    const float y = 0.7978845608028654f * (v + 0.044715f * v * v * v);  /* sqrt(2 / pi) (...) */
+    const float e = exp_nonpositive(-2.0f * fabsf(y));  /* tanh |y| = (1 - e) / (1 + e) */
+    const float t = (1.0f - e) / (1.0f + e);
+    return 0.5f * v * (1.0f + copysignf(t, y));
+}
+
 /* out [rows, f] = act(g) * u where each row of x is [g (f values) | u (f values)]. */
 void act_mul_rows(const float *x, float *out, int64_t rows, int64_t f, int act, int num_threads) {
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * f >= PARALLEL_VALUES)
@@ -58,13 +75,11 @@ void act_mul_rows(const float *x, float *out, int64_t rows, int64_t f, int act, 
         const float *g = x + r * 2 * f, *u = g + f;
         float *y = out + r * f;
         if (act == SILU) {
-            for (int64_t j = 0; j < f; j++) y[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+            #pragma omp simd
+            for (int64_t j = 0; j < f; j++) y[j] = silu(g[j]) * u[j];
         } else {
-            const float k = 0.7978845608028654f;  /* sqrt(2 / pi) */
-            for (int64_t j = 0; j < f; j++) {
-                const float v = g[j];
-                y[j] = 0.5f * v * (1.0f + tanhf(k * (v + 0.044715f * v * v * v))) * u[j];
-            }
+            #pragma omp simd
+            for (int64_t j = 0; j < f; j++) y[j] = gelu_tanh(g[j]) * u[j];
         }
     }
 }
