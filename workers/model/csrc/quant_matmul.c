@@ -37,7 +37,6 @@ enum { OK = 0, BAD_TYPE = -3, BAD_SHAPE = -4, NO_MEMORY = -1 };
 #define CHUNK 256   /* most values decoded per row at a time: one K-quant block, eight 32-blocks */
 #define ROWS 4      /* weight rows per tile */
 #define MAX_M 32    /* rows of x per pass (accumulators on the stack) */
-#define PREFETCH_ROWS 8
 
 /* Values per decoded piece of a row: the most of 256, 128, 64, 32 that splits k into whole
  * blocks (576 = 9 x 64 for 32-value blocks); BAD_TYPE / BAD_SHAPE (< 0) if none. */
