@@ -5,13 +5,16 @@ magnitude, against gguf's own decoder:
 - expansion (fp32 and bf16) and lookups equal gguf's values bit for bit;
 - the fp32 matmul equals x @ W.T within fp32 summation's bound, |err| <= K u sum |x| |w|
   (u = 2^-24; the sum of K products in any order);
-- the int8 matmul equals it within the rounding of x to 8 bits per 32 values: each x moves by
-  at most half its group's step d = max |x| / 127, so |err| <= sum_groups d / 2 sum |w|
-  (+ the fp32 sum's bound on the rounded x);
+- the int8 matmul, and the same arithmetic by panels of 8 rows of x, equal it within the
+  rounding of x to 8 bits per 32 values: each x moves by at most half its group's step
+  d = max |x| / 127, so |err| <= sum_groups d / 2 sum |w| (+ the fp32 sum's bound on the
+  rounded x);
 - a row of x gives the same bits alone as among others;
 and negative controls show both bounds catch a code-order bug.
 """
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import pytest
@@ -19,12 +22,18 @@ import torch
 from gguf import GGMLQuantizationType
 
 from workers.weights.kquant_pack import dequantize, quantize
-from workers.weights.block_kernels import block_kernels
+from workers.model.cpu_kernels import build, cpu_id
+from workers.weights.block_kernels import BlockKernels, block_kernels
 from workers.weights.block_matrix import BLOCK_TYPES, BlockMatrix, block_matrix
 
 Q = GGMLQuantizationType
 U = 2.0 ** -24
 pytestmark = pytest.mark.skipif(block_kernels() is None, reason="no C compiler: block kernels unavailable")
+
+
+def skip_without_panels(kernel: str) -> None:
+    if kernel == "int8_panels" and not block_kernels().has_panels:
+        pytest.skip("the int8 panels need AVX2")
 
 
 def weights(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> tuple[BlockMatrix, torch.Tensor]:
@@ -62,41 +71,49 @@ def test_expansion_and_lookups_equal_gguf(qtype):
     assert matrix.num_bytes == matrix.raw.numel() and matrix.raw.dtype == torch.uint8
 
 
+KERNELS = {"fp32": {"int8": False}, "int8": {"int8": True}, "int8_panels": {"panels": True}}
+
+
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=[t.name for t in BLOCK_TYPES])
-@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
-def test_matmul_equals_the_dequantized_product_within_its_bound(qtype, int8):
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_matmul_equals_the_dequantized_product_within_its_bound(qtype, kernel):
+    skip_without_panels(kernel)
     matrix, w = weights(qtype, 37, cols_for(qtype), seed=1)  # 37 rows: a partial tile of 4
-    x = torch.randn(35, matrix.in_features, generator=torch.Generator().manual_seed(2))  # 35 > 32 per pass
+    rows = 35 if kernel != "int8_panels" else 8 * 16 + 11  # past a pass (32 rows; 16 panels of 8) and a partial panel
+    x = torch.randn(rows, matrix.in_features, generator=torch.Generator().manual_seed(2))
     x[3] *= 1000.0  # rows of very different magnitude
-    y = block_kernels().matmul(matrix, x, int8=int8)
+    y = block_kernels().matmul(matrix, x, **KERNELS[kernel])
     error = (y.double() - x.double() @ w.double().T).abs()
-    bound = int8_bound(x, w) if int8 else fp32_bound(x, w)
-    assert y.shape == (35, 37) and y.dtype == torch.float32
+    bound = fp32_bound(x, w) if kernel == "fp32" else int8_bound(x, w)
+    assert y.shape == (rows, 37) and y.dtype == torch.float32
     assert bool((error <= bound).all()), f"worst error/bound {float((error / bound).max()):.3f}"
-    alone = block_kernels().matmul(matrix, x[33:34], int8=int8)
-    assert torch.equal(alone[0], y[33])  # the same bits without batch mates
+    alone = block_kernels().matmul(matrix, x[rows - 2:rows - 1], **KERNELS[kernel])
+    assert torch.equal(alone[0], y[rows - 2])  # the same bits without batch mates (and in lane 0)
 
 
 @pytest.mark.parametrize("qtype,cols", [(Q.Q4_1, 2208), (Q.Q8_0, 2080), (Q.Q6_K, 2304)],
                          ids=["Q4_1", "Q8_0", "Q6_K"])
-def test_int8_matmul_over_rows_longer_than_one_coded_piece(qtype, cols):
-    """Rows past the int8 kernel's 2048-value piece: the accumulators carry across pieces, and
+@pytest.mark.parametrize("kernel", ["int8", "int8_panels"])
+def test_int8_matmul_over_rows_longer_than_one_coded_piece(qtype, cols, kernel):
+    """Rows past the int8 kernels' 2048-value piece: the accumulators carry across pieces, and
     the last, shorter piece's offsets do not reuse the previous piece's."""
+    skip_without_panels(kernel)
     matrix, w = weights(qtype, 9, cols, seed=5)
-    x = torch.randn(5, cols, generator=torch.Generator().manual_seed(6))
-    y = block_kernels().matmul(matrix, x, int8=True)
+    x = torch.randn(13, cols, generator=torch.Generator().manual_seed(6))
+    y = block_kernels().matmul(matrix, x, **KERNELS[kernel])
     error = (y.double() - x.double() @ w.double().T).abs()
     assert bool((error <= int8_bound(x, w)).all()), f"worst error/bound {float((error / int8_bound(x, w)).max()):.3f}"
-    assert torch.equal(block_kernels().matmul(matrix, x[4:], int8=True)[0], y[4])
+    assert torch.equal(block_kernels().matmul(matrix, x[12:], **KERNELS[kernel])[0], y[12])
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
-def test_bounds_catch_codes_in_the_wrong_order(int8):
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_bounds_catch_codes_in_the_wrong_order(kernel):
+    skip_without_panels(kernel)
     matrix, w = weights(Q.Q4_K, 8, 256, seed=3)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
     swapped = w.view(8, -1, 2).flip(-1).reshape(8, 256)  # neighbours exchanged: a nibble-order bug
-    error = (block_kernels().matmul(matrix, x, int8=int8).double() - x.double() @ swapped.double().T).abs()
-    bound = int8_bound(x, swapped) if int8 else fp32_bound(x, swapped)
+    error = (block_kernels().matmul(matrix, x, **KERNELS[kernel]).double() - x.double() @ swapped.double().T).abs()
+    bound = fp32_bound(x, swapped) if kernel == "fp32" else int8_bound(x, swapped)
     assert bool((error > bound).any())
 
 
@@ -109,3 +126,18 @@ def test_bad_inputs_are_refused():
         kernels.dequantize(matrix.raw[:, :105], Q.Q6_K, 128)  # half a block per row
     with pytest.raises(ValueError, match="fp32 or bf16"):
         kernels.dequantize(matrix.raw, Q.Q6_K, 256, dtype=torch.float16)
+
+
+NO_VNNI = ("-mno-avx512f", "-mno-avxvnni", "-mno-avx512vnni")
+
+
+@pytest.mark.skipif("vnni" not in cpu_id(), reason="this CPU has no VNNI: its build is already the fallback")
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.Q4_K], ids=["Q4_1", "Q8_0", "Q6_K", "Q4_K"])
+def test_int8_panels_give_the_same_bits_without_vnni(qtype):
+    """The panels' integer sums are exact with dpbusd (Q8_0's codes shifted by 128, the shift
+    taken back exactly) and with maddubs + madd (AVX2 CPUs, Q8_0 by signs): a build for a CPU
+    without VNNI or AVX-512 gives the same bits, so both paths are checked on this machine."""
+    fallback = BlockKernels(ctypes.CDLL(str(build("quant_matmul", NO_VNNI))))
+    matrix, _ = weights(qtype, 21, cols_for(qtype), seed=7)
+    x = torch.randn(19, matrix.in_features, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(fallback.matmul(matrix, x, panels=True), block_kernels().matmul(matrix, x, panels=True))

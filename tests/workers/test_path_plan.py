@@ -47,6 +47,19 @@ def test_plan_from_timings_splits_rows_where_the_lines_cross():
     assert plan_from_timings(rows, {"int8": [1.0, 1.5], "dense": seconds["dense"]}).path_for(1) == "int8"
 
 
+def test_a_path_measurement_stopped_timing_does_not_take_larger_counts():
+    """blocks was timed at 1-4 rows only (far behind there): its flat fitted line lies below
+    the others past 512 rows, but it was never measured there, so it takes nothing."""
+    rows = [1, 2, 4, 8, 16, 32, 64, 128, 512]
+    seconds = {"int8": [2 + 0.5 * r for r in rows], "int8_panels": [4 + 0.2 * r for r in rows],
+               "blocks": [20.0, 20.5, 21.0]}
+    plan = plan_from_timings(rows, seconds)
+    assert {path for _, path in plan.steps} == {"int8", "int8_panels"}
+    assert plan.path_for(10**5) == "int8_panels" and plan.path_for(1) == "int8"
+    # where every path stopped early (not from measure_plan), the plan still names one
+    assert plan_from_timings(rows, {"blocks": [20.0, 20.5, 21.0]}).path_for(10**5) == "blocks"
+
+
 def test_path_plan_validates_and_describes():
     assert PathPlan(((4, "int8"), (8, "dense"))).describe() == "int8 <= 4 rows < dense"
     assert PathPlan.only("blocks").path_for(10**6) == "blocks"

@@ -13,6 +13,7 @@ prints per path, with the load average (the machine is shared: decode figures ar
     python -m tools.bench quant --plans [--repeats 5]      # per-matmul timings behind auto's plans
     python -m tools.bench quant --int8                     # the int8-activation step at 1-4 rows
     python -m tools.bench quant --paired fp32,auto --batches 1,16,64   # decode steps in turns
+    python -m tools.bench quant --paired fp32,auto --batches 1 --paired-prefill 64,512,2048
 """
 from __future__ import annotations
 
@@ -193,7 +194,8 @@ def _decode_rate(batch: int, row: dict[str, Any]) -> float:
 def paired_decode(args: argparse.Namespace, paths: list[str], batches: list[int]) -> None:
     """Decode steps of each path in turns (rounds of 8 steps each), so the host's swings fall on
     every path alike: the median step per path and each path's speed against the first."""
-    need = max(batches) * -(-(args.prompt_tokens + 9) // 16) + 64
+    prefills = [int(n) for n in args.paired_prefill.split(",") if n]
+    need = max(batches) * -(-(args.prompt_tokens + 9) // 16) + max([0, *prefills]) // 16 + 64
     engines = {path: LLMEngine(args.model, num_blocks=need, max_seqs=max(batches), progress=False,
                                weights=path) for path in paths}
     rng = np.random.default_rng(0)
@@ -208,6 +210,15 @@ def paired_decode(args: argparse.Namespace, paths: list[str], batches: list[int]
         median = {path: statistics.median(t) for path, t in times.items()}
         print(f"decode {num_seqs:3d} seqs: " + ", ".join(
             f"{path} {median[path] * 1e3:.1f} ms ({median[paths[0]] / median[path]:.2f}x)" for path in paths))
+    for num_tokens in prefills:  # one prompt's prefill in one step, in turns
+        prompt = rng.integers(0, vocab, num_tokens).tolist()
+        times = {path: [] for path in paths}
+        for _ in range(args.rounds):
+            for path, engine in engines.items():
+                times[path].append(run_steps(engine, [prompt], 0)[0])
+        median = {path: statistics.median(t) for path, t in times.items()}
+        print(f"prefill {num_tokens:4d} tokens: " + ", ".join(
+            f"{path} {num_tokens / median[path]:.0f} tok/s ({median[paths[0]] / median[path]:.2f}x)" for path in paths))
     for engine in engines.values():
         engine.close()
 
@@ -230,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="--plans / --int8: timed rounds")
     parser.add_argument("--paired", default="", help="only time decode steps of these paths in turns")
     parser.add_argument("--rounds", type=int, default=5, help="--paired: rounds per batch size")
+    parser.add_argument("--paired-prefill", default="",
+                        help="--paired: also prefill prompts of these token counts in turns (one step each)")
     parser.add_argument("--memory-probe", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     model = resolve_model(args.model)

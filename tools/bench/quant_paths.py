@@ -93,12 +93,13 @@ def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2,
     weight_mib = sum(lin.matrix.num_bytes for lin in linears) / 2**20
     print(f"\none decode step's matmuls ({len(linears)} of them, {weight_mib:.0f} MiB of blocks), "
           f"median ms in turns (types: {sorted({lin.matrix.type_name for lin in linears})})")
-    names = ["int8", "blocks", "tile", "dense fp32 copy"] + (["int4 (q4)"] if int4 else [])
+    names = ["int8", "int8_panels", "blocks", "tile", "dense fp32 copy"] + (["int4 (q4)"] if int4 else [])
     print(f"{'rows':>5} | " + " ".join(f"{name:>15}" for name in names) + " | GB/s of blocks (int8)")
     with torch.inference_mode():
         for rows in rows_list:
             xs = [torch.randn(rows, lin.in_features) for lin in linears]
             calls = {"int8": lambda: [lin.run("int8", x) for lin, x in zip(linears, xs)],
+                     "int8_panels": lambda: [lin.run("int8_panels", x) for lin, x in zip(linears, xs)],
                      "blocks": lambda: [lin.run("blocks", x) for lin, x in zip(linears, xs)],
                      "tile": lambda: [lin.run("dense", x) for lin, x in zip(linears, xs)],
                      "dense fp32 copy": lambda: [d(x) for d, x in zip(dense, xs)]}

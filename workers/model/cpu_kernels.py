@@ -64,17 +64,18 @@ def cache_dir() -> Path:
     raise KernelBuildError(f"no private directory to build kernels in (tried {base})")
 
 
-def build(name: str) -> Path:
+def build(name: str, extra_flags: tuple[str, ...] = ()) -> Path:
     """workers/model/csrc/<name>.c -> a shared library in the cache (compiled once per source and
-    the headers beside it, compiler and CPU; concurrent builders each write a temporary file,
-    then rename it)."""
+    the headers beside it, compiler, flags and CPU; concurrent builders each write a temporary
+    file, then rename it). `extra_flags` follow FLAGS (tests build without some of the CPU's
+    features, e.g. -mno-avx512f, to run the paths other CPUs take)."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise KernelBuildError(f"no C compiler: {os.environ.get('CC', 'cc')!r} is not on PATH")
     source = SOURCE_DIR / f"{name}.c"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     headers = [path.read_text() for path in sorted(SOURCE_DIR.glob("*.h"))]  # what it may include
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, compiler, version, " ".join(FLAGS),
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, compiler, version, " ".join(FLAGS + extra_flags),
                                     cpu_id()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if out.exists():
@@ -82,7 +83,7 @@ def build(name: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(source), "-o", tmp, "-lm"],
+        done = subprocess.run([compiler, *FLAGS, *extra_flags, str(source), "-o", tmp, "-lm"],
                               capture_output=True, text=True)
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["(no output)"])[0]

@@ -48,22 +48,27 @@ class BlockKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        for name in ("quant_matmul", "quant_matmul_i8"):
+        for name in ("quant_matmul", "quant_matmul_i8", "quant_matmul_i8_panels"):
             fn = getattr(library, name)
             fn.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
             fn.restype = i32
         library.quant_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i32, i32]
         library.quant_dequantize.restype = i32
+        library.quant_has_panels.argtypes = []
+        library.quant_has_panels.restype = i32
         self._lib = library
+        self.has_panels = bool(library.quant_has_panels())
+        """Whether `matmul(..., panels=True)` runs here (x86 with AVX2)."""
 
-    def matmul(self, matrix: Blocks, x: torch.Tensor, int8: bool = True) -> torch.Tensor:
-        """x fp32 [rows, in] -> fp32 [rows, out]."""
+    def matmul(self, matrix: Blocks, x: torch.Tensor, int8: bool = True, panels: bool = False) -> torch.Tensor:
+        """x fp32 [rows, in] -> fp32 [rows, out]; `panels`: the int8 arithmetic with x's rows
+        in panels of 8 (one int32 lane each), for steps of many rows."""
         out_features, in_features = matrix.shape
         x = x.to(torch.float32).contiguous()
         if x.dim() != 2 or x.shape[1] != in_features:
             raise ValueError(f"x of shape {tuple(x.shape)} does not match a {out_features}x{in_features} weight")
         y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-        fn = self._lib.quant_matmul_i8 if int8 else self._lib.quant_matmul
+        fn = self._lib.quant_matmul_i8_panels if panels else self._lib.quant_matmul_i8 if int8 else self._lib.quant_matmul
         _check(fn(int(matrix.qtype), matrix.raw.data_ptr(), out_features, in_features, x.data_ptr(),
                   x.shape[0], y.data_ptr(), torch.get_num_threads()), matrix.type_name)
         return y

@@ -3,6 +3,8 @@ machine at start-up, per weight type and shape, cached per CPU like the kernel b
 
 Paths over one BlockMatrix (block_linear.py runs them):
   int8        block kernel, activations rounded to 8 bits per 32 values, integer dot products
+  int8_panels the same arithmetic with x's rows in panels of 8, one int32 lane each: a group's
+              float work once per 8 rows (steps of many rows)
   blocks      block kernel in fp32 (each block decoded to fp32 in L1)
   dense       a tile of the matrix expanded to fp32 in a scratch buffer, dense GEMM (MKL)
   dense_bf16  the same in bf16: a candidate only where the CPU multiplies bf16 in hardware
@@ -30,14 +32,14 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-PATHS = ("int8", "blocks", "dense", "dense_bf16")
+PATHS = ("int8", "int8_panels", "blocks", "dense", "dense_bf16")
 MEASURE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 """Row counts timed at start-up: decode batches and speculative verification sit among them,
 and 512 for prefill chunks: the dense GEMM gains per row up to there (SmolLM2's gate/up:
 0.038 ms a row at 128, 0.027 at 512), so lines fitted to 128 rows at most kept int8 for
 prefill, 1.4x slower than the dense tile at 512."""
 DROP_RATIO = 2.0
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 
 
 @dataclass(frozen=True)
@@ -95,11 +97,17 @@ def plan_from_timings(rows: Sequence[int], seconds: Mapping[str, Sequence[float]
     if list(rows) != sorted(set(rows)) or rows[0] < 1:
         raise ValueError(f"measured row counts must rise from >= 1, got {list(rows)}")
     lines = {path: fit_line(rows[:len(times)], times) for path, times in seconds.items()}
+    # A path measurement stopped timing was far behind where it stopped: its line, fitted to a
+    # few small counts, is not extrapolated past them (a 1-4-row fit of the fp32 block kernel
+    # came out flat and took the head's prefill steps, 5x slower than the int8 panels there).
+    reach = {path: max_rows if len(times) == len(rows) else rows[len(times) - 1] for path, times in seconds.items()}
 
     def best(count: int) -> str:
-        return min(lines, key=lambda path: lines[path][0] + lines[path][1] * count)
+        eligible = [path for path in lines if count <= reach[path]] or list(lines)
+        return min(eligible, key=lambda path: lines[path][0] + lines[path][1] * count)
 
-    counts = sorted({1, max_rows} | {c for c in _crossings(list(lines.values())) if 1 <= c < max_rows})
+    ends = {c for r in reach.values() for c in (r, r + 1)}
+    counts = sorted({1, max_rows} | {c for c in _crossings(list(lines.values())) | ends if 1 <= c < max_rows})
     steps: list[tuple[int, str]] = []
     for count in counts:  # the winner is constant between consecutive crossings
         path = best(count)

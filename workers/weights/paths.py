@@ -50,9 +50,12 @@ def has_hardware_bf16() -> bool:
 
 
 def candidate_paths() -> tuple[str, ...]:
-    """The paths a plan chooses among on this CPU (bf16 only where it runs in hardware)."""
+    """The paths a plan chooses among on this CPU (int8 panels where the kernel has them, bf16
+    only where it runs in hardware)."""
     fast_bf16 = has_hardware_bf16() and has_onednn_bf16()
-    return ("int8", "blocks", "dense") + (("dense_bf16",) if fast_bf16 else ())
+    kernels = block_kernels()
+    panels = ("int8_panels",) if kernels is not None and kernels.has_panels else ()
+    return ("int8",) + panels + ("blocks", "dense") + (("dense_bf16",) if fast_bf16 else ())
 
 
 def host_is_quiet() -> bool:

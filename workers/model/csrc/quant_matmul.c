@@ -402,6 +402,241 @@ int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const floa
     return OK;
 }
 
+/* ---- int8 panels: one int32 lane per row of x (8 rows a vector), for steps of many rows ----
+ * The kernel above sums a weight row's 32-value group into 8 lanes of partial sums and pays a
+ * convert, a multiply and an FMA for every (weight row, x row, group): 4-5 vector operations
+ * per 32 multiply-adds, as many as fp32 FMAs take. Here x's rows are interleaved 4 bytes at a
+ * time ([8 rows][4 values] per vector), a weight row's 4 codes are broadcast to every lane,
+ * and one dpbusd (maddubs + madd without VNNI) adds 32 products into 8 exact int32 sums, one
+ * per row of x: a group's float work is paid once per 8 rows. Per (weight row, x row) the
+ * operations and their order do not depend on the other rows, so a row gives the same bits
+ * alone or in any batch. Rows of x past m are zeros in the last panel and are not stored. */
+#if defined(__AVX2__)
+#define PANEL 8      /* rows of x per panel (int32 lanes of a 256-bit vector) */
+#define MAX_PANELS 16  /* panels per pass: their accumulators on the stack, x's piece in L2 */
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define HAS_VNNI 1
+#else
+#define HAS_VNNI 0
+#endif
+
+typedef struct {  /* x by panels: p = row / 8, lane = row % 8 */
+    int8_t *q;      /* [panels][k / 4][8][4] */
+    float *d;       /* [panels][k / 32][8] */
+    float *sums;    /* [panels][k / 16][8]: d * (sum of the 16 q) */
+    int32_t *bias;  /* [panels][k / 32][8]: -128 * (sum of the 32 q), for codes shifted by 128 */
+} qx_panels;
+
+/* Rows [8p, 8p + 8) of the row-major quantized x into panel p (rows past m: zeros). */
+static void interleave_panel(const qx *x, int64_t m, int64_t k, int64_t p, qx_panels *out) {
+    const int64_t groups = k / 32;
+    int32_t *q = (int32_t *)(out->q + p * k * PANEL);
+    float *d = out->d + p * groups * PANEL, *sums = out->sums + p * groups * 2 * PANEL;
+    int32_t *bias = out->bias + p * groups * PANEL;
+    for (int lane = 0; lane < PANEL; lane++) {
+        const int64_t row = p * PANEL + lane;
+        const int valid = row < m;
+        const int32_t *src = (const int32_t *)(x->q + row * k);
+        for (int64_t j = 0; j < k / 4; j++) q[j * PANEL + lane] = valid ? src[j] : 0;
+        for (int64_t g = 0; g < groups; g++) {
+            int32_t total = 0;
+            if (valid)
+                for (int i = 0; i < 32; i++) total += x->q[row * k + 32 * g + i];
+            d[g * PANEL + lane] = valid ? x->d[row * groups + g] : 0.0f;
+            bias[g * PANEL + lane] = -128 * total;
+        }
+        for (int64_t h = 0; h < 2 * groups; h++) sums[h * PANEL + lane] = valid ? x->sums[row * 2 * groups + h] : 0.0f;
+    }
+}
+
+/* acc + the products of 4 codes (broadcast) with each lane's 4 values, summed per lane. */
+INLINE __m256i panel_dot(__m256i acc, __m256i codes, __m256i xq, int is_signed) {
+#if HAS_VNNI
+    (void)is_signed;  /* signed codes were shifted to unsigned (+128) and bias corrects */
+    return _mm256_dpbusd_epi32(acc, codes, xq);
+#else
+    const __m256i cu = is_signed ? _mm256_sign_epi8(codes, codes) : codes;  /* |c| <= 128, or c <= 63 */
+    const __m256i xs = is_signed ? _mm256_sign_epi8(xq, codes) : xq;
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(cu, xs), _mm256_set1_epi16(1)));
+#endif
+}
+
+#if defined(__AVX512VL__)
+#define PANELS_AT_ONCE 4  /* 16 accumulators + 4 codes + 4 x vectors: within 32 registers */
+#else
+#define PANELS_AT_ONCE 2  /* within 16 registers */
+#endif
+
+/* Weight rows [0, ROWS) of w times `np` panels from `panel` over values [k0, k0 + piece):
+ * tot[p][r] += per group (integer dot) * scale * xd; off[p][r] += offsets * sums. Each code
+ * broadcast feeds np dot products and each x vector ROWS: loads per dot product stay below one. */
+INLINE void panels_dot(int type, const coded *w, int piece, const qx_panels *x, int64_t k, int64_t k0,
+                       int64_t panel, int np, __m256 tot[][ROWS], __m256 off[][ROWS]) {
+    const int is_signed = codes_signed(type), sub16 = scales_per_16(type);
+    const int group = sub16 ? 16 : 32;  /* values per scale */
+    const int8_t *xq[PANELS_AT_ONCE];
+    const float *xd[PANELS_AT_ONCE], *xs[PANELS_AT_ONCE];
+    const int32_t *bias[PANELS_AT_ONCE];
+    __m256 t[PANELS_AT_ONCE][ROWS];
+    for (int p = 0; p < np; p++) {
+        xq[p] = x->q + (panel + p) * k * PANEL + k0 * PANEL;
+        xd[p] = x->d + ((panel + p) * k + k0) / 32 * PANEL;
+        xs[p] = x->sums + ((panel + p) * k + k0) / 16 * PANEL;
+        bias[p] = x->bias + ((panel + p) * k + k0) / 32 * PANEL;
+        for (int r = 0; r < ROWS; r++) t[p][r] = tot[p][r];
+    }
+    for (int v0 = 0; v0 < piece; v0 += group) {
+        __m256i acc[PANELS_AT_ONCE][ROWS];
+        for (int p = 0; p < np; p++) {
+            const __m256i start = HAS_VNNI && is_signed ? _mm256_loadu_si256((const __m256i *)(bias[p] + v0 / 32 * PANEL))
+                                                        : _mm256_setzero_si256();
+            for (int r = 0; r < ROWS; r++) acc[p][r] = start;
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < group; j += 4) {
+            __m256i xv[PANELS_AT_ONCE];
+            for (int p = 0; p < np; p++) xv[p] = _mm256_loadu_si256((const __m256i *)(xq[p] + (v0 + j) * PANEL));
+#pragma GCC unroll 4
+            for (int r = 0; r < ROWS; r++) {
+                int32_t c;
+                memcpy(&c, w[r].c + v0 + j, 4);
+                const __m256i cv = _mm256_set1_epi32(c);
+                for (int p = 0; p < np; p++) acc[p][r] = panel_dot(acc[p][r], cv, xv[p], is_signed);
+            }
+        }
+        for (int p = 0; p < np; p++) {
+            const __m256 xdv = _mm256_loadu_ps(xd[p] + v0 / 32 * PANEL);
+#pragma GCC unroll 4
+            for (int r = 0; r < ROWS; r++)
+                t[p][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[p][r]),
+                                          _mm256_mul_ps(_mm256_set1_ps(w[r].sc[v0 / 16]), xdv), t[p][r]);
+        }
+    }
+    __m256 o[PANELS_AT_ONCE][ROWS];  /* np * ROWS chains in flight (4 stalled on FMA latency) */
+    for (int p = 0; p < np; p++)
+        for (int r = 0; r < ROWS; r++) o[p][r] = off[p][r], tot[p][r] = t[p][r];
+    for (int h = 0; h < piece / 16; h++) {
+        __m256 sv[PANELS_AT_ONCE];
+        for (int p = 0; p < np; p++) sv[p] = _mm256_loadu_ps(xs[p] + h * PANEL);
+#pragma GCC unroll 4
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 ov = _mm256_set1_ps(w[r].off[h]);
+            for (int p = 0; p < np; p++) o[p][r] = _mm256_fmadd_ps(ov, sv[p], o[p][r]);
+        }
+    }
+    for (int p = 0; p < np; p++)
+        for (int r = 0; r < ROWS; r++) off[p][r] = o[p][r];
+}
+
+/* panels_dot over `num_panels` panels, PANELS_AT_ONCE at a time (the same operations per
+ * (weight row, x row) whatever the grouping). */
+INLINE void panel_piece(int type, const coded *w, int piece, const qx_panels *x, int64_t k, int64_t k0,
+                        int64_t p0, int num_panels, __m256 tot[][ROWS], __m256 off[][ROWS]) {
+    int p = 0;
+    for (; p + PANELS_AT_ONCE <= num_panels; p += PANELS_AT_ONCE)
+        panels_dot(type, w, piece, x, k, k0, p0 + p, PANELS_AT_ONCE, tot + p, off + p);
+    for (; p < num_panels; p++) panels_dot(type, w, piece, x, k, k0, p0 + p, 1, tot + p, off + p);
+}
+
+INLINE void tile_panels(int type, int chunk, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n0,
+                        int num_rows, const qx_panels *x, int64_t p0, int num_panels, int64_t m,
+                        float *y, int64_t n) {
+    coded rows[ROWS] __attribute__((aligned(64)));
+    __m256 tot[MAX_PANELS][ROWS], off[MAX_PANELS][ROWS];
+    if (num_rows < ROWS) memset(rows, 0, sizeof rows);  /* rows past num_rows: zero */
+    for (int p = 0; p < num_panels; p++)
+        for (int r = 0; r < ROWS; r++) tot[p][r] = off[p][r] = _mm256_setzero_ps();
+    const int most = PIECE / chunk * chunk;
+    for (int64_t k0 = 0; k0 < k; k0 += most) {
+        const int piece = k - k0 < most ? (int)(k - k0) : most;
+        for (int r = 0; r < num_rows; r++) {
+            code_piece(type, w + (n0 + r) * row_bytes, k0, piece, chunk, rows + r);
+            if (HAS_VNNI && codes_signed(type))  /* dpbusd multiplies unsigned codes: c + 128 */
+                for (int j = 0; j < piece; j += 32)
+                    _mm256_storeu_si256((__m256i *)(rows[r].c + j),
+                                        _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(rows[r].c + j)),
+                                                         _mm256_set1_epi8((char)0x80)));
+        }
+        panel_piece(type, rows, piece, x, k, k0, p0, num_panels, tot, off);
+    }
+    for (int p = 0; p < num_panels; p++) {  /* 4 weight rows x 8 x rows -> 8 rows of y, 4 floats each */
+        __m256 v[ROWS];
+        for (int r = 0; r < ROWS; r++) v[r] = _mm256_add_ps(tot[p][r], off[p][r]);
+        const __m256 a = _mm256_unpacklo_ps(v[0], v[1]), b = _mm256_unpacklo_ps(v[2], v[3]);
+        const __m256 c = _mm256_unpackhi_ps(v[0], v[1]), d = _mm256_unpackhi_ps(v[2], v[3]);
+        const __m256 rows04 = _mm256_shuffle_ps(a, b, 0x44), rows15 = _mm256_shuffle_ps(a, b, 0xee);
+        const __m256 rows26 = _mm256_shuffle_ps(c, d, 0x44), rows37 = _mm256_shuffle_ps(c, d, 0xee);
+        __m128 out[PANEL] = {_mm256_castps256_ps128(rows04), _mm256_castps256_ps128(rows15),
+                             _mm256_castps256_ps128(rows26), _mm256_castps256_ps128(rows37),
+                             _mm256_extractf128_ps(rows04, 1), _mm256_extractf128_ps(rows15, 1),
+                             _mm256_extractf128_ps(rows26, 1), _mm256_extractf128_ps(rows37, 1)};
+        for (int lane = 0; lane < PANEL; lane++) {
+            const int64_t row = (p0 + p) * PANEL + lane;
+            if (row >= m) break;
+            if (num_rows == ROWS) {
+                _mm_storeu_ps(y + row * n + n0, out[lane]);
+            } else {
+                float four[ROWS];
+                _mm_storeu_ps(four, out[lane]);
+                for (int r = 0; r < num_rows; r++) y[row * n + n0 + r] = four[r];
+            }
+        }
+    }
+}
+#endif
+
+/* Whether quant_matmul_i8_panels runs on this build (it needs AVX2). */
+int quant_has_panels(void) {
+#if defined(__AVX2__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* quant_matmul_i8's arithmetic by panels of 8 rows of x; BAD_TYPE where the CPU lacks AVX2. */
+int quant_matmul_i8_panels(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
+                           float *y, int num_threads) {
+#if defined(__AVX2__)
+    const int chunk = chunk_of(type, k);
+    if (chunk < 0) return chunk;
+    const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
+    const int64_t num_tiles = (n + ROWS - 1) / ROWS, panels = (m + PANEL - 1) / PANEL;
+    qx xq = {malloc((size_t)(m * k)), malloc((size_t)(m * k / 32) * sizeof(float)),
+             calloc((size_t)(m * k / 16 + 8), sizeof(float))};
+    qx_panels xp = {malloc((size_t)(panels * PANEL * k)), malloc((size_t)(panels * PANEL * k / 32) * sizeof(float)),
+                    malloc((size_t)(panels * PANEL * k / 16) * sizeof(float)),
+                    malloc((size_t)(panels * PANEL * k / 32) * sizeof(int32_t))};
+    if (!xq.q || !xq.d || !xq.sums || !xp.q || !xp.d || !xp.sums || !xp.bias) {
+        free(xq.q), free(xq.d), free(xq.sums), free(xp.q), free(xp.d), free(xp.sums), free(xp.bias);
+        return NO_MEMORY;
+    }
+    #pragma omp parallel num_threads(num_threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, xq.q + r * k, xq.d + r * k / 32, xq.sums + r * k / 16);
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) interleave_panel(&xq, m, k, p, &xp);
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < num_tiles; t++) {
+            const int64_t n0 = t * ROWS;
+            const int rows = n - n0 < ROWS ? (int)(n - n0) : ROWS;
+            for (int64_t p0 = 0; p0 < panels; p0 += MAX_PANELS) {
+                const int num_panels = panels - p0 < MAX_PANELS ? (int)(panels - p0) : MAX_PANELS;
+#define TILE(T) tile_panels(T, chunk, w, row_bytes, k, n0, rows, &xp, p0, num_panels, m, y, n)
+                SWITCH_TYPE(type, TILE)
+#undef TILE
+            }
+        }
+    }
+    free(xq.q), free(xq.d), free(xq.sums), free(xp.q), free(xp.d), free(xp.sums), free(xp.bias);
+    return OK;
+#else
+    (void)type, (void)w, (void)n, (void)k, (void)x, (void)m, (void)y, (void)num_threads;
+    return BAD_TYPE;
+#endif
+}
+
 static uint16_t to_bf16(float f) {  /* round to nearest even (no NaNs here: finite weights) */
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
