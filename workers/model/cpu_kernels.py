@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
@@ -134,13 +135,23 @@ class PagedAttentionKernel:
         return out
 
 
-@functools.cache
-def paged_attention() -> PagedAttentionKernel | None:
-    """The kernel, or None (with one warning) where it cannot be built here."""
+K = TypeVar("K")
+
+
+def load_kernel(name: str, wrap: Callable[[ctypes.CDLL], K], fallback: str) -> K | None:
+    """csrc/<name>.c built and loaded, wrapped by `wrap`; None where the kernels are turned off
+    (JUSTAPI_CPU_KERNELS=0) or cannot be built here, with one warning saying `fallback`
+    (what runs instead)."""
     if os.environ.get(ENABLE_ENV, "1") == "0":
         return None
     try:
-        return PagedAttentionKernel(ctypes.CDLL(str(build("paged_attention"))))
+        return wrap(ctypes.CDLL(str(build(name))))
     except (KernelBuildError, OSError) as exc:
-        log.warning("CPU attention kernel unavailable, using the torch path (slower): %s", exc)
+        log.warning("CPU kernel %s unavailable, %s: %s", name, fallback, exc)
         return None
+
+
+@functools.cache
+def paged_attention() -> PagedAttentionKernel | None:
+    """The kernel, or None (with one warning) where it cannot be built here."""
+    return load_kernel("paged_attention", PagedAttentionKernel, "using the torch path (slower)")

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import os
 
 import torch
 
-from workers.model.cpu_kernels import ENABLE_ENV, KernelBuildError, build
+from workers.model.cpu_kernels import load_kernel
 
-log = logging.getLogger(__name__)
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
@@ -71,10 +69,4 @@ class LayerOps:
 @functools.cache
 def layer_ops() -> LayerOps | None:
     """The kernel, or None (with one warning) where it cannot be built here."""
-    if os.environ.get(ENABLE_ENV, "1") == "0":
-        return None
-    try:
-        return LayerOps(ctypes.CDLL(str(build("layer_ops"))))
-    except (KernelBuildError, OSError) as exc:
-        log.warning("CPU layer kernels unavailable, using torch ops (slower at small batches): %s", exc)
-        return None
+    return load_kernel("layer_ops", LayerOps, "using torch ops (slower at small batches)")

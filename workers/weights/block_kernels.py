@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
 from typing import Protocol
 
 import torch
 from gguf import GGMLQuantizationType
 
-from workers.model.cpu_kernels import ENABLE_ENV, KernelBuildError, build
+from workers.model.cpu_kernels import load_kernel
 
-log = logging.getLogger(__name__)
 _STATUS = {-1: "out of memory", -3: "unsupported type", -4: "row length is not whole blocks"}
 
 
@@ -100,10 +97,4 @@ def _check(status: int, type_name: str) -> None:
 @functools.cache
 def block_kernels() -> BlockKernels | None:
     """The kernels, or None (with one warning) where they cannot be built here."""
-    if os.environ.get(ENABLE_ENV, "1") == "0":
-        return None
-    try:
-        return BlockKernels(ctypes.CDLL(str(build("quant_matmul"))))
-    except (KernelBuildError, OSError) as exc:
-        log.warning("CPU block kernels unavailable (quantized weights are expanded instead): %s", exc)
-        return None
+    return load_kernel("quant_matmul", BlockKernels, "quantized weights are expanded instead")
