@@ -48,6 +48,16 @@ static int chunk_of(int type, int64_t k) {
     return BAD_SHAPE;
 }
 
+/* Tiles a thread takes at a time: 16 turns per thread, taken as threads come free. A static
+ * split waits at the end of every call for a thread the OS descheduled (on 2 vCPUs shared with
+ * the frontend and the scheduler: a served 4-sequence step's forward 1.6x the offline one's);
+ * taken dynamically, the running thread does the descheduled one's share. A tile's result
+ * does not depend on the thread that computes it. */
+static int64_t tile_grain(int64_t num_tiles, int num_threads) {
+    const int64_t grain = num_tiles / (16 * (int64_t)(num_threads > 0 ? num_threads : 1));
+    return grain > 0 ? grain : 1;
+}
+
 static float hsum(vf v) {  /* a fixed pairing: the same bits on every call */
     float lanes[LANES];
     memcpy(lanes, &v, sizeof lanes);
@@ -122,8 +132,8 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *
     const int chunk = chunk_of(type, k);
     if (chunk < 0) return chunk;
     const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
-    const int64_t num_tiles = (n + ROWS - 1) / ROWS;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    const int64_t num_tiles = (n + ROWS - 1) / ROWS, grain = tile_grain(num_tiles, num_threads);
+    #pragma omp parallel for schedule(dynamic, grain) num_threads(num_threads)
     for (int64_t t = 0; t < num_tiles; t++) {
         const int64_t n0 = t * ROWS;
         const int rows = n - n0 < ROWS ? (int)(n - n0) : ROWS;
@@ -375,7 +385,7 @@ int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const floa
     const int chunk = chunk_of(type, k);
     if (chunk < 0) return chunk;
     const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
-    const int64_t num_tiles = (n + ROWS - 1) / ROWS;
+    const int64_t num_tiles = (n + ROWS - 1) / ROWS, grain = tile_grain(num_tiles, num_threads);
     qx xq = {malloc((size_t)(m * k)), malloc((size_t)(m * k / 32) * sizeof(float)),
              calloc((size_t)(m * k / 16 + 8), sizeof(float))};  /* 8 zeros: read past the last half */
     if (!xq.q || !xq.d || !xq.sums) {
@@ -386,7 +396,7 @@ int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const floa
     {
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, xq.q + r * k, xq.d + r * k / 32, xq.sums + r * k / 16);
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, grain)
         for (int64_t t = 0; t < num_tiles; t++) {
             const int64_t n0 = t * ROWS;
             const int rows = n - n0 < ROWS ? (int)(n - n0) : ROWS;
@@ -602,6 +612,7 @@ int quant_matmul_i8_panels(int type, const uint8_t *w, int64_t n, int64_t k, con
     if (chunk < 0) return chunk;
     const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
     const int64_t num_tiles = (n + ROWS - 1) / ROWS, panels = (m + PANEL - 1) / PANEL;
+    const int64_t grain = tile_grain(num_tiles, num_threads);
     qx xq = {malloc((size_t)(m * k)), malloc((size_t)(m * k / 32) * sizeof(float)),
              calloc((size_t)(m * k / 16 + 8), sizeof(float))};
     qx_panels xp = {malloc((size_t)(panels * PANEL * k)), malloc((size_t)(panels * PANEL * k / 32) * sizeof(float)),
@@ -617,7 +628,7 @@ int quant_matmul_i8_panels(int type, const uint8_t *w, int64_t n, int64_t k, con
         for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, xq.q + r * k, xq.d + r * k / 32, xq.sums + r * k / 16);
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) interleave_panel(&xq, m, k, p, &xp);
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, grain)
         for (int64_t t = 0; t < num_tiles; t++) {
             const int64_t n0 = t * ROWS;
             const int rows = n - n0 < ROWS ? (int)(n - n0) : ROWS;
