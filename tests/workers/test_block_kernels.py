@@ -141,3 +141,18 @@ def test_int8_panels_give_the_same_bits_without_vnni(qtype):
     matrix, _ = weights(qtype, 21, cols_for(qtype), seed=7)
     x = torch.randn(19, matrix.in_features, generator=torch.Generator().manual_seed(8))
     assert torch.equal(fallback.matmul(matrix, x, panels=True), block_kernels().matmul(matrix, x, panels=True))
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=[t.name for t in BLOCK_TYPES])
+def test_int8_and_int8_panels_give_the_same_bits(qtype):
+    """Both sum each group exactly in int32 and apply the same float operations in the same
+    order per (weight row, x row), so a plan may switch between them with the step's row count
+    without moving a bit: speculative verification and batches of any size compute a row as a
+    lone decode step does (up to the dense path's range)."""
+    skip_without_panels("int8_panels")
+    matrix, _ = weights(qtype, 37, 2 * cols_for(qtype) + (0 if qtype.name.endswith("_K") else 2048), seed=9)
+    x = torch.randn(21, matrix.in_features, generator=torch.Generator().manual_seed(10))
+    x[5] *= 300.0
+    per_row = block_kernels().matmul(matrix, x, int8=True)
+    assert torch.equal(block_kernels().matmul(matrix, x, panels=True), per_row)
+    assert torch.equal(block_kernels().matmul(matrix, x[7:8], int8=True)[0], per_row[7])

@@ -149,7 +149,6 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *
 
 /* ---- int8 activations: x ~ xd * xq per 32 values, integer dot products with the codes ---- */
 
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
 typedef struct {  /* rows of x quantized per 32 values */
     int8_t *q;    /* [m, k] */
@@ -224,158 +223,162 @@ INLINE __m256i codes_dot(__m256i cu, __m256i qs) {
 #endif
 }
 
-/* Group g's scale per lane: one per 32 values, or one per 16 (lanes 0-3, 4-7). */
-INLINE __m256 group_scale(const coded *w, int g, int sub16) {
-    return sub16 ? _mm256_setr_m128(_mm_broadcast_ss(w->sc + 2 * g), _mm_broadcast_ss(w->sc + 2 * g + 1))
-                 : _mm256_broadcast_ss(w->sc + 2 * g);
+#endif
+
+/* Per row of x, one tile's state: t[r] = sum over groups of float(exact group sum) * (sc *
+ * xd), and o[r][j] = sum of off * sums over the 16-value halves h with h % 4 == j (four chains,
+ * so the FMAs' latency is not the bound; one vector of 4 halves per step, no transpose),
+ * y = t + ((o0 + o1) + (o2 + o3)). These are the operations of the panels (panels_dot) for each (weight row, x row), in
+ * the same order, so the int8 and int8_panels paths give the same bits and a step may take
+ * either. A piece starts at a multiple of 2048 values, so h % 4 counts from the piece's start. */
+#define OFF_CHAINS 4
+typedef struct { float sc[PIECE / 16 + 4][ROWS]; } piece_scales;
+
+/* The piece's scales, 4 rows side by side (one vector a half): 4 x 4 transposes. */
+INLINE void gather_scales(const coded *w, int piece, piece_scales *out) {
+#if defined(__AVX2__)
+    for (int h = 0; h < piece / 16; h += 4) {  /* piece / 16 is a multiple of 2: the last 2 read padding */
+        __m128 s0 = _mm_loadu_ps(w[0].sc + h), s1 = _mm_loadu_ps(w[1].sc + h);
+        __m128 s2 = _mm_loadu_ps(w[2].sc + h), s3 = _mm_loadu_ps(w[3].sc + h);
+        _MM_TRANSPOSE4_PS(s0, s1, s2, s3);
+        _mm_storeu_ps(out->sc[h], s0), _mm_storeu_ps(out->sc[h + 1], s1);
+        _mm_storeu_ps(out->sc[h + 2], s2), _mm_storeu_ps(out->sc[h + 3], s3);
+    }
+#else
+    for (int h = 0; h < piece / 16; h++)
+        for (int r = 0; r < ROWS; r++) out->sc[h][r] = w[r].sc[h];
+#endif
+}
+
+#if defined(__AVX2__)
+/* Four rows' exact sums of 8 int32 lanes each, split into lanes [0, 4) (low 128 bits: row r
+ * in lane r) and [4, 8) (high 128 bits). */
+INLINE __m256i row_sums(const __m256i *a) {  /* unpacks and adds: single-uop operations, unlike phaddd */
+    const __m256i s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[0], a[1]), _mm256_unpackhi_epi32(a[0], a[1]));
+    const __m256i s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(a[2], a[3]), _mm256_unpackhi_epi32(a[2], a[3]));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
+}
+
+/* t += each group's 4 row sums (halves: 16-value groups) converted and scaled. */
+INLINE __m128 add_groups(__m128 t, __m256i sums, const piece_scales *s, int g, float xd, int sub16) {
+    const __m128 xdv = _mm_set1_ps(xd);
+    const __m128i lo = _mm256_castsi256_si128(sums), hi = _mm256_extracti128_si256(sums, 1);
+    if (!sub16)
+        return _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_add_epi32(lo, hi)), _mm_mul_ps(_mm_loadu_ps(s->sc[2 * g]), xdv), t);
+    t = _mm_fmadd_ps(_mm_cvtepi32_ps(lo), _mm_mul_ps(_mm_loadu_ps(s->sc[2 * g]), xdv), t);
+    return _mm_fmadd_ps(_mm_cvtepi32_ps(hi), _mm_mul_ps(_mm_loadu_ps(s->sc[2 * g + 1]), xdv), t);
+}
+
+/* o[r][h % 4] += offsets x sums: lane j of row r's vector is chain j. A piece's halves are a
+ * multiple of 2: a last pair updates lanes 0-1 only. */
+INLINE void add_offsets(float (*o)[OFF_CHAINS], const coded *w, int piece, const float *sums) {
+    const int halves = piece / 16, full = halves / OFF_CHAINS * OFF_CHAINS;
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; r++) {
+        __m128 c = _mm_loadu_ps(o[r]);
+        for (int h = 0; h < full; h += OFF_CHAINS)
+            c = _mm_fmadd_ps(_mm_loadu_ps(w[r].off + h), _mm_loadu_ps(sums + h), c);
+        if (full < halves)
+            c = _mm_blend_ps(c, _mm_fmadd_ps(_mm_loadu_ps(w[r].off + full), _mm_loadu_ps(sums + full), c), 3);
+        _mm_storeu_ps(o[r], c);
+    }
 }
 #endif
 
-/* acc[r] += per 32-group (codes . xq, in 8 lanes of 4 values) * scale * xd, and
- * acc_off[r] += offsets . sums (8 halves per vector); the same order for every (r, m).
- * first: acc and acc_off start from zero (their contents are not read). */
-INLINE void chunk_dot_i8(int type, const coded *w, int chunk, const int8_t *xq, const float *xd,
-                         const float *sums, v8 *acc, v8 *acc_off, int first) {
+/* One row of x over a coded piece of the tile's ROWS weight rows. */
+INLINE void rows_dot_i8(int type, const coded *w, const piece_scales *s, int piece, const int8_t *xq,
+                        const float *xd, const float *sums, float *t, float (*o)[OFF_CHAINS]) {
     const int is_signed = codes_signed(type), sub16 = scales_per_16(type);
 #if defined(__AVX2__)
-    __m256 a[ROWS];
-    for (int r = 0; r < ROWS; r++) a[r] = first ? _mm256_setzero_ps() : (__m256)acc[r];
-#else
-    if (first) memset(acc, 0, ROWS * sizeof *acc), memset(acc_off, 0, ROWS * sizeof *acc_off);
-#endif
-    for (int g = 0; g < chunk / 32; g++) {
-#if defined(__AVX2__)
+    __m128 tv = _mm_loadu_ps(t);
+    for (int g = 0; g < piece / 32; g++) {
         const __m256i q = _mm256_loadu_si256((const __m256i *)(xq + 32 * g));
-        const __m256 xdv = _mm256_broadcast_ss(xd + g);
+        __m256i a[ROWS];
 #pragma GCC unroll 4
         for (int r = 0; r < ROWS; r++) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)(w[r].c + 32 * g));
-            const __m256i cu = is_signed ? _mm256_sign_epi8(c, c) : c, qs = is_signed ? _mm256_sign_epi8(q, c) : q;
-            const __m256 scale = group_scale(w + r, g, sub16);
-            a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_dot(cu, qs)), _mm256_mul_ps(scale, xdv), a[r]);
+            a[r] = codes_dot(is_signed ? _mm256_sign_epi8(c, c) : c, is_signed ? _mm256_sign_epi8(q, c) : q);
         }
+        tv = add_groups(tv, row_sums(a), s, g, xd[g], sub16);
+    }
+    _mm_storeu_ps(t, tv);
+    add_offsets(o, w, piece, sums);
 #else
-        for (int r = 0; r < ROWS; r++) {
-            v8 f, scale;
-            for (int i = 0; i < 8; i++) {
-                int dot = 0;
-                for (int j = 4 * i; j < 4 * i + 4; j++)
-                    dot += (is_signed ? (int)(int8_t)w[r].c[32 * g + j] : (int)w[r].c[32 * g + j]) * xq[32 * g + j];
-                f[i] = (float)dot;
-                scale[i] = w[r].sc[2 * g + i / 4];
+    for (int g = 0; g < piece / 32; g++)
+        for (int half = 0; half < 2; half += 1 + !sub16)
+            for (int r = 0; r < ROWS; r++) {
+                int32_t total = 0;
+                for (int j = 32 * g + 16 * half; j < 32 * g + (sub16 ? 16 * half + 16 : 32); j++)
+                    total += (is_signed ? (int)(int8_t)w[r].c[j] : (int)w[r].c[j]) * xq[j];
+                t[r] = fmaf((float)total, s->sc[2 * g + half][r] * xd[g], t[r]);
             }
-            acc[r] += f * (scale * xd[g]);
-        }
-#endif
-    }
-#if defined(__AVX2__)
-    for (int r = 0; r < ROWS; r++) acc[r] = (v8)a[r], a[r] = first ? _mm256_setzero_ps() : (__m256)acc_off[r];
-    for (int h = 0; h < chunk / 16; h += 8) {
-        const __m256 sv = _mm256_loadu_ps(sums + h);
-#pragma GCC unroll 4
-        for (int r = 0; r < ROWS; r++) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w[r].off + h), sv, a[r]);
-    }
-    for (int r = 0; r < ROWS; r++) acc_off[r] = (v8)a[r];
-#else
-    for (int h = 0; h < chunk / 16; h += 8)
-        for (int r = 0; r < ROWS; r++) acc_off[r] += *(const v8 *)(w[r].off + h) * *(const v8 *)(sums + h);
+    for (int h = 0; h < piece / 16; h++)
+        for (int r = 0; r < ROWS; r++) o[r][h % OFF_CHAINS] = fmaf(w[r].off[h], sums[h], o[r][h % OFF_CHAINS]);
 #endif
 }
 
-/* chunk_dot_i8 for two rows of x (a, b) at once: each weight code vector is loaded and made
- * unsigned once for both, and 8 accumulators are in flight instead of 4. Every (r, m) takes
- * the same operations in the same order as chunk_dot_i8's, so the bits are the same. */
-INLINE void chunk_dot_i8_x2(int type, const coded *w, int chunk, const int8_t *xqa, const int8_t *xqb,
-                            const float *xda, const float *xdb, const float *sumsa, const float *sumsb,
-                            v8 *acca, v8 *accb, v8 *offa, v8 *offb, int first) {
+/* rows_dot_i8 for two rows of x at once: each code vector loaded and made unsigned once for
+ * both, two groups' chains in flight. */
+INLINE void rows_dot_i8_x2(int type, const coded *w, const piece_scales *s, int piece,
+                           const int8_t *xqa, const int8_t *xqb, const float *xda, const float *xdb,
+                           const float *sumsa, const float *sumsb, float *ta, float *tb, float (*oa)[OFF_CHAINS],
+                           float (*ob)[OFF_CHAINS]) {
 #if defined(__AVX2__)
     const int is_signed = codes_signed(type), sub16 = scales_per_16(type);
-    __m256 a[ROWS], b[ROWS];  /* in registers for the whole piece (stores through acca: every group) */
-    for (int r = 0; r < ROWS; r++)
-        a[r] = first ? _mm256_setzero_ps() : (__m256)acca[r], b[r] = first ? _mm256_setzero_ps() : (__m256)accb[r];
-    for (int g = 0; g < chunk / 32; g++) {
+    __m128 tva = _mm_loadu_ps(ta), tvb = _mm_loadu_ps(tb);
+    for (int g = 0; g < piece / 32; g++) {
         const __m256i qa = _mm256_loadu_si256((const __m256i *)(xqa + 32 * g));
         const __m256i qb = _mm256_loadu_si256((const __m256i *)(xqb + 32 * g));
-        const __m256 xdva = _mm256_broadcast_ss(xda + g), xdvb = _mm256_broadcast_ss(xdb + g);
+        __m256i a[ROWS], b[ROWS];
 #pragma GCC unroll 4
         for (int r = 0; r < ROWS; r++) {
             const __m256i c = _mm256_loadu_si256((const __m256i *)(w[r].c + 32 * g));
             const __m256i cu = is_signed ? _mm256_sign_epi8(c, c) : c;
-            const __m256i qsa = is_signed ? _mm256_sign_epi8(qa, c) : qa;
-            const __m256i qsb = is_signed ? _mm256_sign_epi8(qb, c) : qb;
-            const __m256 scale = group_scale(w + r, g, sub16);
-            a[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_dot(cu, qsa)), _mm256_mul_ps(scale, xdva), a[r]);
-            b[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes_dot(cu, qsb)), _mm256_mul_ps(scale, xdvb), b[r]);
+            a[r] = codes_dot(cu, is_signed ? _mm256_sign_epi8(qa, c) : qa);
+            b[r] = codes_dot(cu, is_signed ? _mm256_sign_epi8(qb, c) : qb);
         }
+        tva = add_groups(tva, row_sums(a), s, g, xda[g], sub16);
+        tvb = add_groups(tvb, row_sums(b), s, g, xdb[g], sub16);
     }
-    for (int r = 0; r < ROWS; r++) acca[r] = (v8)a[r], accb[r] = (v8)b[r];
-    for (int r = 0; r < ROWS; r++)
-        a[r] = first ? _mm256_setzero_ps() : (__m256)offa[r], b[r] = first ? _mm256_setzero_ps() : (__m256)offb[r];
-    for (int h = 0; h < chunk / 16; h += 8) {
-        const __m256 sa = _mm256_loadu_ps(sumsa + h), sb = _mm256_loadu_ps(sumsb + h);
-#pragma GCC unroll 4
-        for (int r = 0; r < ROWS; r++) {
-            const __m256 off = _mm256_loadu_ps(w[r].off + h);
-            a[r] = _mm256_fmadd_ps(off, sa, a[r]);
-            b[r] = _mm256_fmadd_ps(off, sb, b[r]);
-        }
-    }
-    for (int r = 0; r < ROWS; r++) offa[r] = (v8)a[r], offb[r] = (v8)b[r];
+    _mm_storeu_ps(ta, tva), _mm_storeu_ps(tb, tvb);
+    add_offsets(oa, w, piece, sumsa);
+    add_offsets(ob, w, piece, sumsb);
 #else
-    chunk_dot_i8(type, w, chunk, xqa, xda, sumsa, acca, offa, first);
-    chunk_dot_i8(type, w, chunk, xqb, xdb, sumsb, accb, offb, first);
-#endif
-}
-
-/* y[r] = the sum of the lanes of acc[r] + off[r] for the tile's ROWS rows, in a fixed order. */
-INLINE void sum_rows(const v8 *acc, const v8 *off, float *y, int num_rows) {
-#if defined(__AVX2__)
-    __m256 v[ROWS];
-    for (int r = 0; r < ROWS; r++) v[r] = _mm256_add_ps((__m256)acc[r], (__m256)off[r]);
-    const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  /* rows 0-3 */
-    if (num_rows == ROWS) {
-        _mm_storeu_ps(y, sums);
-        return;
-    }
-    float all[ROWS];
-    _mm_storeu_ps(all, sums);
-    for (int r = 0; r < num_rows; r++) y[r] = all[r];
-#else
-    for (int r = 0; r < num_rows; r++) {
-        const v8 v = acc[r] + off[r];
-        y[r] = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-    }
+    rows_dot_i8(type, w, s, piece, xqa, xda, sumsa, ta, oa);
+    rows_dot_i8(type, w, s, piece, xqb, xdb, sumsb, tb, ob);
 #endif
 }
 
 /* Rows [n0, n0 + num_rows) of y for x rows [m0, m0 + num_m): a piece of each weight row is
- * coded once and every row of x (two at a time) runs over all of it with its accumulators in
- * registers. Per (r, m) the groups are summed in order, whatever the piece or the pairing. */
+ * coded once and every row of x (two at a time) runs over all of it. */
 INLINE void tile_i8(int type, int chunk, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n0,
                     int num_rows, const qx *x, int64_t m0, int num_m, float *y, int64_t n) {
     coded rows[ROWS] __attribute__((aligned(64)));
-    v8 acc[MAX_M][ROWS], acc_off[MAX_M][ROWS];
+    piece_scales scales __attribute__((aligned(64)));
+    float t[MAX_M][ROWS], o[MAX_M][ROWS][OFF_CHAINS];
+    memset(t, 0, (size_t)num_m * sizeof t[0]), memset(o, 0, (size_t)num_m * sizeof o[0]);
     if (num_rows < ROWS) memset(rows, 0, sizeof rows);  /* rows past num_rows: zero */
     const int most = PIECE / chunk * chunk;
     for (int64_t k0 = 0; k0 < k; k0 += most) {
         const int piece = k - k0 < most ? (int)(k - k0) : most;
         for (int r = 0; r < num_rows; r++) code_piece(type, w + (n0 + r) * row_bytes, k0, piece, chunk, rows + r);
+        gather_scales(rows, piece, &scales);
         int m = 0;
         for (; m + 2 <= num_m; m += 2) {
             const int64_t a = m0 + m, b = a + 1;
-            chunk_dot_i8_x2(type, rows, piece, x->q + a * k + k0, x->q + b * k + k0,
-                            x->d + (a * k + k0) / 32, x->d + (b * k + k0) / 32,
-                            x->sums + (a * k + k0) / 16, x->sums + (b * k + k0) / 16,
-                            acc[m], acc[m + 1], acc_off[m], acc_off[m + 1], k0 == 0);
+            rows_dot_i8_x2(type, rows, &scales, piece, x->q + a * k + k0, x->q + b * k + k0,
+                           x->d + (a * k + k0) / 32, x->d + (b * k + k0) / 32,
+                           x->sums + (a * k + k0) / 16, x->sums + (b * k + k0) / 16, t[m], t[m + 1], o[m], o[m + 1]);
         }
         for (; m < num_m; m++) {
             const int64_t row = m0 + m;
-            chunk_dot_i8(type, rows, piece, x->q + row * k + k0, x->d + (row * k + k0) / 32,
-                         x->sums + (row * k + k0) / 16, acc[m], acc_off[m], k0 == 0);
+            rows_dot_i8(type, rows, &scales, piece, x->q + row * k + k0, x->d + (row * k + k0) / 32,
+                        x->sums + (row * k + k0) / 16, t[m], o[m]);
         }
     }
-    for (int m = 0; m < num_m; m++) sum_rows(acc[m], acc_off[m], y + (m0 + m) * n + n0, num_rows);
+    for (int m = 0; m < num_m; m++)
+        for (int r = 0; r < num_rows; r++)
+            y[(m0 + m) * n + n0 + r] = t[m][r] + ((o[m][r][0] + o[m][r][1]) + (o[m][r][2] + o[m][r][3]));
 }
 
 /* quant_matmul with x rounded to 8 bits per 32 values (llama.cpp's Q8_0 activations): integer
@@ -481,7 +484,7 @@ INLINE __m256i panel_dot(__m256i acc, __m256i codes, __m256i xq, int is_signed) 
  * tot[p][r] += per group (integer dot) * scale * xd; off[p][r] += offsets * sums. Each code
  * broadcast feeds np dot products and each x vector ROWS: loads per dot product stay below one. */
 INLINE void panels_dot(int type, const coded *w, int piece, const qx_panels *x, int64_t k, int64_t k0,
-                       int64_t panel, int np, __m256 tot[][ROWS], __m256 off[][ROWS]) {
+                       int64_t panel, int np, __m256 tot[][ROWS], __m256 off[][ROWS][OFF_CHAINS]) {
     const int is_signed = codes_signed(type), sub16 = scales_per_16(type);
     const int group = sub16 ? 16 : 32;  /* values per scale */
     const int8_t *xq[PANELS_AT_ONCE];
@@ -522,26 +525,32 @@ INLINE void panels_dot(int type, const coded *w, int piece, const qx_panels *x, 
                                           _mm256_mul_ps(_mm256_set1_ps(w[r].sc[v0 / 16]), xdv), t[p][r]);
         }
     }
-    __m256 o[PANELS_AT_ONCE][ROWS];  /* np * ROWS chains in flight (4 stalled on FMA latency) */
-    for (int p = 0; p < np; p++)
-        for (int r = 0; r < ROWS; r++) o[p][r] = off[p][r], tot[p][r] = t[p][r];
-    for (int h = 0; h < piece / 16; h++) {
-        __m256 sv[PANELS_AT_ONCE];
-        for (int p = 0; p < np; p++) sv[p] = _mm256_loadu_ps(xs[p] + h * PANEL);
-#pragma GCC unroll 4
+    for (int p = 0; p < np; p++) {  /* the offsets: a panel's 4 rows x 4 chains (h % 4) */
+        __m256 o[ROWS][OFF_CHAINS];
         for (int r = 0; r < ROWS; r++) {
-            const __m256 ov = _mm256_set1_ps(w[r].off[h]);
-            for (int p = 0; p < np; p++) o[p][r] = _mm256_fmadd_ps(ov, sv[p], o[p][r]);
+            tot[p][r] = t[p][r];
+            for (int j = 0; j < OFF_CHAINS; j++) o[r][j] = off[p][r][j];
         }
+        int h = 0;
+        for (; h + OFF_CHAINS <= piece / 16; h += OFF_CHAINS)
+            for (int j = 0; j < OFF_CHAINS; j++) {
+                const __m256 sv = _mm256_loadu_ps(xs[p] + (h + j) * PANEL);
+#pragma GCC unroll 4
+                for (int r = 0; r < ROWS; r++) o[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(w[r].off[h + j]), sv, o[r][j]);
+            }
+        for (int j = 0; h + j < piece / 16; j++) {
+            const __m256 sv = _mm256_loadu_ps(xs[p] + (h + j) * PANEL);
+            for (int r = 0; r < ROWS; r++) o[r][j] = _mm256_fmadd_ps(_mm256_set1_ps(w[r].off[h + j]), sv, o[r][j]);
+        }
+        for (int r = 0; r < ROWS; r++)
+            for (int j = 0; j < OFF_CHAINS; j++) off[p][r][j] = o[r][j];
     }
-    for (int p = 0; p < np; p++)
-        for (int r = 0; r < ROWS; r++) off[p][r] = o[p][r];
 }
 
 /* panels_dot over `num_panels` panels, PANELS_AT_ONCE at a time (the same operations per
  * (weight row, x row) whatever the grouping). */
 INLINE void panel_piece(int type, const coded *w, int piece, const qx_panels *x, int64_t k, int64_t k0,
-                        int64_t p0, int num_panels, __m256 tot[][ROWS], __m256 off[][ROWS]) {
+                        int64_t p0, int num_panels, __m256 tot[][ROWS], __m256 off[][ROWS][OFF_CHAINS]) {
     int p = 0;
     for (; p + PANELS_AT_ONCE <= num_panels; p += PANELS_AT_ONCE)
         panels_dot(type, w, piece, x, k, k0, p0 + p, PANELS_AT_ONCE, tot + p, off + p);
@@ -552,10 +561,13 @@ INLINE void tile_panels(int type, int chunk, const uint8_t *w, int64_t row_bytes
                         int num_rows, const qx_panels *x, int64_t p0, int num_panels, int64_t m,
                         float *y, int64_t n) {
     coded rows[ROWS] __attribute__((aligned(64)));
-    __m256 tot[MAX_PANELS][ROWS], off[MAX_PANELS][ROWS];
+    __m256 tot[MAX_PANELS][ROWS], off[MAX_PANELS][ROWS][OFF_CHAINS];
     if (num_rows < ROWS) memset(rows, 0, sizeof rows);  /* rows past num_rows: zero */
     for (int p = 0; p < num_panels; p++)
-        for (int r = 0; r < ROWS; r++) tot[p][r] = off[p][r] = _mm256_setzero_ps();
+        for (int r = 0; r < ROWS; r++) {
+            tot[p][r] = _mm256_setzero_ps();
+            for (int j = 0; j < OFF_CHAINS; j++) off[p][r][j] = _mm256_setzero_ps();
+        }
     const int most = PIECE / chunk * chunk;
     for (int64_t k0 = 0; k0 < k; k0 += most) {
         const int piece = k - k0 < most ? (int)(k - k0) : most;
@@ -571,7 +583,9 @@ INLINE void tile_panels(int type, int chunk, const uint8_t *w, int64_t row_bytes
     }
     for (int p = 0; p < num_panels; p++) {  /* 4 weight rows x 8 x rows -> 8 rows of y, 4 floats each */
         __m256 v[ROWS];
-        for (int r = 0; r < ROWS; r++) v[r] = _mm256_add_ps(tot[p][r], off[p][r]);
+        for (int r = 0; r < ROWS; r++)
+            v[r] = _mm256_add_ps(tot[p][r], _mm256_add_ps(_mm256_add_ps(off[p][r][0], off[p][r][1]),
+                                                          _mm256_add_ps(off[p][r][2], off[p][r][3])));
         const __m256 a = _mm256_unpacklo_ps(v[0], v[1]), b = _mm256_unpacklo_ps(v[2], v[3]);
         const __m256 c = _mm256_unpackhi_ps(v[0], v[1]), d = _mm256_unpackhi_ps(v[2], v[3]);
         const __m256 rows04 = _mm256_shuffle_ps(a, b, 0x44), rows15 = _mm256_shuffle_ps(a, b, 0xee);
