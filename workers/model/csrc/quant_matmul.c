@@ -232,24 +232,6 @@ INLINE __m256i codes_dot(__m256i cu, __m256i qs) {
  * the same order, so the int8 and int8_panels paths give the same bits and a step may take
  * either. A piece starts at a multiple of 2048 values, so h % 4 counts from the piece's start. */
 #define OFF_CHAINS 4
-typedef struct { float sc[PIECE / 16 + 4][ROWS]; } piece_scales;
-
-/* The piece's scales, 4 rows side by side (one vector a half): 4 x 4 transposes. */
-INLINE void gather_scales(const coded *w, int piece, piece_scales *out) {
-#if defined(__AVX2__)
-    for (int h = 0; h < piece / 16; h += 4) {  /* piece / 16 is a multiple of 2: the last 2 read padding */
-        __m128 s0 = _mm_loadu_ps(w[0].sc + h), s1 = _mm_loadu_ps(w[1].sc + h);
-        __m128 s2 = _mm_loadu_ps(w[2].sc + h), s3 = _mm_loadu_ps(w[3].sc + h);
-        _MM_TRANSPOSE4_PS(s0, s1, s2, s3);
-        _mm_storeu_ps(out->sc[h], s0), _mm_storeu_ps(out->sc[h + 1], s1);
-        _mm_storeu_ps(out->sc[h + 2], s2), _mm_storeu_ps(out->sc[h + 3], s3);
-    }
-#else
-    for (int h = 0; h < piece / 16; h++)
-        for (int r = 0; r < ROWS; r++) out->sc[h][r] = w[r].sc[h];
-#endif
-}
-
 #if defined(__AVX2__)
 /* Four rows' exact sums of 8 int32 lanes each, split into lanes [0, 4) (low 128 bits: row r
  * in lane r) and [4, 8) (high 128 bits). */
@@ -260,13 +242,18 @@ INLINE __m256i row_sums(const __m256i *a) {  /* unpacks and adds: single-uop ope
 }
 
 /* t += each group's 4 row sums (halves: 16-value groups) converted and scaled. */
-INLINE __m128 add_groups(__m128 t, __m256i sums, const piece_scales *s, int g, float xd, int sub16) {
+/* Half h's scales of the tile's 4 rows, one lane each. */
+INLINE __m128 row_scales(const coded *w, int h) {
+    return _mm_setr_ps(w[0].sc[h], w[1].sc[h], w[2].sc[h], w[3].sc[h]);
+}
+
+INLINE __m128 add_groups(__m128 t, __m256i sums, const coded *w, int g, float xd, int sub16) {
     const __m128 xdv = _mm_set1_ps(xd);
     const __m128i lo = _mm256_castsi256_si128(sums), hi = _mm256_extracti128_si256(sums, 1);
     if (!sub16)
-        return _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_add_epi32(lo, hi)), _mm_mul_ps(_mm_loadu_ps(s->sc[2 * g]), xdv), t);
-    t = _mm_fmadd_ps(_mm_cvtepi32_ps(lo), _mm_mul_ps(_mm_loadu_ps(s->sc[2 * g]), xdv), t);
-    return _mm_fmadd_ps(_mm_cvtepi32_ps(hi), _mm_mul_ps(_mm_loadu_ps(s->sc[2 * g + 1]), xdv), t);
+        return _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_add_epi32(lo, hi)), _mm_mul_ps(row_scales(w, 2 * g), xdv), t);
+    t = _mm_fmadd_ps(_mm_cvtepi32_ps(lo), _mm_mul_ps(row_scales(w, 2 * g), xdv), t);
+    return _mm_fmadd_ps(_mm_cvtepi32_ps(hi), _mm_mul_ps(row_scales(w, 2 * g + 1), xdv), t);
 }
 
 /* o[r][h % 4] += offsets x sums: lane j of row r's vector is chain j. A piece's halves are a
@@ -286,7 +273,7 @@ INLINE void add_offsets(float (*o)[OFF_CHAINS], const coded *w, int piece, const
 #endif
 
 /* One row of x over a coded piece of the tile's ROWS weight rows. */
-INLINE void rows_dot_i8(int type, const coded *w, const piece_scales *s, int piece, const int8_t *xq,
+INLINE void rows_dot_i8(int type, const coded *w, int piece, const int8_t *xq,
                         const float *xd, const float *sums, float *t, float (*o)[OFF_CHAINS]) {
     const int is_signed = codes_signed(type), sub16 = scales_per_16(type);
 #if defined(__AVX2__)
@@ -299,7 +286,7 @@ INLINE void rows_dot_i8(int type, const coded *w, const piece_scales *s, int pie
             const __m256i c = _mm256_loadu_si256((const __m256i *)(w[r].c + 32 * g));
             a[r] = codes_dot(is_signed ? _mm256_sign_epi8(c, c) : c, is_signed ? _mm256_sign_epi8(q, c) : q);
         }
-        tv = add_groups(tv, row_sums(a), s, g, xd[g], sub16);
+        tv = add_groups(tv, row_sums(a), w, g, xd[g], sub16);
     }
     _mm_storeu_ps(t, tv);
     add_offsets(o, w, piece, sums);
@@ -310,7 +297,7 @@ INLINE void rows_dot_i8(int type, const coded *w, const piece_scales *s, int pie
                 int32_t total = 0;
                 for (int j = 32 * g + 16 * half; j < 32 * g + (sub16 ? 16 * half + 16 : 32); j++)
                     total += (is_signed ? (int)(int8_t)w[r].c[j] : (int)w[r].c[j]) * xq[j];
-                t[r] = fmaf((float)total, s->sc[2 * g + half][r] * xd[g], t[r]);
+                t[r] = fmaf((float)total, w[r].sc[2 * g + half] * xd[g], t[r]);
             }
     for (int h = 0; h < piece / 16; h++)
         for (int r = 0; r < ROWS; r++) o[r][h % OFF_CHAINS] = fmaf(w[r].off[h], sums[h], o[r][h % OFF_CHAINS]);
@@ -319,7 +306,7 @@ INLINE void rows_dot_i8(int type, const coded *w, const piece_scales *s, int pie
 
 /* rows_dot_i8 for two rows of x at once: each code vector loaded and made unsigned once for
  * both, two groups' chains in flight. */
-INLINE void rows_dot_i8_x2(int type, const coded *w, const piece_scales *s, int piece,
+INLINE void rows_dot_i8_x2(int type, const coded *w, int piece,
                            const int8_t *xqa, const int8_t *xqb, const float *xda, const float *xdb,
                            const float *sumsa, const float *sumsb, float *ta, float *tb, float (*oa)[OFF_CHAINS],
                            float (*ob)[OFF_CHAINS]) {
@@ -337,15 +324,15 @@ INLINE void rows_dot_i8_x2(int type, const coded *w, const piece_scales *s, int 
             a[r] = codes_dot(cu, is_signed ? _mm256_sign_epi8(qa, c) : qa);
             b[r] = codes_dot(cu, is_signed ? _mm256_sign_epi8(qb, c) : qb);
         }
-        tva = add_groups(tva, row_sums(a), s, g, xda[g], sub16);
-        tvb = add_groups(tvb, row_sums(b), s, g, xdb[g], sub16);
+        tva = add_groups(tva, row_sums(a), w, g, xda[g], sub16);
+        tvb = add_groups(tvb, row_sums(b), w, g, xdb[g], sub16);
     }
     _mm_storeu_ps(ta, tva), _mm_storeu_ps(tb, tvb);
     add_offsets(oa, w, piece, sumsa);
     add_offsets(ob, w, piece, sumsb);
 #else
-    rows_dot_i8(type, w, s, piece, xqa, xda, sumsa, ta, oa);
-    rows_dot_i8(type, w, s, piece, xqb, xdb, sumsb, tb, ob);
+    rows_dot_i8(type, w, piece, xqa, xda, sumsa, ta, oa);
+    rows_dot_i8(type, w, piece, xqb, xdb, sumsb, tb, ob);
 #endif
 }
 
@@ -354,7 +341,6 @@ INLINE void rows_dot_i8_x2(int type, const coded *w, const piece_scales *s, int 
 INLINE void tile_i8(int type, int chunk, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n0,
                     int num_rows, const qx *x, int64_t m0, int num_m, float *y, int64_t n) {
     coded rows[ROWS] __attribute__((aligned(64)));
-    piece_scales scales __attribute__((aligned(64)));
     float t[MAX_M][ROWS], o[MAX_M][ROWS][OFF_CHAINS];
     memset(t, 0, (size_t)num_m * sizeof t[0]), memset(o, 0, (size_t)num_m * sizeof o[0]);
     if (num_rows < ROWS) memset(rows, 0, sizeof rows);  /* rows past num_rows: zero */
@@ -362,17 +348,16 @@ INLINE void tile_i8(int type, int chunk, const uint8_t *w, int64_t row_bytes, in
     for (int64_t k0 = 0; k0 < k; k0 += most) {
         const int piece = k - k0 < most ? (int)(k - k0) : most;
         for (int r = 0; r < num_rows; r++) code_piece(type, w + (n0 + r) * row_bytes, k0, piece, chunk, rows + r);
-        gather_scales(rows, piece, &scales);
         int m = 0;
         for (; m + 2 <= num_m; m += 2) {
             const int64_t a = m0 + m, b = a + 1;
-            rows_dot_i8_x2(type, rows, &scales, piece, x->q + a * k + k0, x->q + b * k + k0,
+            rows_dot_i8_x2(type, rows, piece, x->q + a * k + k0, x->q + b * k + k0,
                            x->d + (a * k + k0) / 32, x->d + (b * k + k0) / 32,
                            x->sums + (a * k + k0) / 16, x->sums + (b * k + k0) / 16, t[m], t[m + 1], o[m], o[m + 1]);
         }
         for (; m < num_m; m++) {
             const int64_t row = m0 + m;
-            rows_dot_i8(type, rows, &scales, piece, x->q + row * k + k0, x->d + (row * k + k0) / 32,
+            rows_dot_i8(type, rows, piece, x->q + row * k + k0, x->d + (row * k + k0) / 32,
                         x->sums + (row * k + k0) / 16, t[m], o[m]);
         }
     }
