@@ -149,14 +149,25 @@ int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *
 
 /* ---- int8 activations: x ~ xd * xq per 32 values, integer dot products with the codes ---- */
 
-
 typedef struct {  /* rows of x quantized per 32 values */
-    int8_t *q;    /* [m, k] */
-    float *d;     /* [m, k / 32]: x ~ d * q */
-    float *sums;  /* [m, k / 16] (+ 8 zeros): d * (sum of the 16 q), for the weights' offsets */
+    int8_t *q;      /* [m, k] */
+    float *d;       /* [m, k / 32]: x ~ d * q */
+    float *sums;    /* [m, k / 16] (+ 8 zeros): d * (sum of the 16 q), for the weights' offsets */
+    int32_t *isum;  /* [m, k / 32]: the sum of the 32 q, or NULL where nothing reads it */
 } qx;
 
-static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *sums) {
+/* Buffers for m rows of k values (isum too if with_isum); check with qx_ok, release with qx_free. */
+static qx qx_new(int64_t m, int64_t k, int with_isum) {
+    return (qx){malloc((size_t)(m * k)), malloc((size_t)(m * k / 32) * sizeof(float)),
+                calloc((size_t)(m * k / 16 + 8), sizeof(float)),  /* 8 zeros: read past the last half */
+                with_isum ? malloc((size_t)(m * k / 32) * sizeof(int32_t)) : NULL};
+}
+
+static int qx_ok(const qx *x, int with_isum) { return x->q && x->d && x->sums && (x->isum || !with_isum); }
+
+static void qx_free(qx *x) { free(x->q), free(x->d), free(x->sums), free(x->isum); }
+
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *sums, int32_t *isum) {
     for (int64_t b = 0; b < k / 32; b++, x += 32, q += 32) {
 #if defined(__AVX2__)
         const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -195,7 +206,14 @@ static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, float *
         d[b] = scale;
         sums[2 * b] = scale * (float)half_sum[0];
         sums[2 * b + 1] = scale * (float)half_sum[1];
+        if (isum) isum[b] = half_sum[0] + half_sum[1];
     }
+}
+
+/* Row r of x into xq (a worksharing loop's body). */
+static void quantize_x_row(const float *x, int64_t k, int64_t r, const qx *xq) {
+    quantize_row(x + r * k, k, xq->q + r * k, xq->d + r * k / 32, xq->sums + r * k / 16,
+                 xq->isum ? xq->isum + r * k / 32 : NULL);
 }
 
 #define PIECE 2048  /* most values of a weight row coded at a time (4 rows: 12 KiB, in L1) */
@@ -228,9 +246,10 @@ INLINE __m256i codes_dot(__m256i cu, __m256i qs) {
 /* Per row of x, one tile's state: t[r] = sum over groups of float(exact group sum) * (sc *
  * xd), and o[r][j] = sum of off * sums over the 16-value halves h with h % 4 == j (four chains,
  * so the FMAs' latency is not the bound; one vector of 4 halves per step, no transpose),
- * y = t + ((o0 + o1) + (o2 + o3)). These are the operations of the panels (panels_dot) for each (weight row, x row), in
- * the same order, so the int8 and int8_panels paths give the same bits and a step may take
- * either. A piece starts at a multiple of 2048 values, so h % 4 counts from the piece's start. */
+ * y = t + ((o0 + o1) + (o2 + o3)). These are the operations of the panels (panels_dot) for
+ * each (weight row, x row), in the same order, so the int8 and int8_panels paths give the same
+ * bits and a step may take either. A piece starts at a multiple of 2048 values, so h % 4
+ * counts from the piece's start. */
 #define OFF_CHAINS 4
 #if defined(__AVX2__)
 /* Four rows' exact sums of 8 int32 lanes each, split into lanes [0, 4) (low 128 bits: row r
@@ -241,12 +260,12 @@ INLINE __m256i row_sums(const __m256i *a) {  /* unpacks and adds: single-uop ope
     return _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
 }
 
-/* t += each group's 4 row sums (halves: 16-value groups) converted and scaled. */
 /* Half h's scales of the tile's 4 rows, one lane each. */
 INLINE __m128 row_scales(const coded *w, int h) {
     return _mm_setr_ps(w[0].sc[h], w[1].sc[h], w[2].sc[h], w[3].sc[h]);
 }
 
+/* t += each group's 4 row sums (halves: 16-value groups) converted and scaled. */
 INLINE __m128 add_groups(__m128 t, __m256i sums, const coded *w, int g, float xd, int sub16) {
     const __m128 xdv = _mm_set1_ps(xd);
     const __m128i lo = _mm256_castsi256_si128(sums), hi = _mm256_extracti128_si256(sums, 1);
@@ -305,7 +324,7 @@ INLINE void rows_dot_i8(int type, const coded *w, int piece, const int8_t *xq,
 }
 
 /* rows_dot_i8 for two rows of x at once: each code vector loaded and made unsigned once for
- * both, two groups' chains in flight. */
+ * both, two rows' chains in flight. */
 INLINE void rows_dot_i8_x2(int type, const coded *w, int piece,
                            const int8_t *xqa, const int8_t *xqb, const float *xda, const float *xdb,
                            const float *sumsa, const float *sumsb, float *ta, float *tb, float (*oa)[OFF_CHAINS],
@@ -374,16 +393,15 @@ int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const floa
     if (chunk < 0) return chunk;
     const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
     const int64_t num_tiles = (n + ROWS - 1) / ROWS, grain = tile_grain(num_tiles, num_threads);
-    qx xq = {malloc((size_t)(m * k)), malloc((size_t)(m * k / 32) * sizeof(float)),
-             calloc((size_t)(m * k / 16 + 8), sizeof(float))};  /* 8 zeros: read past the last half */
-    if (!xq.q || !xq.d || !xq.sums) {
-        free(xq.q), free(xq.d), free(xq.sums);
+    qx xq = qx_new(m, k, 0);
+    if (!qx_ok(&xq, 0)) {
+        qx_free(&xq);
         return NO_MEMORY;
     }
     #pragma omp parallel num_threads(num_threads)
     {
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, xq.q + r * k, xq.d + r * k / 32, xq.sums + r * k / 16);
+        for (int64_t r = 0; r < m; r++) quantize_x_row(x, k, r, &xq);
         #pragma omp for schedule(dynamic, grain)
         for (int64_t t = 0; t < num_tiles; t++) {
             const int64_t n0 = t * ROWS;
@@ -396,7 +414,7 @@ int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const floa
             }
         }
     }
-    free(xq.q), free(xq.d), free(xq.sums);
+    qx_free(&xq);
     return OK;
 }
 
@@ -437,11 +455,8 @@ static void interleave_panel(const qx *x, int64_t m, int64_t k, int64_t p, qx_pa
         const int32_t *src = (const int32_t *)(x->q + row * k);
         for (int64_t j = 0; j < k / 4; j++) q[j * PANEL + lane] = valid ? src[j] : 0;
         for (int64_t g = 0; g < groups; g++) {
-            int32_t total = 0;
-            if (valid)
-                for (int i = 0; i < 32; i++) total += x->q[row * k + 32 * g + i];
             d[g * PANEL + lane] = valid ? x->d[row * groups + g] : 0.0f;
-            bias[g * PANEL + lane] = -128 * total;
+            bias[g * PANEL + lane] = valid ? -128 * x->isum[row * groups + g] : 0;
         }
         for (int64_t h = 0; h < 2 * groups; h++) sums[h * PANEL + lane] = valid ? x->sums[row * 2 * groups + h] : 0.0f;
     }
@@ -612,19 +627,18 @@ int quant_matmul_i8_panels(int type, const uint8_t *w, int64_t n, int64_t k, con
     const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
     const int64_t num_tiles = (n + ROWS - 1) / ROWS, panels = (m + PANEL - 1) / PANEL;
     const int64_t grain = tile_grain(num_tiles, num_threads);
-    qx xq = {malloc((size_t)(m * k)), malloc((size_t)(m * k / 32) * sizeof(float)),
-             calloc((size_t)(m * k / 16 + 8), sizeof(float))};
+    qx xq = qx_new(m, k, 1);
     qx_panels xp = {malloc((size_t)(panels * PANEL * k)), malloc((size_t)(panels * PANEL * k / 32) * sizeof(float)),
                     malloc((size_t)(panels * PANEL * k / 16) * sizeof(float)),
                     malloc((size_t)(panels * PANEL * k / 32) * sizeof(int32_t))};
-    if (!xq.q || !xq.d || !xq.sums || !xp.q || !xp.d || !xp.sums || !xp.bias) {
-        free(xq.q), free(xq.d), free(xq.sums), free(xp.q), free(xp.d), free(xp.sums), free(xp.bias);
+    if (!qx_ok(&xq, 1) || !xp.q || !xp.d || !xp.sums || !xp.bias) {
+        qx_free(&xq), free(xp.q), free(xp.d), free(xp.sums), free(xp.bias);
         return NO_MEMORY;
     }
     #pragma omp parallel num_threads(num_threads)
     {
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; r++) quantize_row(x + r * k, k, xq.q + r * k, xq.d + r * k / 32, xq.sums + r * k / 16);
+        for (int64_t r = 0; r < m; r++) quantize_x_row(x, k, r, &xq);
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) interleave_panel(&xq, m, k, p, &xp);
         #pragma omp for schedule(dynamic, grain)
@@ -639,7 +653,7 @@ int quant_matmul_i8_panels(int type, const uint8_t *w, int64_t n, int64_t k, con
             }
         }
     }
-    free(xq.q), free(xq.d), free(xq.sums), free(xp.q), free(xp.d), free(xp.sums), free(xp.bias);
+    qx_free(&xq), free(xp.q), free(xp.d), free(xp.sums), free(xp.bias);
     return OK;
 #else
     (void)type, (void)w, (void)n, (void)k, (void)x, (void)m, (void)y, (void)num_threads;
