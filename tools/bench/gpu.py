@@ -86,15 +86,16 @@ def _device_name(device: str) -> str:
 
 
 def summary(report: dict[str, Any]) -> str:
-    """The table printed last: per model and batch, tok/s (median step ms) of each mode."""
+    """The table printed last: per model and batch, tok/s (median step ms) of each mode, and
+    the median replay of the batch's graph alone (the device's part of a graphed step)."""
     lines = [f"{'model':<34} {'batch':>5} " + " ".join(f"{m + ' tok/s (ms)':>24}" for m in MODES)
-             + f" {'graphs/eager':>12}"]
+             + f" {'graphs/eager':>12} {'replay ms':>9}"]
     for model in report["models"]:
         for row in model["decode"]:
             cells = [f"{row[m]['tok_per_s']:>12.0f} ({row[m]['median_step_ms']:7.3f})" for m in MODES]
             ratio = row["eager"]["median_step_ms"] / row["graphs"]["median_step_ms"]
             lines.append(f"{model['name'][:34]:<34} {row['batch']:>5} " + " ".join(f"{c:>24}" for c in cells)
-                         + f" {ratio:>12.2f}")
+                         + f" {ratio:>12.2f} {row.get('replay_ms', float('nan')):>9.3f}")
         share = model.get("batch1_bandwidth_share")
         if share is not None:
             lines.append(f"  {model['name'][:32]}: batch 1 streams {model['weight_bytes'] / 2**30:.2f} GiB of "

@@ -19,7 +19,7 @@ from workers.engine import LLMEngine
 from workers.model.attention import AttentionBackend, CudaBackend, TorchPagedBackend
 from workers.model.cuda_graphs import build_step_graphs
 from workers.model.paged_backend import TritonPagedBackend, triton_backend
-from workers.model.step_graphs import StepGraphs
+from workers.model.step_graphs import GraphKey, StepGraphs, bucket_for
 
 
 def copy_bandwidth(device: str) -> float:
@@ -69,6 +69,24 @@ def modes(engine: LLMEngine, device: str) -> dict[str, tuple[AttentionBackend, S
     return {"graphs": (paged, graphed), "eager": (paged, eager), "gathered": (gathered, None)}
 
 
+def replay_ms(graphs: StepGraphs, batch: int, device: str, repeats: int = 50) -> float:
+    """Median ms of replaying the batch's decode graph alone (over the inputs its last step left):
+    the device's share of a step; the rest of a step is the host's (plan, copy-in, sampling)."""
+    bucket = bucket_for(batch, graphs.buckets)
+    step = graphs.graphs.get(GraphKey(bucket, 1)) if bucket is not None else None
+    if step is None:
+        return float("nan")
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 3):
+            _sync(device)
+            start = time.perf_counter()
+            step()
+            _sync(device)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[3:]) * 1e3
+
+
 def weight_bytes(engine: LLMEngine) -> int:
     """Bytes of the matrices one decode step streams: every layer's and the output head."""
     p = engine.model.params
@@ -94,7 +112,10 @@ def measure_model(model: str, args: argparse.Namespace, copy_bytes_per_s: float)
         prompts = [rng.integers(0, engine.model.params.vocab_size, args.prompt_tokens).tolist()
                    for _ in range(batch)]
         rows.append({"batch": batch, **decode_in_turns(engine, paths, prompts, steps, args.rounds)})
-        print(f"  batch {batch}: " + ", ".join(f"{m} {rows[-1][m]['median_step_ms']:.3f} ms" for m in MODES),
+        if graphs is not None:
+            rows[-1]["replay_ms"] = replay_ms(graphs, batch, args.device)
+        print(f"  batch {batch}: " + ", ".join(f"{m} {rows[-1][m]['median_step_ms']:.3f} ms" for m in MODES)
+              + (f" (the graph's replay alone {rows[-1]['replay_ms']:.3f} ms)" if "replay_ms" in rows[-1] else ""),
               flush=True)
     out: dict[str, Any] = {"name": name, "load_s": load_s, "graph_capture": capture,
                            "weight_bytes": weight_bytes(engine), "decode": rows}

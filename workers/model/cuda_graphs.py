@@ -28,10 +28,11 @@ class CudaGraphCapture:
         self.device = torch.device(device)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        torch.cuda.synchronize(self.device)
-        self._reserved_before = torch.cuda.memory_reserved(self.device)
+        self._grown = 0  # bytes the allocator reserved while capturing (warm-ups included)
 
     def capture(self, fn: StepFn) -> StepFn:
+        torch.cuda.synchronize(self.device)
+        reserved_before = torch.cuda.memory_reserved(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # compile the kernels, settle the allocator
@@ -42,6 +43,8 @@ class CudaGraphCapture:
         with torch.cuda.graph(graph, pool=self.pool):
             out = fn()
         self.graphs.append(graph)
+        torch.cuda.synchronize(self.device)
+        self._grown += max(0, torch.cuda.memory_reserved(self.device) - reserved_before)
 
         def replay() -> torch.Tensor:
             graph.replay()
@@ -49,8 +52,9 @@ class CudaGraphCapture:
         return replay
 
     def memory_bytes(self) -> int:
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.memory_reserved(self.device) - self._reserved_before
+        """What the captures added to the allocator's reserve, summed capture by capture (a
+        total taken around all of them read negative where something else freed memory)."""
+        return self._grown
 
 
 def build_step_graphs(model: DecoderModel, pool: KVPool, backend: AttentionBackend, max_seqs: int,

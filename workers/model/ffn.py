@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from workers.model.layer_ops import layer_ops
+from workers.model.layer_ops import ops_for
 from workers.model.linear_like import LinearFactory, LinearLike
 from workers.weights.gguf_loader import ExpertWeights
 
@@ -33,7 +33,7 @@ class GatedFfn:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)  # [T, 2 * ffn]
-        ops = layer_ops() if gate_up.device.type == "cpu" else None
+        ops = ops_for(gate_up.device)
         hidden = ops.act_mul(gate_up, self.activation) if ops is not None else None
         if hidden is None:
             hidden = self.act(gate_up[:, :self.ffn_size]) * gate_up[:, self.ffn_size:]

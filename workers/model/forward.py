@@ -12,17 +12,21 @@ blocks (ffn.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from workers.model.attention import DEFAULT_PARAMS, AttentionBackend, AttentionMetadata, AttentionParams
 from workers.model.ffn import GatedFfn, MoeFfn
-from workers.model.layer_ops import layer_ops
+from workers.model.layer_ops import ops_for
 from workers.model.linear_like import LinearFactory, LinearLike
 from workers.weights.gguf_loader import LayerWeights, ModelWeights
 from workers.weights.hparams import HyperParams
 from workers.weights.quant_blocks import Matrix, QuantMatrix
+
+if TYPE_CHECKING:
+    from workers.model.triton_layer_ops import TritonLayerOps
 
 ONEDNN_BATCH_HINT = 16
 """Rows per step the oneDNN weight layout is tuned for; measured fastest from 1 to 512 rows."""
@@ -143,11 +147,32 @@ class LayerLinears:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalized in fp32 whatever the compute dtype (bf16 on GPU), as HF's LlamaRMSNorm does."""
+    ops = ops_for(x.device)
+    out = ops.rms_norm(x, weight, eps) if ops is not None else None
+    if out is not None:
+        return out
     if x.dtype == torch.float32:
-        ops = layer_ops() if x.device.type == "cpu" else None
-        out = ops.rms_norm(x, weight, eps) if ops is not None else None
-        return out if out is not None else F.rms_norm(x, (x.shape[-1],), weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, rms_norm(s)) with s = x + delta (x when delta is None): the residual stream's add and
+    the norm after it, one kernel on a GPU."""
+    ops = _gpu_ops(x.device)
+    fused = ops.add_rms_norm(x, delta, weight, eps) if ops is not None else None
+    if fused is not None:
+        return fused
+    x = x if delta is None else x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def _gpu_ops(device: torch.device) -> TritonLayerOps | None:
+    if device.type == "cpu":
+        return None
+    from workers.model.triton_layer_ops import gpu_layer_ops  # imports Triton: GPU workers only
+    return gpu_layer_ops()
 
 
 class Rotary:
@@ -170,7 +195,7 @@ class Rotary:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim]; cos/sin [T, 1, rotary_dims / 2]. Pairs are (i, i + rotary_dims / 2);
     dims from rotary_dims on pass through."""
-    ops = layer_ops() if x.device.type == "cpu" else None
+    ops = ops_for(x.device)
     out = ops.rotary(x, cos, sin) if ops is not None else None
     if out is not None:
         return out
@@ -226,19 +251,23 @@ class DecoderModel:
         if self.embedding_scale is not None:
             x = x * self.embedding_scale
         tables = [rotary.tables(meta.positions, self.dtype) for rotary in self.rotaries]
+        delta = None  # what the last block adds to the residual stream x
         for layer, kv in zip(self.layers, kv_layers):
-            x = x + self._attention(layer, x, kv, backend, meta, tables[layer.rotary])
-            out = layer.ffn(rms_norm(x, layer.ffn_norm, p.rms_eps))
-            x = x + (out if layer.post_ffn_norm is None else rms_norm(out, layer.post_ffn_norm, p.rms_eps))
-        return x
+            x, h = add_rms_norm(x, delta, layer.attn_norm, p.rms_eps)
+            delta = self._attention(layer, h, kv, backend, meta, tables[layer.rotary])
+            x, h = add_rms_norm(x, delta, layer.ffn_norm, p.rms_eps)
+            out = layer.ffn(h)
+            delta = out if layer.post_ffn_norm is None else rms_norm(out, layer.post_ffn_norm, p.rms_eps)
+        return x if delta is None else x + delta
 
-    def _attention(self, layer: LayerLinears, x: torch.Tensor, kv: torch.Tensor,
+    def _attention(self, layer: LayerLinears, h: torch.Tensor, kv: torch.Tensor,
                    backend: AttentionBackend, meta: AttentionMetadata,
                    cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """One layer's attention block: x [T, hidden] -> what it adds to the residual."""
+        """One layer's attention block: h [T, hidden] (x after the layer's attention norm) ->
+        what it adds to the residual."""
         p = self.params
-        num_rows, num_qk = x.shape[0], p.num_heads + p.num_kv_heads
-        qkv = layer.qkv(rms_norm(x, layer.attn_norm, p.rms_eps))  # [T, (heads + 2 * kv_heads) * head_dim]
+        num_rows, num_qk = h.shape[0], p.num_heads + p.num_kv_heads
+        qkv = layer.qkv(h)  # [T, (heads + 2 * kv_heads) * head_dim]
         if layer.qkv_bias is not None:
             qkv = qkv + layer.qkv_bias
         qk = qkv[:, :num_qk * p.head_dim].view(num_rows, num_qk, p.head_dim)

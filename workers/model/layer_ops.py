@@ -11,9 +11,14 @@ import ctypes
 import functools
 import os
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from workers.model.cpu_kernels import load_kernel
+
+if TYPE_CHECKING:
+    from workers.model.triton_layer_ops import TritonLayerOps
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
@@ -64,6 +69,15 @@ class LayerOps:
         self._lib.act_mul_rows(x.data_ptr(), out.data_ptr(), rows, f, ACTIVATIONS[activation],
                                torch.get_num_threads())
         return out
+
+
+def ops_for(device: torch.device) -> LayerOps | TritonLayerOps | None:
+    """The small ops' kernels for a forward on `device`: these C ones on a CPU, the Triton ones
+    (triton_layer_ops.py) on a GPU, or None."""
+    if device.type == "cpu":
+        return layer_ops()
+    from workers.model.triton_layer_ops import gpu_layer_ops  # imports Triton: GPU workers only
+    return gpu_layer_ops()
 
 
 @functools.cache
