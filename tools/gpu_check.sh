@@ -33,7 +33,7 @@ BENCH_S=${GPU_CHECK_BENCH_S:-${DRY_S:-240}}
 timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --durations=8 \
   tests/workers/test_gpu.py 2>&1 | tee "$OUT/tests.log"
 TESTS=${PIPESTATUS[0]}
-timeout "$BENCH_S" "$PY" -m tools.bench gpu --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+timeout "$BENCH_S" "$PY" -m tools.bench gpu --profile --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 BENCH=${PIPESTATUS[0]}
 echo "tests exit $TESTS ($(tail -1 "$OUT/tests.log"); limit $TESTS_S s), bench exit $BENCH (limit $BENCH_S s)"
 [ "$TESTS" = 0 ] && [ "$BENCH" = 0 ]

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 WHEELS=(pyzmq==27.3.0 orjson==3.13.0 gguf==0.19.0 fastapi==0.165.0 starlette==1.10.0
         pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
         typing-extensions==4.16.0 anyio==4.16.0 annotated-doc==0.0.7 uvicorn==0.54.0
-        opentelemetry-api==1.45.2 llguidance==1.9.1)
+        opentelemetry-api==1.45.2 llguidance==1.9.1 httptools==0.9.0)
 mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

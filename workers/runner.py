@@ -35,6 +35,10 @@ if TYPE_CHECKING:  # imports Triton where installed: only GPU workers build Step
     from workers.model.step_graphs import StepGraphs
 
 
+NO_TOKENS = np.zeros(0, np.int64)
+NO_TOKENS.flags.writeable = False
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, pool: KVPool, backend: AttentionBackend,
                  sampler: Sampler | None = None, worker_id: int = 0,
@@ -164,8 +168,10 @@ class ModelRunner:
 
     def _sampling_row(self, request_id: str, position: int) -> SamplingRow:
         state = self.requests[request_id]
-        history = state.token_ids[:position] if state.params.has_penalties else []  # only penalties read it
-        return SamplingRow(state.params, np.asarray(history, dtype=np.int64), state.num_prompt_tokens, position)
+        if not state.params.has_penalties:  # only penalties read the history
+            return SamplingRow(state.params, NO_TOKENS, state.num_prompt_tokens, position)
+        history = np.asarray(state.token_ids[:position], dtype=np.int64)
+        return SamplingRow(state.params, history, state.num_prompt_tokens, position)
 
     def _check(self, plan: StepPlan, token_ids: np.ndarray) -> None:
         p = self.model.params
@@ -187,7 +193,10 @@ def logit_rows(plan: StepPlan) -> np.ndarray:
 
         rows:   | seq 0 (not sampled) | seq 1 .. [x x] | seq 2 [x] |   x = returned row
     """
-    ends = offsets(plan.num_tokens)[1:]
-    drafts = plan.draft_counts
-    parts = [np.arange(ends[i] - 1 - drafts[i], ends[i]) for i in np.flatnonzero(plan.sample_flags)]
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    sampled = np.flatnonzero(plan.sample_flags)
+    ends = offsets(plan.num_tokens)[1:][sampled]  # one past each sampled chunk's last row
+    counts = plan.draft_counts[sampled].astype(np.int64) + 1
+    # row j of sequence i's run: ends[i] - counts[i] + j, built without a loop over sequences
+    firsts = np.repeat(ends - counts, counts)
+    within = np.arange(int(counts.sum())) - np.repeat(offsets(counts)[:-1], counts)
+    return firsts + within

@@ -305,3 +305,19 @@ def test_cuda_without_a_gpu_fails_clearly(model):
         KVPool.create(PoolShape(2, 4, BS, 2, 8), kind="cuda_ipc", device="cuda")
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         make_backend("cuda", BS)
+
+
+def test_logit_rows_are_each_sampled_chunks_last_one_plus_drafts_rows():
+    from workers.runner import logit_rows
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        n = int(rng.integers(0, 7))
+        sizes = rng.integers(1, 6, n)
+        chunks = [(f"r{i}", 0, list(range(int(s))), [0], bool(rng.integers(0, 2))) for i, s in enumerate(sizes)]
+        plan = StepPlan.build(0, chunks)
+        drafts = np.array([int(rng.integers(0, s)) for s in sizes], np.int32)
+        plan = dataclasses.replace(plan, num_draft_tokens=drafts)
+        ends = np.cumsum(sizes)
+        want = [r for i in range(n) if chunks[i][4] for r in range(ends[i] - 1 - drafts[i], ends[i])]
+        got = logit_rows(plan)
+        assert got.dtype == np.int64 and got.tolist() == want

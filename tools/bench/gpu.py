@@ -42,6 +42,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="turns of the three modes")
     parser.add_argument("--json", default="", help="write the figures here")
+    parser.add_argument("--profile", action="store_true",
+                        help="also list the kernels of each model's batch-1 graph by device time")
     args = parser.parse_args(argv)
     is_dry = args.device == "cpu"
     args.models = args.models or (DRY_RUN_SHAPE if is_dry else f"smollm2;{LLAMA_1B_SHAPE}")

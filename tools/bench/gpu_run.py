@@ -87,6 +87,28 @@ def replay_ms(graphs: StepGraphs, batch: int, device: str, repeats: int = 50) ->
     return statistics.median(times[3:]) * 1e3
 
 
+def kernel_times(graphs: StepGraphs, device: str, replays: int = 20, top: int = 12) -> list[dict[str, Any]]:
+    """The kernels of the batch-1 decode graph, by device time per replay (torch's profiler
+    over `replays` replays): which of them the step's time goes to."""
+    from torch.profiler import ProfilerActivity, profile
+    step = graphs.graphs.get(GraphKey(1, 1))
+    if step is None or device == "cpu":
+        return []
+    try:
+        with torch.inference_mode(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                step()
+            _sync(device)
+    except RuntimeError as exc:  # no profiler here: the figures above still stand
+        print(f"    (no kernel profile: {exc})", flush=True)
+        return []
+    rows = [{"name": e.key, "calls": e.count // replays, "ms": e.device_time_total / 1e3 / replays}
+            for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    return [{"name": "(all kernels)", "calls": sum(r["calls"] for r in rows), "ms": total}] + rows[:top]
+
+
 def weight_bytes(engine: LLMEngine) -> int:
     """Bytes of the matrices one decode step streams: every layer's and the output head."""
     p = engine.model.params
@@ -119,6 +141,10 @@ def measure_model(model: str, args: argparse.Namespace, copy_bytes_per_s: float)
               flush=True)
     out: dict[str, Any] = {"name": name, "load_s": load_s, "graph_capture": capture,
                            "weight_bytes": weight_bytes(engine), "decode": rows}
+    if args.profile and graphs is not None:
+        out["batch1_kernels"] = kernel_times(graphs, args.device)
+        print("\n".join(f"    {k['ms']:7.3f} ms {k['calls']:5d} x {k['name'][:90]}" for k in out["batch1_kernels"]),
+              flush=True)
     if 1 in batches:
         step_s = next(r for r in rows if r["batch"] == 1)["graphs"]["median_step_ms"] / 1e3
         out["batch1_bandwidth_share"] = out["weight_bytes"] / step_s / copy_bytes_per_s
