@@ -156,3 +156,34 @@ def test_padding_sequences_come_out_zero_and_real_rows_unchanged():
     out = backend.attend(kv, q_pad, meta)
     assert torch.equal(out[:2], triton_attend(batch, kv, q))
     assert torch.equal(out[2:], torch.zeros(2, 6, 32))
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_keys_split_over_programs_give_the_reference(splits, monkeypatch):
+    """Flash decoding: each program takes a share of a sequence's keys (some none at all: a
+    short decode beside a long one), and a second launch merges their softmax states; with a
+    tree, a window and soft-capping as in one launch."""
+    from workers.model import triton_attention
+    monkeypatch.setattr(triton_attention, "FORCED_SPLITS", splits)
+    batch, kv, q = random_step([0, 15, 90, 9, 40], [1, 1, 4, 30, 1], 6, 2, 32, 16, seed=5)
+    params = AttentionParams(32 ** -0.5)
+    assert_close(triton_attend(batch, kv, q), reference(batch, kv, q, params))
+    params = AttentionParams(0.3, window=20, softcap=5.0)
+    assert_close(triton_attend(batch, kv, q, params), reference(batch, kv, q, params))
+    parents = [-1, 0, 0, 1, 2]
+    tree = TreeLayout()
+    tree.add(verify_mask(seq=1, num_tokens=1 + len(parents), start=70, parents=parents))
+    batch, kv, q = random_step([7, 70, 33], [1, 1 + len(parents), 2], 6, 2, 32, 16, seed=6, tree=tree)
+    params = AttentionParams(32 ** -0.5)
+    assert_close(triton_attend(batch, kv, q), reference(batch, kv, q, params))
+
+
+def test_splits_are_for_steps_with_few_programs(monkeypatch):
+    from workers.model import triton_attention
+    monkeypatch.setattr(triton_attention, "FORCED_SPLITS", 0)
+    monkeypatch.setattr(triton_attention, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda", 0)
+    assert triton_attention.key_splits(1, 3, cuda) == 16  # SmolLM2 at batch 1: 3 programs
+    assert triton_attention.key_splits(16, 3, cuda) == 4  # 48 programs: 5 per (tile, head), a power of two
+    assert triton_attention.key_splits(64, 3, cuda) == 1  # 192 programs fill 132 SMs
+    assert triton_attention.key_splits(1, 3, torch.device("cpu")) == 1
