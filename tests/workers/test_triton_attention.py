@@ -158,15 +158,14 @@ def test_padding_sequences_come_out_zero_and_real_rows_unchanged():
     assert torch.equal(out[2:], torch.zeros(2, 6, 32))
 
 
-@pytest.mark.parametrize("splits,split_keys", [(2, 32), (4, 32), (4, 128)])
-def test_keys_split_over_programs_give_the_reference(splits, split_keys, monkeypatch):
-    """Flash decoding: each program takes a share of a sequence's keys (a short sequence uses
-    fewer of its programs), and a second launch merges the used ones' softmax states; with a
+@pytest.mark.parametrize("splits", [2, 4])
+def test_keys_split_over_programs_give_the_reference(splits, monkeypatch):
+    """Flash decoding: each program takes a share of a sequence's keys (some none at all: a
+    short decode beside a long one), and a second launch merges their softmax states; with a
     tree, a window and soft-capping as in one launch."""
     from workers.model import triton_attention
     monkeypatch.setattr(triton_attention, "FORCED_SPLITS", splits)
-    monkeypatch.setattr(triton_attention, "SPLIT_KEYS", split_keys)
-    batch, kv, q = random_step([0, 15, 90, 9, 300], [1, 1, 4, 30, 1], 6, 2, 32, 16, seed=5)
+    batch, kv, q = random_step([0, 15, 90, 9, 40], [1, 1, 4, 30, 1], 6, 2, 32, 16, seed=5)
     params = AttentionParams(32 ** -0.5)
     assert_close(triton_attend(batch, kv, q), reference(batch, kv, q, params))
     params = AttentionParams(0.3, window=20, softcap=5.0)

@@ -65,14 +65,13 @@ class AttentionParams:
 def _attention_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, first_rows_ptr, starts_ptr, num_rows_ptr,
                       num_keys_ptr, tile_seqs_ptr, tile_rows_ptr, tree_first_ptr, tree_base_ptr,
                       tree_rows_ptr, tree_span_ptr, tree_off_ptr, tree_bits_ptr, part_acc_ptr, part_ml_ptr,
-                      part_used_ptr, scale, softcap, window,
+                      scale, softcap, window,
                       stride_qt, stride_qh, stride_side, stride_block, stride_slot, stride_kvh,
                       stride_ot, stride_oh, stride_table,
                       GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, HAS_TREE: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                      HAS_SOFTCAP: tl.constexpr, IS_FP32: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                      SPLIT_KEYS: tl.constexpr):
+                      HAS_SOFTCAP: tl.constexpr, IS_FP32: tl.constexpr, NUM_SPLITS: tl.constexpr):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -96,13 +95,10 @@ def _attention_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, first_rows_ptr, starts
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(start + row0 - window + 1, 0) // BLOCK_N * BLOCK_N
-    if NUM_SPLITS > 1:  # this program's share of the keys: whole key tiles, SPLIT_KEYS or more
-        keys = tl.maximum(hi - lo, 0)
-        used = tl.minimum(tl.maximum(tl.cdiv(keys, SPLIT_KEYS), 1), NUM_SPLITS)
-        span = tl.cdiv(tl.cdiv(keys, used), BLOCK_N) * BLOCK_N
+    if NUM_SPLITS > 1:  # this program's share of the keys, whole key tiles each
+        span = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
         lo = lo + split * span
-        hi = tl.minimum(lo + span, hi)  # splits past `used`: nothing
-        tl.store(part_used_ptr + tile * tl.num_programs(1) + kv_head, used, mask=split == 0)
+        hi = tl.minimum(lo + span, hi)
     if HAS_TREE:
         t_first = tl.load(tree_first_ptr + seq)
         t_base = tl.load(tree_base_ptr + seq)
@@ -162,14 +158,13 @@ def _attention_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, first_rows_ptr, starts
 
 @_jit
 @no_type_check
-def _combine_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, part_used_ptr, first_rows_ptr, num_rows_ptr,
-                           tile_seqs_ptr, tile_rows_ptr, stride_ot, stride_oh, GROUP: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_Q: tl.constexpr):
-    """One (tile, KV head): the used splits' online-softmax states merged into the rows' outputs."""
+def _combine_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, first_rows_ptr, num_rows_ptr, tile_seqs_ptr,
+                           tile_rows_ptr, stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+                           NUM_SPLITS: tl.constexpr):
+    """One (tile, KV head): the splits' online-softmax states merged into the rows' outputs."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    used = tl.load(part_used_ptr + tile * tl.num_programs(1) + kv_head)
     seq = tl.load(tile_seqs_ptr + tile)
     row0 = tl.load(tile_rows_ptr + tile)
     m = tl.arange(0, BLOCK_M)
@@ -179,13 +174,13 @@ def _combine_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, part_used_ptr, fi
     row_ok = (m // GROUP < BLOCK_Q) & (q_index < tl.load(num_rows_ptr + seq))
     q_rows = (tl.load(first_rows_ptr + seq) + q_index).to(tl.int64)
     m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for split in range(0, used):
+    for split in range(NUM_SPLITS):
         part = (split * tl.num_programs(0) + tile) * tl.num_programs(1) + kv_head
         m_all = tl.maximum(m_all, tl.load(part_ml_ptr + part * 2 * BLOCK_M + m))
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
     l_all = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for split in range(0, used):
+    for split in range(NUM_SPLITS):
         part = (split * tl.num_programs(0) + tile) * tl.num_programs(1) + kv_head
         weight = tl.exp(tl.load(part_ml_ptr + part * 2 * BLOCK_M + m) - m_safe)  # 0 for a split with no key
         l_all += weight * tl.load(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + m)
@@ -253,33 +248,27 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, meta: Any, params: LayerA
     parts = splits * meta.num_tiles * kv_heads if splits > 1 else 1
     part_acc = torch.empty(parts * meta.block_m * block_d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(parts * 2 * meta.block_m, dtype=torch.float32, device=q.device)
-    part_used = torch.empty(meta.num_tiles * kv_heads if splits > 1 else 1, dtype=torch.int32, device=q.device)
     grid = (meta.num_tiles, kv_heads, splits)
     _attention_kernel[grid](
         q, kv, out, meta.tables, meta.first_rows, meta.starts, meta.num_rows, meta.num_keys,
         meta.tile_seqs, meta.tile_rows, meta.tree_first_rows, meta.tree_bases, meta.tree_rows,
-        meta.tree_spans, meta.tree_offsets, meta.tree_bits, part_acc, part_ml, part_used,
+        meta.tree_spans, meta.tree_offsets, meta.tree_bits, part_acc, part_ml,
         scale, params.softcap, params.window,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         out.stride(0), out.stride(1), meta.tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_next_pow2(max(head_dim, 16)),
         BLOCK_M=meta.block_m, BLOCK_Q=meta.block_q, BLOCK_N=max(BLOCK_N, block_size),
         BLOCK_SIZE=block_size, HAS_TREE=meta.has_tree, HAS_WINDOW=params.window > 0,
-        HAS_SOFTCAP=params.softcap > 0, IS_FP32=q.dtype == torch.float32, NUM_SPLITS=splits,
-        SPLIT_KEYS=SPLIT_KEYS)
+        HAS_SOFTCAP=params.softcap > 0, IS_FP32=q.dtype == torch.float32, NUM_SPLITS=splits)
     if splits > 1:
         _combine_splits_kernel[(meta.num_tiles, kv_heads)](
-            out, part_acc, part_ml, part_used, meta.first_rows, meta.num_rows, meta.tile_seqs,
-            meta.tile_rows, out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_M=meta.block_m, BLOCK_Q=meta.block_q)
+            out, part_acc, part_ml, meta.first_rows, meta.num_rows, meta.tile_seqs, meta.tile_rows,
+            out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_M=meta.block_m, BLOCK_Q=meta.block_q, NUM_SPLITS=splits)
     return out
 
 
 MAX_SPLITS = 16
-SPLIT_KEYS = 128
-"""Keys a split takes at least: a sequence of k keys uses min(ceil(k / 128), splits) of its
-programs and the merge reads only those (on the H200, 16 splits of a ~150-key decode cost more
-to merge, 4.9 us a layer, than the attention itself)."""
 
 
 def key_splits(num_tiles: int, kv_heads: int, device: torch.device) -> int:
