@@ -4,6 +4,8 @@ the fused qkv output) and the gated activations; each row's bits alone equal its
 batch; layouts a kernel does not read fall back (None)."""
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -64,3 +66,28 @@ def test_layouts_it_does_not_read_fall_back():
     heads = torch.randn(3, 4, 8, generator=GEN).transpose(0, 1)  # heads not within a token's row
     assert ops.rotary(heads, torch.ones(4, 1, 4), torch.zeros(4, 1, 4)) is None
     assert torch.equal(forward.rms_norm(x.T, torch.ones(4), 1e-6), F.rms_norm(x.T, (4,), torch.ones(4), 1e-6))
+
+
+def test_store_kv_writes_each_rows_k_and_v_at_its_slot_like_index_copy():
+    from workers.model.attention import TorchCpuBackend, TorchPagedBackend
+    kv = torch.randn(2, 5, 4, 3, 8, generator=GEN)  # 20 slots of 3 heads x 8
+    qkv = torch.randn(6, (9 + 3 + 3) * 8, generator=GEN)  # fused rows: k and v are views apart
+    k = qkv[:, 9 * 8:12 * 8].view(6, 3, 8)
+    v = qkv[:, 12 * 8:].view(6, 3, 8)
+    slots = torch.tensor([7, 0, 19, 3, 12, 8])
+    want = kv.clone()
+    flat = want.view(2, -1, 3, 8)
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)
+    assert layer_ops().store_kv(kv, k, v, slots)
+    assert torch.equal(kv, want)
+    with pytest.raises(ValueError, match="outside the pool"):
+        layer_ops().store_kv(kv, k, v, torch.tensor([7, 0, 20, 3, 12, 8]))
+    assert torch.equal(kv, want)  # nothing written
+    assert not layer_ops().store_kv(kv, k.double(), v.double(), slots)  # not fp32: the caller's torch form
+    # the CPU backend takes it, and its result is the torch backend's
+    meta = types.SimpleNamespace(slots=slots)
+    other = kv.clone()
+    TorchCpuBackend(4).write_kv(kv, k * 2, v * 3, meta)
+    TorchPagedBackend(4).write_kv(other, k * 2, v * 3, meta)
+    assert torch.equal(kv, other)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.model import cpu_kernels
+from workers.model.layer_ops import layer_ops
 from workers.spec.tree import TreeLayout
 
 SHORT_CHUNK_TOKENS = 16
@@ -333,6 +334,12 @@ class TorchCpuBackend(TorchPagedBackend):
                  use_kernel: bool = True) -> None:
         super().__init__(block_size, "cpu", chunk_bytes)
         self.kernel = cpu_kernels.paged_attention() if use_kernel else None
+
+    def write_kv(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        ops = layer_ops()  # one C call (two index_copy_ took 53 us a layer at batch 1)
+        if ops is None or not ops.store_kv(kv, k, v, meta.slots):
+            super().write_kv(kv, k, v, meta)
 
     def _attend_short(self, kv: torch.Tensor, q: torch.Tensor, group: ShortGroup,
                       params: AttentionParams = DEFAULT_PARAMS) -> torch.Tensor:

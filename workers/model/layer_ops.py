@@ -1,9 +1,10 @@
 """The CPU forward's small per-layer operations as one C call each (csrc/layer_ops.c): RMS norm,
-rotary embedding and the gated activation. At batch 1 their torch forms (4-10 dispatched ops
-each) cost about as much as the matmuls. `layer_ops()` is None where the kernel cannot be
+rotary embedding, the gated activation, and the KV store (the attention backend's). At batch 1
+their torch forms (4-10 dispatched ops each) cost about as much as the matmuls. `layer_ops()` is None where the kernel cannot be
 built or JUSTAPI_CPU_KERNELS=0; each method returns None for what it does not cover (not CPU,
 not fp32, a layout it does not read), and the caller keeps its torch form.
-Owns: the calls. Does not own: where the forward uses them (forward.py, ffn.py).
+`ops_for(device)` gives a GPU forward the Triton forms instead (triton_layer_ops.py).
+Owns: the calls. Does not own: where the forward uses them (forward.py, ffn.py, attention.py).
 """
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ class LayerOps:
         library.act_mul_rows.argtypes = [ptr, ptr, i64, i64, i32, i32]
         for fn in (library.rms_norm_rows, library.rotary_rows, library.act_mul_rows):
             fn.restype = None
+        library.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr]
+        library.store_kv_rows.restype = i32
         self._lib = library
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -69,6 +72,23 @@ class LayerOps:
         self._lib.act_mul_rows(x.data_ptr(), out.data_ptr(), rows, f, ACTIVATIONS[activation],
                                torch.get_num_threads())
         return out
+
+    def store_kv(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
+        """kv [2, num_blocks, block_size, kv_heads, head_dim] (one pool layer) gets k and v [T,
+        kv_heads, head_dim] (token rows may be apart) at slots [T] (int64); False (nothing
+        written) for a layout it does not read. A slot outside the pool is a ValueError."""
+        slot_values = kv.shape[-2] * kv.shape[-1]
+        if not (_plain(kv) and _plain(k) and _plain(v)) or not kv.is_contiguous() or k.dim() != 3 \
+                or k.shape != v.shape or k.shape[1:] != kv.shape[-2:] or slots.dtype != torch.int64 \
+                or not slots.is_contiguous() or len(slots) != k.shape[0]:
+            return False
+        if (k.stride(2), k.stride(1), v.stride(2), v.stride(1)) != (1, kv.shape[-1], 1, kv.shape[-1]):
+            return False
+        num_slots = kv.shape[1] * kv.shape[2]
+        if self._lib.store_kv_rows(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
+                                   k.shape[0], slot_values, num_slots, kv.data_ptr()):
+            raise ValueError(f"a KV slot is outside the pool's {num_slots}")
+        return True
 
 
 def ops_for(device: torch.device) -> LayerOps | TritonLayerOps | None:

@@ -1,12 +1,13 @@
 /* The small per-layer operations of the CPU forward, each one call instead of 4-10 torch ops:
- * RMS norm, rotary embedding and the gated activation. At batch 1 SmolLM2's step ran ~270
- * elementwise torch ops whose dispatch (5-70 us each on a 2-vCPU VM) cost as much as the
- * matmuls. Each row is computed alone in a fixed order, so a row's bits do not depend on its
+ * RMS norm, rotary embedding, the gated activation and the KV store. At batch 1 SmolLM2's
+ * step ran ~270 elementwise torch ops whose dispatch (5-70 us each on a 2-vCPU VM) cost as
+ * much as the matmuls. Each row is computed alone in a fixed order, so a row's bits do not depend on its
  * batch. Rows are split over threads only where a call has enough work to pay for waking them.
  * Compiled on first use by workers/model/cpu_kernels.py. Owns: that arithmetic.
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "exp_nonpositive.h"
 
@@ -82,4 +83,19 @@ void act_mul_rows(const float *x, float *out, int64_t rows, int64_t f, int act, 
             for (int64_t j = 0; j < f; j++) y[j] = gelu_tanh(g[j]) * u[j];
         }
     }
+}
+
+/* The step's new K and V into their pool slots: kv [2, num_slots, slot_values] (K half, then
+ * V half); k, v rows of slot_values values, ldk / ldv apart. Returns 0, or -1 (nothing
+ * written) where a slot is outside the pool. */
+int store_kv_rows(const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots,
+                  int64_t rows, int64_t slot_values, int64_t num_slots, float *kv) {
+    for (int64_t r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= num_slots) return -1;
+    float *values = kv + num_slots * slot_values;
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(kv + slots[r] * slot_values, k + r * ldk, sizeof(float) * slot_values);
+        memcpy(values + slots[r] * slot_values, v + r * ldv, sizeof(float) * slot_values);
+    }
+    return 0;
 }
