@@ -91,3 +91,15 @@ def test_store_kv_writes_each_rows_k_and_v_at_its_slot_like_index_copy():
     TorchCpuBackend(4).write_kv(kv, k * 2, v * 3, meta)
     TorchPagedBackend(4).write_kv(other, k * 2, v * 3, meta)
     assert torch.equal(kv, other)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 576), (300, 640)])  # 300 x 640: threads split rows
+def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(rows, n):
+    x = torch.randn(rows, 2 * n, generator=GEN)[:, :n] * 3  # rows 2n apart
+    d = torch.randn(rows, n, generator=GEN)
+    w = torch.randn(n, generator=GEN)
+    total, out = layer_ops().add_rms_norm(x, d, w, 1e-6)
+    assert torch.equal(total, x + d)
+    assert torch.equal(out, layer_ops().rms_norm(x + d, w, 1e-6))
+    assert torch.equal(forward.add_rms_norm(x, d, w, 1e-6)[1], out)  # the forward takes it
+    assert layer_ops().add_rms_norm(x, None, w, 1e-6) is None

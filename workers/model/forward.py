@@ -159,8 +159,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, rms_norm(s)) with s = x + delta (x when delta is None): the residual stream's add and
-    the norm after it, one kernel on a GPU."""
-    ops = _gpu_ops(x.device)
+    the norm after it, one kernel on a GPU, one C call on a CPU."""
+    ops = _gpu_ops(x.device) if x.device.type != "cpu" else ops_for(x.device)
     fused = ops.add_rms_norm(x, delta, weight, eps) if ops is not None else None
     if fused is not None:
         return fused

@@ -32,9 +32,10 @@ class LayerOps:
     def __init__(self, library: ctypes.CDLL) -> None:
         ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         library.rms_norm_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, i32]
+        library.add_rms_norm_rows.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32]
         library.rotary_rows.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
         library.act_mul_rows.argtypes = [ptr, ptr, i64, i64, i32, i32]
-        for fn in (library.rms_norm_rows, library.rotary_rows, library.act_mul_rows):
+        for fn in (library.rms_norm_rows, library.add_rms_norm_rows, library.rotary_rows, library.act_mul_rows):
             fn.restype = None
         library.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr]
         library.store_kv_rows.restype = i32
@@ -49,6 +50,23 @@ class LayerOps:
         self._lib.rms_norm_rows(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n,
                                 eps, torch.get_num_threads())
         return out
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(s, rms_norm(s)) with s = x + delta, one call: the same bits as torch's add then
+        rms_norm. None where delta is None (nothing to fuse) or the layout is not read."""
+        if delta is None or x.dim() != 2 or delta.shape != x.shape or not (_plain(x) and _plain(delta)
+                                                                             and _plain(weight)):
+            return None
+        if x.stride(1) != 1 or delta.stride(1) != 1 or not weight.is_contiguous():
+            return None
+        rows, n = x.shape
+        total = torch.empty(rows, n, dtype=torch.float32)
+        out = torch.empty(rows, n, dtype=torch.float32)
+        self._lib.add_rms_norm_rows(x.data_ptr(), x.stride(0), delta.data_ptr(), delta.stride(0),
+                                    weight.data_ptr(), total.data_ptr(), out.data_ptr(), rows, n, eps,
+                                    torch.get_num_threads())
+        return total, out
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
         """x [T, heads, dim] (heads contiguous within a token) -> rotated copy; cos/sin [T, 1, half]."""

@@ -13,21 +13,35 @@
 
 #define PARALLEL_VALUES 65536  /* fewer values than this: one thread */
 
+/* yr = xr * 1 / sqrt(mean(xr^2) + eps) * w, n values. */
+static void rms_norm_row(const float *xr, const float *w, float *yr, int64_t n, float eps) {
+    float lanes[8] = {0};  /* eight partial sums, then a fixed pairing */
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) lanes[l] += xr[j + l] * xr[j + l];
+    for (; j < n; j++) lanes[0] += xr[j] * xr[j];
+    const float sum = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (j = 0; j < n; j++) yr[j] = xr[j] * inv * w[j];
+}
+
 /* out[r] = x[r] * 1 / sqrt(mean(x[r]^2) + eps) * w, rows of n values (x rows ldx apart). */
 void rms_norm_rows(const float *x, int64_t ldx, const float *w, float *out, int64_t rows, int64_t n,
                    float eps, int num_threads) {
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= PARALLEL_VALUES)
+    for (int64_t r = 0; r < rows; r++) rms_norm_row(x + r * ldx, w, out + r * n, n, eps);
+}
+
+/* The residual add and the norm after it: sum[r] = x[r] + d[r] (rows ldx / ldd apart; sum and
+ * out contiguous), out[r] = rms_norm(sum[r]) * w, the same bits as the add then rms_norm_rows. */
+void add_rms_norm_rows(const float *x, int64_t ldx, const float *d, int64_t ldd, const float *w,
+                       float *sum, float *out, int64_t rows, int64_t n, float eps, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * n >= PARALLEL_VALUES)
     for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * ldx;
-        float *yr = out + r * n;
-        float lanes[8] = {0};  /* eight partial sums, then a fixed pairing */
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8)
-            for (int l = 0; l < 8; l++) lanes[l] += xr[j + l] * xr[j + l];
-        for (; j < n; j++) lanes[0] += xr[j] * xr[j];
-        const float sum = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
-        const float inv = 1.0f / sqrtf(sum / (float)n + eps);
-        for (j = 0; j < n; j++) yr[j] = xr[j] * inv * w[j];
+        const float *xr = x + r * ldx, *dr = d + r * ldd;
+        float *sr = sum + r * n;
+        for (int64_t j = 0; j < n; j++) sr[j] = xr[j] + dr[j];
+        rms_norm_row(sr, w, out + r * n, n, eps);
     }
 }
 
