@@ -179,3 +179,21 @@ def test_plans_measured_on_a_busy_host_are_not_cached(tmp_path, monkeypatch, loa
     assert planner.plan_for(blocks(Q.Q4_K, 8, 256)) == PathPlan.only("int8")
     assert planner.measured == 1
     assert (tmp_path / "plans.json").exists() is kept
+
+
+def test_past_the_last_count_each_path_goes_on_at_its_last_segments_slope():
+    """The fitted lines follow the small counts, where the dense GEMM pays a fixed cost: there
+    the panels win everywhere. Between the last two counts dense gains less per row (0.015 ms
+    against 0.02), so past 512 rows it takes over where those segments cross (544 rows)."""
+    rows = [1, 2, 4, 8, 16, 32, 64, 128, 512]
+    panels = [0.2 + 0.02 * r for r in rows]
+    dense = [1.0 + 0.03 * r for r in rows[:-1]] + [1.0 + 0.03 * 128 + 0.015 * 384]
+    plan = plan_from_timings(rows, {"int8_panels": panels, "dense": dense})
+    assert [plan.path_for(r) for r in (1, 128, 512, 544, 545, 2048)] == \
+        ["int8_panels"] * 4 + ["dense"] * 2
+    assert plan_from_timings(rows, {"int8_panels": panels, "dense": [1.0 + 0.03 * r for r in rows]}) \
+        .path_for(2048) == "int8_panels"  # dense's last segment no better: no switch
+    # dense ahead at 512 itself: the counts up to 512 keep the lines' choice, 513 on the tails'
+    dense[-1] = 9.0
+    plan = plan_from_timings(rows, {"int8_panels": panels, "dense": dense})
+    assert [plan.path_for(r) for r in (100, 300, 512, 513, 2048)] == ["int8_panels"] * 3 + ["dense"] * 2

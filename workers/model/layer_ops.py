@@ -1,8 +1,9 @@
 """The CPU forward's small per-layer operations as one C call each (csrc/layer_ops.c): RMS norm,
 rotary embedding, the gated activation, and the KV store (the attention backend's). At batch 1
-their torch forms (4-10 dispatched ops each) cost about as much as the matmuls. `layer_ops()` is None where the kernel cannot be
-built or JUSTAPI_CPU_KERNELS=0; each method returns None for what it does not cover (not CPU,
-not fp32, a layout it does not read), and the caller keeps its torch form.
+their torch forms (4-10 dispatched ops each) cost about as much as the matmuls. `layer_ops()`
+is None where the kernel cannot be built or JUSTAPI_CPU_KERNELS=0; each method returns None
+(store_kv: False) for what it does not cover (not CPU, not fp32, a layout it does not read),
+and the caller keeps its torch form.
 `ops_for(device)` gives a GPU forward the Triton forms instead (triton_layer_ops.py).
 Owns: the calls. Does not own: where the forward uses them (forward.py, ffn.py, attention.py).
 """

@@ -39,7 +39,7 @@ and 512 for prefill chunks: the dense GEMM gains per row up to there (SmolLM2's 
 0.038 ms a row at 128, 0.027 at 512), so lines fitted to 128 rows at most kept int8 for
 prefill, 1.4x slower than the dense tile at 512."""
 DROP_RATIO = 2.0
-CACHE_VERSION = 7
+CACHE_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,9 @@ def fit_line(rows: Sequence[int], seconds: Sequence[float]) -> tuple[float, floa
 def plan_from_timings(rows: Sequence[int], seconds: Mapping[str, Sequence[float]],
                       max_rows: int = 1 << 16) -> PathPlan:
     """The plan of the fitted lines (ties: the earlier path in `seconds`): each path's range
-    ends where another's line drops below it, found at every crossing up to `max_rows`. A
-    path may have times for the first few counts only (measurement stopped timing it)."""
+    ends where another's line drops below it, found at every crossing up to `max_rows`; past
+    the last count measured, each path's last segment extended. A path may have times for the
+    first few counts only (measurement stopped timing it)."""
     if not seconds or any(not 0 < len(times) <= len(rows) for times in seconds.values()):
         raise ValueError("every path needs one time per measured row count (or per leading ones)")
     if list(rows) != sorted(set(rows)) or rows[0] < 1:
@@ -101,13 +102,28 @@ def plan_from_timings(rows: Sequence[int], seconds: Mapping[str, Sequence[float]
     # few small counts, is not extrapolated past them (a 1-4-row fit of the fp32 block kernel
     # came out flat and took the head's prefill steps, 5x slower than the int8 panels there).
     reach = {path: max_rows if len(times) == len(rows) else rows[len(times) - 1] for path, times in seconds.items()}
+    # Past the last count measured, each path goes on from its last time at the slope of its
+    # last segment: a line fitted over every count follows the small ones (relative weights),
+    # where a dense GEMM pays its fixed cost, and missed that past 512 rows it gains on the int8
+    # panels (on an AVX2 Zen 3 the panels took every prefill chunk, 5-20% slower at 2048 rows).
+    last = rows[-1]
+    tails = {path: (times[-1], max(0.0, (times[-1] - times[-2]) / (rows[-1] - rows[-2])))
+             for path, times in seconds.items() if len(times) == len(rows) >= 2}
+
+    def cost(path: str, count: int) -> float:
+        if count > last and path in tails:
+            at_last, slope = tails[path]
+            return at_last + slope * (count - last)
+        return lines[path][0] + lines[path][1] * count
 
     def best(count: int) -> str:
         eligible = [path for path in lines if count <= reach[path]] or list(lines)
-        return min(eligible, key=lambda path: lines[path][0] + lines[path][1] * count)
+        return min(eligible, key=lambda path: cost(path, count))
 
-    ends = {c for r in reach.values() for c in (r, r + 1)}
-    counts = sorted({1, max_rows} | {c for c in _crossings(list(lines.values())) | ends if 1 <= c < max_rows})
+    ends = {c for r in reach.values() for c in (r, r + 1)} | {last, last + 1}  # the model changes past last
+    beyond = {c for c in _crossings([(t - s * last, s) for t, s in tails.values()]) if c > last}
+    inside = _crossings(list(lines.values()))
+    counts = sorted({1, max_rows} | {c for c in inside | ends | beyond if 1 <= c < max_rows})
     steps: list[tuple[int, str]] = []
     for count in counts:  # the winner is constant between consecutive crossings
         path = best(count)
