@@ -31,16 +31,21 @@ def test_rms_norm_matches_torch_and_rows_alone(rows, n):
     assert not close(out, F.rms_norm(x, (n,), w.flip(0), 1e-6))  # the weight is applied per value
 
 
-@pytest.mark.parametrize("dim,half", [(64, 32), (64, 16)], ids=["whole", "partial"])
-def test_rotary_matches_torch_on_fused_qkv_rows(dim, half):
-    tokens, heads = 5, 6
+def rotary_case(dim: int, half: int, tokens: int = 5, heads: int = 6):
+    """(x, cos, sin, the torch form's result): x token rows of a fused qkv output, (heads + 2) *
+    dim apart; the first 2 * half dims of each head rotate."""
     qkv = torch.randn(tokens, (heads + 2) * dim, generator=GEN)
-    x = qkv[:, :heads * dim].view(tokens, heads, dim)  # token rows (heads + 2) * dim apart
+    x = qkv[:, :heads * dim].view(tokens, heads, dim)
     angles = torch.randn(tokens, half, generator=GEN)
     cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    out = layer_ops().rotary(x, cos, sin)
     x1, x2 = x[..., :half], x[..., half:2 * half]
-    expected = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], dim=-1)
+    return x, cos, sin, torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], dim=-1)
+
+
+@pytest.mark.parametrize("dim,half", [(64, 32), (64, 16)], ids=["whole", "partial"])
+def test_rotary_matches_torch_on_fused_qkv_rows(dim, half):
+    x, cos, sin, expected = rotary_case(dim, half)
+    out = layer_ops().rotary(x, cos, sin)
     assert close(out, expected)
     assert torch.equal(forward.apply_rotary(x, cos, sin), out)  # the forward takes it
     assert torch.equal(layer_ops().rotary(x[2:3], cos[2:3], sin[2:3])[0], out[2])

@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.workers.test_layer_ops import rotary_case
+
 pytest.importorskip("triton")
 from workers.model.triton_attention import is_interpreted  # noqa: E402
 from workers.model.triton_layer_ops import TritonLayerOps  # noqa: E402
@@ -49,14 +51,8 @@ def test_half_precision_norm_rounds_the_sum_like_torch_and_the_norm_once():
 
 @pytest.mark.parametrize("dim,half", [(64, 32), (64, 16)], ids=["whole", "partial"])
 def test_rotary_matches_torch_on_fused_qkv_rows(dim, half):
-    tokens, heads = 5, 6
-    qkv = torch.randn(tokens, (heads + 2) * dim, generator=GEN)
-    x = qkv[:, :heads * dim].view(tokens, heads, dim)  # token rows (heads + 2) * dim apart
-    angles = torch.randn(tokens, half, generator=GEN)
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x, cos, sin, expected = rotary_case(dim, half)
     out = OPS.rotary(x, cos, sin)
-    x1, x2 = x[..., :half], x[..., half:2 * half]
-    expected = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]], dim=-1)
     assert torch.allclose(out, expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(out[..., 2 * half:], x[..., 2 * half:])
     assert OPS.rotary(x.transpose(1, 2), cos, sin) is None  # dims not contiguous: torch's form
