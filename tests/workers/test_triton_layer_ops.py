@@ -84,7 +84,6 @@ def test_a_forward_through_the_kernels_equals_the_torch_forms(tiny_gguf, monkeyp
     counted = Counted()
     monkeypatch.setattr(forward, "ops_for", lambda device: counted)
     monkeypatch.setattr(ffn, "ops_for", lambda device: counted)
-    monkeypatch.setattr(forward, "_gpu_ops", lambda device: counted)
     got = model.logits(_forward(engine, tokens))
     # per layer: 2 add+norms, rotary, activation; then the head's norm (itself an add_rms_norm)
     assert counted.calls == {"add_rms_norm": 5, "rotary": 2, "act_mul": 2, "rms_norm": 1}

@@ -12,7 +12,6 @@ blocks (ffn.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +23,6 @@ from workers.model.linear_like import LinearFactory, LinearLike
 from workers.weights.gguf_loader import LayerWeights, ModelWeights
 from workers.weights.hparams import HyperParams
 from workers.weights.quant_blocks import Matrix, QuantMatrix
-
-if TYPE_CHECKING:
-    from workers.model.triton_layer_ops import TritonLayerOps
 
 ONEDNN_BATCH_HINT = 16
 """Rows per step the oneDNN weight layout is tuned for; measured fastest from 1 to 512 rows."""
@@ -160,19 +156,12 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, rms_norm(s)) with s = x + delta (x when delta is None): the residual stream's add and
     the norm after it, one kernel on a GPU, one C call on a CPU."""
-    ops = _gpu_ops(x.device) if x.device.type != "cpu" else ops_for(x.device)
+    ops = ops_for(x.device)
     fused = ops.add_rms_norm(x, delta, weight, eps) if ops is not None else None
     if fused is not None:
         return fused
     x = x if delta is None else x + delta
     return x, rms_norm(x, weight, eps)
-
-
-def _gpu_ops(device: torch.device) -> TritonLayerOps | None:
-    if device.type == "cpu":
-        return None
-    from workers.model.triton_layer_ops import gpu_layer_ops  # imports Triton: GPU workers only
-    return gpu_layer_ops()
 
 
 class Rotary:
