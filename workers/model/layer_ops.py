@@ -96,19 +96,20 @@ class LayerOps:
         """kv [2, num_blocks, block_size, kv_heads, head_dim] (one pool layer) gets k and v [T,
         kv_heads, head_dim] (token rows may be apart) at slots [T] (int64); False (nothing
         written) for a layout it does not read. A slot outside the pool is a ValueError."""
-        slot_values = kv.shape[-2] * kv.shape[-1]
-        if not (_plain(kv) and _plain(k) and _plain(v)) or not kv.is_contiguous() or k.dim() != 3 \
-                or k.shape != v.shape or k.shape[1:] != kv.shape[-2:] or slots.dtype != torch.int64 \
-                or not slots.is_contiguous() or len(slots) != k.shape[0]:
+        f32 = torch.float32
+        if kv.dtype != f32 or k.dtype != f32 or v.dtype != f32 or slots.dtype != torch.int64 or k.dim() != 3:
             return False
-        if (k.stride(2), k.stride(1), v.stride(2), v.stride(1)) != (1, kv.shape[-1], 1, kv.shape[-1]):
+        _, num_blocks, block_size, kv_heads, head_dim = kv.shape
+        rows = k.shape[0]
+        if k.shape != v.shape or k.shape[1:] != (kv_heads, head_dim) or len(slots) != rows \
+                or k.stride()[1:] != (head_dim, 1) or v.stride()[1:] != (head_dim, 1) \
+                or not (kv.is_contiguous() and slots.is_contiguous()) or kv.device.type != "cpu":
             return False
-        num_slots = kv.shape[1] * kv.shape[2]
+        num_slots = num_blocks * block_size
         if self._lib.store_kv_rows(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
-                                   k.shape[0], slot_values, num_slots, kv.data_ptr()):
+                                   rows, kv_heads * head_dim, num_slots, kv.data_ptr()):
             raise ValueError(f"a KV slot is outside the pool's {num_slots}")
         return True
-
 
 def ops_for(device: torch.device) -> LayerOps | TritonLayerOps | None:
     """The small ops' kernels for a forward on `device`: these C ones on a CPU, the Triton ones
