@@ -153,7 +153,7 @@ def test_fence_kills_only_a_sibling_process_and_exits_are_seen():
                             gpu_opener=lambda indices: (None, "x"))
         watch.on_ready(ready(0, pid=child.pid))
         watch.on_ready(ready(1, pid=os.getpid()))  # not a child of the "launcher": never killed
-        assert process_state(child.pid) in ("R", "S")
+        assert process_state(child.pid) in ("R", "S", "D")  # alive (D: still loading, under load)
         assert watch.poll() == []
         assert not watch.fence(1)
         assert watch.fence(0)
