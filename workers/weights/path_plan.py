@@ -120,7 +120,8 @@ def plan_from_timings(rows: Sequence[int], seconds: Mapping[str, Sequence[float]
         eligible = [path for path in lines if count <= reach[path]] or list(lines)
         return min(eligible, key=lambda path: cost(path, count))
 
-    ends = {c for r in reach.values() for c in (r, r + 1)} | {last, last + 1}  # the model changes past last
+    # the ranges break where a path's reach ends and where the cost model changes (past last)
+    ends = {c for r in reach.values() for c in (r, r + 1)} | {last, last + 1}
     beyond = {c for c in _crossings([(t - s * last, s) for t, s in tails.values()]) if c > last}
     inside = _crossings(list(lines.values()))
     counts = sorted({1, max_rows} | {c for c in inside | ends | beyond if 1 <= c < max_rows})

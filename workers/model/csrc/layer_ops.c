@@ -1,8 +1,9 @@
 /* The small per-layer operations of the CPU forward, each one call instead of 4-10 torch ops:
  * RMS norm, rotary embedding, the gated activation and the KV store. At batch 1 SmolLM2's
  * step ran ~270 elementwise torch ops whose dispatch (5-70 us each on a 2-vCPU VM) cost as
- * much as the matmuls. Each row is computed alone in a fixed order, so a row's bits do not depend on its
- * batch. Rows are split over threads only where a call has enough work to pay for waking them.
+ * much as the matmuls. Each row is computed alone in a fixed order, so a row's bits do not
+ * depend on its batch. Rows are split over threads only where a call has enough work to pay
+ * for waking them.
  * Compiled on first use by workers/model/cpu_kernels.py. Owns: that arithmetic.
  */
 #include <math.h>
