@@ -156,3 +156,26 @@ def test_int8_and_int8_panels_give_the_same_bits(qtype):
     per_row = block_kernels().matmul(matrix, x, int8=True)
     assert torch.equal(block_kernels().matmul(matrix, x, panels=True), per_row)
     assert torch.equal(block_kernels().matmul(matrix, x[7:8], int8=True)[0], per_row[7])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("cols", [160, 2208, 2048 + 64])
+def test_the_int8_path_for_a_few_rows_gives_the_panels_bits(qtype, cols):
+    """One to four rows of x take these types' codes straight from the blocks (no coded copy
+    in L1); five and more take the coded tiles. Every row count gives each row the panels'
+    bits: odd group counts (a lone last block's offsets), rows past one 2048-value piece,
+    a partial tile of weight rows, an all-zero row and rows of very different magnitude."""
+    skip_without_panels("int8_panels")
+    matrix, w = weights(qtype, 23, cols, seed=11)
+    x = torch.randn(6, cols, generator=torch.Generator().manual_seed(12))
+    x[1] *= 1e4
+    x[2] = 0.0
+    x[3, : cols // 2] *= 1e-3
+    reference = block_kernels().matmul(matrix, x, panels=True)
+    assert bool((reference[2] == 0).all())
+    for rows in range(1, 7):
+        for start in range(0, 7 - rows):
+            got = block_kernels().matmul(matrix, x[start:start + rows], int8=True)
+            assert torch.equal(got, reference[start:start + rows]), (rows, start)
+    error = (reference.double() - x.double() @ w.double().T).abs()
+    assert bool((error <= int8_bound(x, w)).all())

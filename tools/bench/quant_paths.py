@@ -11,6 +11,7 @@ Owns: these two tables. Does not own: the paths (workers/weights/).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import statistics
 from typing import Callable
@@ -18,7 +19,9 @@ from typing import Callable
 import torch
 
 from justapi.model.gguf_file import GGUFFile
+from workers.model.cpu_kernels import build
 from workers.model.forward import Linear, DecoderModel
+from workers.weights.block_kernels import BlockKernels
 from workers.weights.block_linear import BlockLinear, StackLinear
 from workers.weights.path_plan import MEASURE_ROWS, PathPlan, fit_line, paired_times, plan_from_timings
 from workers.weights.paths import candidate_paths, load_model
@@ -83,8 +86,10 @@ def path_tables(model_path: str, repeats: int) -> dict[tuple[str, tuple[int, int
 
 def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2, 4)) -> None:
     """One decode step's matmuls on each kernel, in turns: auto's three paths (int8, blocks,
-    tile: expanded into the scratch buffer, then GEMM), an fp32 copy (what --weights fp32
-    multiplies) and torch's int4 kernel (q4) where the types allow."""
+    tile: expanded into the scratch buffer, then GEMM), the int8 path with every type on its
+    coded tiles (a build without the direct path that Q4_0/Q4_1/Q8_0 take at 1-4 rows), an
+    fp32 copy (what --weights fp32 multiplies) and torch's int4 kernel (q4) where the types
+    allow."""
     model = load_blocks(model_path)
     linears = block_linears(model)
     dense = [Linear(lin.matrix) for lin in linears]
@@ -93,12 +98,14 @@ def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2,
     weight_mib = sum(lin.matrix.num_bytes for lin in linears) / 2**20
     print(f"\none decode step's matmuls ({len(linears)} of them, {weight_mib:.0f} MiB of blocks), "
           f"median ms in turns (types: {sorted({lin.matrix.type_name for lin in linears})})")
-    names = ["int8", "int8_panels", "blocks", "tile", "dense fp32 copy"] + (["int4 (q4)"] if int4 else [])
+    coded = BlockKernels(ctypes.CDLL(str(build("quant_matmul", ("-DDIRECT_ROWS=0",)))))
+    names = ["int8", "int8 coded", "int8_panels", "blocks", "tile", "dense fp32 copy"] + (["int4 (q4)"] if int4 else [])
     print(f"{'rows':>5} | " + " ".join(f"{name:>15}" for name in names) + " | GB/s of blocks (int8)")
     with torch.inference_mode():
         for rows in rows_list:
             xs = [torch.randn(rows, lin.in_features) for lin in linears]
             calls = {"int8": lambda: [lin.run("int8", x) for lin, x in zip(linears, xs)],
+                     "int8 coded": lambda: [coded.matmul(lin.matrix, x) for lin, x in zip(linears, xs)],
                      "int8_panels": lambda: [lin.run("int8_panels", x) for lin, x in zip(linears, xs)],
                      "blocks": lambda: [lin.run("blocks", x) for lin, x in zip(linears, xs)],
                      "tile": lambda: [lin.run("dense", x) for lin, x in zip(linears, xs)],

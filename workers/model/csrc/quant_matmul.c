@@ -385,6 +385,146 @@ INLINE void tile_i8(int type, int chunk, const uint8_t *w, int64_t row_bytes, in
             y[(m0 + m) * n + n0 + r] = t[m][r] + ((o[m][r][0] + o[m][r][1]) + (o[m][r][2] + o[m][r][3]));
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+#define HAS_DIRECT 1
+/* ---- the int8 path straight from the blocks: Q4_0, Q4_1 and Q8_0, a few rows of x ----
+ * tile_i8 codes a piece of 4 weight rows into L1 (bytes, and a scale and an offset per 16
+ * values) and reads it back: for one row of x that costs more than the dot products, and a
+ * one-row matmul ran at ~1.4 weights a cycle. Here each block's codes go from the file's bytes
+ * to a register and straight into the integer dot product; the float operations are
+ * rows_dot_i8's, in its order (the group sums converted and scaled in group order, the offsets
+ * in 4 chains over the halves), so the bits equal the coded path's and the panels'. */
+#ifndef DIRECT_PREFETCH
+#define DIRECT_PREFETCH 1
+#endif
+#ifndef DIRECT_AHEAD
+#define DIRECT_AHEAD 1
+#endif
+#ifndef DIRECT_ROWS
+#define DIRECT_ROWS 4  /* most rows of x a call takes this way (each row decodes the nibbles again) */
+#endif
+
+static int has_direct(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
+
+/* A block's 32 codes: Q4's nibbles (byte j: value j low, j + 16 high) unsigned, Q8_0's bytes. */
+INLINE __m256i block_codes(int type, const uint8_t *b) {
+    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    /* the 16 bytes in both halves (a load, no shuffle), the upper half shifted down a nibble */
+    const __m256i qs = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 4 : 2))));
+    return _mm256_and_si256(_mm256_srlv_epi32(qs, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
+}
+
+INLINE uint16_t half_bits(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Blocks g and g + 1 of the 4 rows: their scales d (lanes 0-3: block g's rows, 4-7: g + 1's)
+ * and, for Q4_1, their minimums m. Q4_1's header is d | m: one 32-bit load per block, the
+ * halves sorted by a byte shuffle (where 16 separate 16-bit inserts cost a quarter of a step). */
+INLINE __m256 pair_scales(int type, const uint8_t *const *b, int64_t g, int pair, int bytes, __m256 *mins) {
+    const int64_t p = g * bytes, q = pair ? p + bytes : p;  /* a lone last block: read twice, not past the row */
+    if (type != Q4_1)
+        return _mm256_cvtph_ps(_mm_setr_epi16((short)half_bits(b[0] + p), (short)half_bits(b[1] + p),
+                                              (short)half_bits(b[2] + p), (short)half_bits(b[3] + p),
+                                              (short)half_bits(b[0] + q), (short)half_bits(b[1] + q),
+                                              (short)half_bits(b[2] + q), (short)half_bits(b[3] + q)));
+    int32_t h[8];
+    for (int r = 0; r < ROWS; r++) memcpy(h + r, b[r] + p, 4), memcpy(h + ROWS + r, b[r] + q, 4);
+    const __m256i dm = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)h),  /* per lane: 4 d | 4 m */
+                                           _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m256i sorted = _mm256_permute4x64_epi64(dm, 0xd8);  /* d (g, g + 1) | m (g, g + 1) */
+    *mins = _mm256_cvtph_ps(_mm256_extracti128_si256(sorted, 1));
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(sorted));
+}
+
+/* t[i] += block g's 4 exact row sums with x row i, times d * xd[i]: add_groups for 32-value
+ * scales, for nx rows of x with the block's codes decoded once. */
+INLINE void direct_group(int type, const uint8_t *const *b, int64_t g, int nx, const int8_t *const *xq,
+                         __m128 d, const float *const *xd, __m128 *t) {
+    const int is_signed = type == Q8_0, bytes = layout_of(type).bytes;
+    __m256i c[ROWS], cu[ROWS];
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; r++) {
+        c[r] = block_codes(type, b[r] + g * bytes);
+        cu[r] = is_signed ? _mm256_sign_epi8(c[r], c[r]) : c[r];
+    }
+    for (int i = 0; i < nx; i++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(xq[i] + 32 * g));
+        __m256i a[ROWS];
+#pragma GCC unroll 4
+        for (int r = 0; r < ROWS; r++) a[r] = codes_dot(cu[r], is_signed ? _mm256_sign_epi8(q, c[r]) : q);
+        const __m256i s = row_sums(a);
+        const __m128i sum = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        t[i] = _mm_fmadd_ps(_mm_cvtepi32_ps(sum), _mm_mul_ps(d, _mm_set1_ps(xd[i][g])), t[i]);
+    }
+}
+
+/* Block pair's offsets per row (Q4_1: m; Q4_0: -8d) as 4 halves: (g, g, g + 1, g + 1). */
+INLINE __m128 pair_offsets(__m256 off, int r) {
+    const __m128 lo = _mm256_castps256_ps128(off), hi = _mm256_extractf128_ps(off, 1);
+    switch (r) {  /* the shuffle's selector must be a constant */
+        case 0: return _mm_shuffle_ps(lo, hi, 0x00);
+        case 1: return _mm_shuffle_ps(lo, hi, 0x55);
+        case 2: return _mm_shuffle_ps(lo, hi, 0xaa);
+        default: return _mm_shuffle_ps(lo, hi, 0xff);
+    }
+}
+
+/* Rows [a, a + nx) of y (nx: 1 or 2) at columns [n0, n0 + num_rows): tile_i8's results. */
+INLINE void tile_i8_direct(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n0, int num_rows,
+                           const qx *x, int64_t a, int nx, float *y, int64_t n) {
+    const int bytes = layout_of(type).bytes;
+    const uint8_t *b[ROWS];
+    for (int r = 0; r < ROWS; r++) b[r] = w + (n0 + (r < num_rows ? r : 0)) * row_bytes;  /* past: row 0 again */
+    const int8_t *xq[2];
+    const float *xd[2], *sums[2];
+    __m128 t[2], o[2][ROWS];
+    for (int i = 0; i < nx; i++) {
+        xq[i] = x->q + (a + i) * k, xd[i] = x->d + (a + i) * k / 32, sums[i] = x->sums + (a + i) * k / 16;
+        t[i] = _mm_setzero_ps();
+        for (int r = 0; r < ROWS; r++) o[i][r] = _mm_setzero_ps();
+    }
+    const int64_t groups = k / 32;
+    /* The next tile's bytes (this thread's next, mostly), a few lines per block pair: a tile is
+     * 4 short rows, too little for the hardware's stream prefetcher to reach ahead of. */
+    const char *next = (const char *)(w + (n0 + ROWS * DIRECT_AHEAD) * row_bytes);  /* past the end: prefetch does not fault */
+    const int64_t lines = ROWS * row_bytes / 64 + 1, per_pair = (lines + (groups + 1) / 2 - 1) / ((groups + 1) / 2);
+    for (int64_t g = 0; g < groups; g += 2) {
+        const int pair = g + 1 < groups;
+        if (DIRECT_PREFETCH && a == 0)
+            for (int64_t i = g / 2 * per_pair; i < (g / 2 + 1) * per_pair && i < lines; i++)
+                _mm_prefetch(next + 64 * i, _MM_HINT_T0);
+        __m256 mins = _mm256_setzero_ps();
+        const __m256 d = pair_scales(type, b, g, pair, bytes, &mins);
+        direct_group(type, b, g, nx, xq, _mm256_castps256_ps128(d), xd, t);
+        if (pair) direct_group(type, b, g + 1, nx, xq, _mm256_extractf128_ps(d, 1), xd, t);
+        if (type == Q8_0) continue;  /* offsets 0: the chains stay +0, as the coded path's */
+        const __m256 off = type == Q4_1 ? mins
+                                        : _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), d), _mm256_set1_ps(-0.0f));
+        for (int i = 0; i < nx; i++) {
+            const __m128 sv = _mm_loadu_ps(sums[i] + 2 * g);  /* halves 2g..2g+3 (a lone last block: 2 read past) */
+#pragma GCC unroll 4
+            for (int r = 0; r < ROWS; r++) {
+                const __m128 c = _mm_fmadd_ps(pair_offsets(off, r), sv, o[i][r]);
+                o[i][r] = pair ? c : _mm_blend_ps(o[i][r], c, 3);
+            }
+        }
+    }
+    for (int i = 0; i < nx; i++) {
+        float tv[ROWS], ov[ROWS][OFF_CHAINS];
+        _mm_storeu_ps(tv, t[i]);
+        for (int r = 0; r < ROWS; r++) _mm_storeu_ps(ov[r], o[i][r]);
+        for (int r = 0; r < num_rows; r++)
+            y[(a + i) * n + n0 + r] = tv[r] + ((ov[r][0] + ov[r][1]) + (ov[r][2] + ov[r][3]));
+    }
+}
+#else
+#define HAS_DIRECT 0
+#endif
+
 /* quant_matmul with x rounded to 8 bits per 32 values (llama.cpp's Q8_0 activations): integer
  * dot products, about 4x fewer instructions per weight than decoding to fp32. */
 int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
@@ -398,6 +538,9 @@ int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const floa
         qx_free(&xq);
         return NO_MEMORY;
     }
+#if HAS_DIRECT
+    const int direct = has_direct(type) && m <= DIRECT_ROWS;
+#endif
     #pragma omp parallel num_threads(num_threads)
     {
         #pragma omp for schedule(static)
@@ -406,6 +549,18 @@ int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const floa
         for (int64_t t = 0; t < num_tiles; t++) {
             const int64_t n0 = t * ROWS;
             const int rows = n - n0 < ROWS ? (int)(n - n0) : ROWS;
+#if HAS_DIRECT
+            if (direct) {
+                for (int64_t r = 0; r < m; r += 2) {  /* two rows of x at a time, one last alone */
+#define DIRECT(T, NX) tile_i8_direct(T, w, row_bytes, k, n0, rows, &xq, r, NX, y, n)
+#define DIRECTS(T) if (r + 1 < m) DIRECT(T, 2); else DIRECT(T, 1)
+                    if (type == Q4_1) DIRECTS(Q4_1); else if (type == Q4_0) DIRECTS(Q4_0); else DIRECTS(Q8_0);
+#undef DIRECTS
+#undef DIRECT
+                }
+                continue;
+            }
+#endif
             for (int64_t m0 = 0; m0 < m; m0 += MAX_M) {
                 const int num_m = m - m0 < MAX_M ? (int)(m - m0) : MAX_M;
 #define TILE(T) tile_i8(T, chunk, w, row_bytes, k, n0, rows, &xq, m0, num_m, y, n)
