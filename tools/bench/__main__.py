@@ -25,6 +25,7 @@ SCENARIOS = {
     "cross-host": "KV hand-off between network namespaces (--launcher ray; needs root)",
     "soak": "many requests with disconnects and aborts; nothing may leak",
     "tokenizer": "tokenizer, detokenizer and chat template speed",
+    "step-parts": "where an in-process decode step's time goes, part by part (matmuls, attention, ...)",
     "timeline": "where a served step's time goes (per-process timelines); serving vs offline",
     "structured": "structured outputs: constrained vs free decoding, grammar compile times",
 }
