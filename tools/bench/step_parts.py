@@ -7,8 +7,9 @@ head (its norm and matmul), the KV write, attention, the norms (the residual add
 with them), rotary, the FFN's activation; the rest of the forward (embedding, views, adds)
 is what the forward took beyond them, and the runner's share (the plan to tensors, the
 logits' rows, sampling) is the step beyond the forward. The timers cost ~1 us per call, so
-the small parts read a little high. Figures are medians over the steps, per step and per
-call. Owns: the wrapping and the table. Does not own: the parts (workers/model/).
+the small parts read a little high. The parts are the Python layer loop's: the layer chain
+(workers/model/cpu_layer_chain.py), which makes the same calls from one C call, is off here.
+Figures are medians over the steps, per step and per call. Owns: the wrapping and the table. Does not own: the parts (workers/model/).
 """
 from __future__ import annotations
 
@@ -63,8 +64,10 @@ class Timers:
 
 
 def instrument(engine: LLMEngine, timers: Timers) -> None:
-    """Wrap the engine's forward parts in place (this process only)."""
+    """Wrap the engine's forward parts in place (this process only). The layer chain is turned
+    off: it makes the same calls from C, where they cannot be timed one by one."""
     model = engine.model
+    model.layer_chain = None
     for layer in model.layers:
         for owner in [layer] + (getattr(layer.ffn, "experts", None) or [layer.ffn]):
             for name in ("qkv", "attn_out", "gate_up", "down"):

@@ -106,7 +106,7 @@ class PagedAttentionKernel:
         fn.argtypes = [ptr, ptr, i64p, ptr, i64p, i64p, ptr, i64p, ctypes.c_float, ctypes.c_float,
                        ctypes.c_int]
         fn.restype = ctypes.c_int
-        self._fn = fn
+        self._fn, self.library = fn, library
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor,
                  num_keys: torch.Tensor, num_rows: torch.Tensor, scale: float | None = None,

@@ -12,6 +12,7 @@ blocks (ffn.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -195,6 +196,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+class LayerChainLike(Protocol):
+    """A step's layers computed in one call where it covers the step (cpu_layer_chain.py)."""
+
+    def covers(self, backend: AttentionBackend, meta: AttentionMetadata, num_rows: int) -> bool: ...
+
+    def run(self, x: torch.Tensor, kv_layers: list[torch.Tensor], meta: AttentionMetadata,
+            tables: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor: ...
+
+
 class DecoderModel:
     """The forward of every architecture in justapi/model/arch.py: what differs between them
     is read from HyperParams (traits, per-layer attention) and from which tensors a layer has.
@@ -222,6 +232,9 @@ class DecoderModel:
             self.layers.append(linears)
         self.output_norm = weights.output_norm
         self.output = make_linear(weights.output)
+        self.layer_chain: LayerChainLike | None = None
+        """A CPU decode step's layers as one C call (cpu_layer_chain.py), set by the loader where
+        every layer is one it computes."""
 
     def warm_up(self, max_rows: int, max_sampled_rows: int) -> None:
         """Run every row bucket through one layer's matmuls (their shapes are every layer's;
@@ -240,6 +253,8 @@ class DecoderModel:
         if self.embedding_scale is not None:
             x = x * self.embedding_scale
         tables = [rotary.tables(meta.positions, self.dtype) for rotary in self.rotaries]
+        if self.layer_chain is not None and self.layer_chain.covers(backend, meta, x.shape[0]):
+            return self.layer_chain.run(x, kv_layers, meta, tables)  # the loop below, from C
         delta = None  # what the last block adds to the residual stream x
         for layer, kv in zip(self.layers, kv_layers):
             x, h = add_rms_norm(x, delta, layer.attn_norm, p.rms_eps)

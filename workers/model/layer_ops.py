@@ -40,7 +40,7 @@ class LayerOps:
             fn.restype = None
         library.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr]
         library.store_kv_rows.restype = i32
-        self._lib = library
+        self._lib = self.library = library
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """x [rows, n] (rows may be apart, values contiguous) -> x / rms(x) * weight."""

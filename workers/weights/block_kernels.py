@@ -53,7 +53,7 @@ class BlockKernels:
         library.quant_dequantize.restype = i32
         library.quant_has_panels.argtypes = []
         library.quant_has_panels.restype = i32
-        self._lib = library
+        self._lib = self.library = library
         self.has_panels = bool(library.quant_has_panels())
         """Whether `matmul(..., panels=True)` runs here (x86 with AVX2)."""
 

@@ -30,6 +30,7 @@ from justapi.config.sections import WEIGHT_MODES
 from justapi.model.gguf_file import GGUFFile
 from workers.cpu_memory import release_freed_memory
 from workers.model.cpu_kernels import SOURCE_DIR, KernelBuildError, cache_dir, cpu_id
+from workers.model.cpu_layer_chain import LayerChain
 from workers.model.forward import DecoderModel, Linear, LinearLike, has_onednn_bf16
 from workers.weights.block_kernels import BlockKernels, block_kernels
 from workers.weights.block_linear import BlockLinear, StackLinear, TileScratch
@@ -166,6 +167,7 @@ def load_model(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.f
     paths = WeightPaths(weights, device, plan)
     loaded = load_weights(gguf, device, dtype, progress, keep_quantized=paths.form)
     model = DecoderModel(loaded, paths)
+    model.layer_chain = LayerChain.of(model)
     if paths.planner is not None and paths.planner.measured:
         release_freed_memory()  # what the plans were timed with
     return model

@@ -391,9 +391,10 @@ INLINE void tile_i8(int type, int chunk, const uint8_t *w, int64_t row_bytes, in
  * tile_i8 codes a piece of 4 weight rows into L1 (bytes, and a scale and an offset per 16
  * values) and reads it back: for one row of x that costs more than the dot products, and a
  * one-row matmul ran at ~1.4 weights a cycle. Here each block's codes go from the file's bytes
- * to a register and straight into the integer dot product (~5 weights a cycle a thread, hot); the float operations are
- * rows_dot_i8's, in its order (the group sums converted and scaled in group order, the offsets
- * in 4 chains over the halves), so the bits equal the coded path's and the panels'. */
+ * to a register and straight into the integer dot product (~5 weights a cycle a thread, hot);
+ * the float operations are rows_dot_i8's, in its order (the group sums converted and scaled in
+ * group order, the offsets in 4 chains over the halves), so the bits equal the coded path's and
+ * the panels'. */
 #ifndef DIRECT_ROWS
 #define DIRECT_ROWS 4  /* most rows of x a call takes this way (two at a time share a decode); 0 turns
                           it off (tools/bench/quant_paths.py builds that to compare) */

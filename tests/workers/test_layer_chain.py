@@ -1,0 +1,127 @@
+"""A CPU decode step's layers as one C call (workers/model/cpu_layer_chain.py): on each matmul
+path it takes (int8, int8 panels, blocks) and for several block types, decode steps give the
+hidden states of the Python layer loop bit for bit, and the same greedy tokens; steps it does
+not cover (verification rows, prefill, dense tiles) run the loop; models it does not cover
+have no chain; a bad slot is a ValueError that writes nothing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from justapi.model.gguf_file import GGUFFile
+from justapi.sampling import SamplingParams
+from justapi.wire.protocol import NewRequest, StepPlan
+from workers.kv.pool import KVPool, PoolShape
+from workers.model import cpu_layer_chain
+from workers.model.attention import TorchCpuBackend
+from workers.runner import ModelRunner
+from workers.weights.block_kernels import block_kernels
+from workers.weights.path_plan import PathPlan
+from workers.weights.paths import load_model
+
+pytestmark = pytest.mark.skipif(block_kernels() is None, reason="no C compiler: no block kernels")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+PROMPTS = {"a": list(range(3, 23)), "b": list(range(40, 73)), "c": list(range(100, 107))}
+
+
+def load(path: str, plan: PathPlan, chain: bool):
+    model = load_model(GGUFFile(path), weights="auto", progress=False, plan=plan)
+    if not chain:
+        model.layer_chain = None
+    p = model.params
+    pool = KVPool.create(PoolShape(p.num_layers, 64, 16, p.num_kv_heads, p.head_dim))
+    return model, pool, ModelRunner(model, pool, TorchCpuBackend(16))
+
+
+def decode(model, runner, steps: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Prefill the three prompts, then `steps` decode steps: (hidden rows sampled per step,
+    tokens per step)."""
+    hidden: list[torch.Tensor] = []
+    logits = model.logits
+    model.logits = lambda h: (hidden.append(h.clone()), logits(h))[1]
+    tables = {rid: list(range(4 * i, 4 * i + 4)) for i, rid in enumerate(PROMPTS)}
+    new = [NewRequest(rid, GREEDY, len(p), np.asarray(p, np.int32)) for rid, p in PROMPTS.items()]
+    out = runner.execute(StepPlan.build(0, [(rid, 0, p, tables[rid], True) for rid, p in PROMPTS.items()], new))
+    tokens = [[int(t) for t in out.sampled_token_ids]]
+    lengths = {rid: len(p) for rid, p in PROMPTS.items()}
+    for step in range(steps):
+        chunks = [(rid, lengths[rid] + step, [tokens[-1][i]], tables[rid], True) for i, rid in enumerate(PROMPTS)]
+        tokens.append([int(t) for t in runner.execute(StepPlan.build(1 + step, chunks)).sampled_token_ids])
+    model.logits = logits
+    return hidden, tokens
+
+
+CASES = [("Q4_1", "int8", 64), ("Q8_0", "int8", 64), ("Q4_0", "int8_panels", 64), ("Q5_1", "blocks", 64),
+         ("Q4_K", "int8", 256), ("Q6_K", "int8_panels", 256)]
+
+
+@pytest.mark.parametrize("qtype,path,hidden", CASES, ids=[f"{t}-{p}" for t, p, _ in CASES])
+def test_decode_steps_give_the_loops_bits(tiny_gguf, monkeypatch, qtype, path, hidden):
+    if path == "int8_panels" and not block_kernels().has_panels:
+        pytest.skip("the int8 panels need AVX2")
+    gguf = tiny_gguf(layers=2, hidden=hidden, heads=4, kv_heads=2, ffn=hidden * 2, vocab=384, context=256,
+                     type=qtype, embed_type="Q8_0")
+    plan = PathPlan(((8, path), (1 << 16, "dense")))  # prefill (33 rows): dense tiles, the loop
+    runs = []
+    real_run = cpu_layer_chain.LayerChain.run
+    monkeypatch.setattr(cpu_layer_chain.LayerChain, "run",
+                        lambda self, *args: (runs.append(args[0].shape[0]), real_run(self, *args))[1])
+    results = {}
+    for chain in (True, False):
+        model, pool, runner = load(gguf, plan, chain)
+        assert (model.layer_chain is not None) == chain
+        results[chain] = decode(model, runner, steps=5)
+        pool.close()
+    assert runs == [3] * 5  # every decode step, no prefill
+    (hidden_chain, tokens_chain), (hidden_loop, tokens_loop) = results[True], results[False]
+    assert tokens_chain == tokens_loop
+    assert len(hidden_chain) == len(hidden_loop) == 6
+    for got, want in zip(hidden_chain, hidden_loop):
+        assert torch.equal(got, want)
+
+
+def test_steps_and_models_it_does_not_cover(tiny_gguf, monkeypatch):
+    gguf = tiny_gguf(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=384, context=256, type="Q4_1",
+                     embed_type="Q8_0")
+    runs = []
+    real_run = cpu_layer_chain.LayerChain.run
+    monkeypatch.setattr(cpu_layer_chain.LayerChain, "run",
+                        lambda self, *args: (runs.append(args[0].shape[0]), real_run(self, *args))[1])
+    model, pool, runner = load(gguf, PathPlan(((2, "int8"), (1 << 16, "dense"))), chain=True)
+    new = [NewRequest("a", GREEDY, 8, np.arange(3, 11, dtype=np.int32))]
+    runner.execute(StepPlan.build(0, [("a", 0, list(range(3, 11)), [0, 1], True)], new))
+    runner.execute(StepPlan.build(1, [("a", 8, [5, 6], [0, 1], True)]))  # two rows of one sequence
+    assert runs == []
+    new = [NewRequest(r, GREEDY, 4, np.arange(3, 7, dtype=np.int32)) for r in "bcd"]
+    runner.execute(StepPlan.build(2, [(r, 0, [3, 4, 5, 6], [4 + i], True) for i, r in enumerate("bcd")], new))
+    runner.execute(StepPlan.build(3, [(r, 4, [7], [4 + i], True) for i, r in enumerate("bcd")]))  # 3 rows: dense
+    assert runs == []
+    runner.execute(StepPlan.build(4, [("a", 10, [7], [0, 1], True)]))
+    assert runs == [1]
+    pool.close()
+    assert load_model(GGUFFile(gguf), weights="fp32", progress=False).layer_chain is None
+    monkeypatch.setenv(cpu_layer_chain.ENABLE_ENV, "0")
+    assert load_model(GGUFFile(gguf), weights="auto", progress=False,
+                      plan=PathPlan.only("int8")).layer_chain is None
+
+
+def test_a_slot_outside_the_pool_is_a_value_error_and_writes_nothing(tiny_gguf, monkeypatch):
+    gguf = tiny_gguf(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=384, context=256, type="Q4_1",
+                     embed_type="Q8_0")
+    model, pool, runner = load(gguf, PathPlan.only("int8"), chain=True)
+    new = [NewRequest("a", GREEDY, 8, np.arange(3, 11, dtype=np.int32))]
+    runner.execute(StepPlan.build(0, [("a", 0, list(range(3, 11)), [0], True)], new))
+    layers = [pool.layer(i) for i in range(pool.shape.num_layers)]
+    before = [layer.clone() for layer in layers]
+    prepare = runner.backend.prepare
+
+    def bad_slots(batch):
+        meta = prepare(batch)
+        meta.slots = torch.full_like(meta.slots, 64 * 16)  # one past the pool's last slot
+        return meta
+    monkeypatch.setattr(runner.backend, "prepare", bad_slots)
+    with pytest.raises(ValueError, match="KV slot is outside the pool"):
+        runner.execute(StepPlan.build(1, [("a", 8, [5], [0], True)]))
+    assert all(torch.equal(layer, old) for layer, old in zip(layers, before))
+    pool.close()

@@ -1,0 +1,110 @@
+/* A decode step's decoder layers in one call: the CPU forward's per-layer calls (norms, the
+ * four matmuls, rotary, the KV store, attention, the activation) made from C, in the order and
+ * with the arguments workers/model/forward.py gives them, so the result is the same bits as
+ * the Python loop's. At batch 1 that loop cost ~300 Python-to-C crossings a step (SmolLM2),
+ * 10-40 us each: a third of the step. The kernels themselves stay in their own libraries
+ * (quant_matmul.c, layer_ops.c, paged_attention.c): the caller passes their addresses.
+ * Compiled on first use by workers/model/cpu_kernels.py; the Python side is
+ * workers/model/cpu_layer_chain.py. Owns: the sequence of calls. Does not own: any arithmetic.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*matmul_fn)(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
+                         float *y, int num_threads);
+typedef void (*rms_norm_fn)(const float *x, int64_t ldx, const float *w, float *out, int64_t rows, int64_t n,
+                            float eps, int num_threads);
+typedef void (*add_rms_norm_fn)(const float *x, int64_t ldx, const float *d, int64_t ldd, const float *w,
+                                float *sum, float *out, int64_t rows, int64_t n, float eps, int num_threads);
+typedef void (*rotary_fn)(const float *x, int64_t ldx, const float *cos_t, const float *sin_t, float *out,
+                          int64_t tokens, int64_t heads, int64_t dim, int64_t half, int num_threads);
+typedef int (*store_kv_fn)(const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots,
+                           int64_t rows, int64_t slot_values, int64_t num_slots, float *kv);
+typedef int (*attention_fn)(const float *q, const float *kv, const int64_t *tables, const uint8_t *mask,
+                            const int64_t *num_keys, const int64_t *num_rows, float *out, const int64_t *dims,
+                            float scale, float softcap, int num_threads);
+typedef void (*act_mul_fn)(const float *x, float *out, int64_t rows, int64_t f, int act, int num_threads);
+
+struct Kernels {
+    matmul_fn matmul[3];  /* by path: 0 int8, 1 int8_panels, 2 blocks (fp32 activations) */
+    rms_norm_fn rms_norm;
+    add_rms_norm_fn add_rms_norm;
+    rotary_fn rotary;
+    store_kv_fn store_kv;
+    attention_fn attention;
+    act_mul_fn act_mul;
+};
+
+enum { QKV = 0, OUT = 1, GATE_UP = 2, DOWN = 3 };
+
+struct Layer {  /* fixed at load, except the paths (per step: they follow the row count) */
+    const uint8_t *weight[4];
+    int64_t type[4], out_features[4], in_features[4], path[4];
+    const float *attn_norm, *ffn_norm;
+    float *kv;  /* the layer's pool: [2, num_blocks, block_size, kv_heads, head_dim] */
+    int64_t rotary;  /* which of the step's cos/sin tables */
+    float scale, softcap;
+};
+
+struct Step {
+    int64_t rows, hidden, heads, kv_heads, head_dim, half, ffn, activation, num_threads;
+    float eps;
+    const float *const *cos, *const *sin;  /* per rotary table: [rows, half] */
+    const int64_t *slots, *tables, *num_keys, *num_rows;  /* tables [rows, max_blocks] */
+    const uint8_t *mask;  /* [rows, max_blocks * block_size] */
+    int64_t block_size, max_blocks, num_blocks;
+    float *x, *delta, *h, *qkv, *qk, *q, *attn, *gate_up, *act;  /* scratch, sized by the caller */
+    int64_t first_delta;  /* 0: the first layer's norm has no residual add before it */
+};
+
+enum { CHAIN_BAD_MATMUL = -10, CHAIN_BAD_SLOT = -11 };  /* otherwise the attention's own status */
+
+static int matmul(const struct Kernels *kn, const struct Layer *ly, int which, const float *x, int64_t rows,
+                  float *y, int num_threads) {
+    const int64_t path = ly->path[which];
+    if (path < 0 || path > 2) return CHAIN_BAD_MATMUL;
+    const int status = kn->matmul[path]((int)ly->type[which], ly->weight[which], ly->out_features[which],
+                                        ly->in_features[which], x, rows, y, num_threads);
+    return status ? CHAIN_BAD_MATMUL : 0;
+}
+
+/* Every layer of a pure decode step (one row per sequence, rows in sequence order). x [rows,
+ * hidden] holds the embedded tokens and is updated in place as the residual stream; on return
+ * delta holds the last layer's FFN output, and x + delta is the forward's output (the caller
+ * adds them, as the Python loop's last line does). Returns 0 or a negative status (a slot
+ * outside the pool is found before anything is written). */
+int layer_chain(const struct Kernels *kn, const struct Layer *layers, int64_t num_layers, const struct Step *st) {
+    const int64_t rows = st->rows, hidden = st->hidden, hd = st->head_dim;
+    const int64_t num_qk = st->heads + st->kv_heads, qkv_width = (num_qk + st->kv_heads) * hd;
+    const int threads = (int)st->num_threads;
+    const int64_t dims[8] = {rows, 1, st->heads, st->kv_heads, hd, st->block_size, st->max_blocks, st->num_blocks};
+    for (int64_t i = 0; i < num_layers; i++) {
+        const struct Layer *ly = layers + i;
+        if (i == 0 && !st->first_delta)
+            kn->rms_norm(st->x, hidden, ly->attn_norm, st->h, rows, hidden, st->eps, threads);
+        else
+            kn->add_rms_norm(st->x, hidden, st->delta, hidden, ly->attn_norm, st->x, st->h, rows, hidden, st->eps,
+                             threads);
+        int status = matmul(kn, ly, QKV, st->h, rows, st->qkv, threads);
+        if (status) return status;
+        kn->rotary(st->qkv, qkv_width, st->cos[ly->rotary], st->sin[ly->rotary], st->qk, rows, num_qk, hd, st->half,
+                   threads);
+        if (kn->store_kv(st->qk + st->heads * hd, num_qk * hd, st->qkv + num_qk * hd, qkv_width, st->slots, rows,
+                         st->kv_heads * hd, st->num_blocks * st->block_size, ly->kv))
+            return CHAIN_BAD_SLOT;
+        for (int64_t r = 0; r < rows; r++)  /* the query heads, contiguous per row */
+            memcpy(st->q + r * st->heads * hd, st->qk + r * num_qk * hd, sizeof(float) * st->heads * hd);
+        status = kn->attention(st->q, ly->kv, st->tables, st->mask, st->num_keys, st->num_rows, st->attn, dims,
+                               ly->scale, ly->softcap, threads);
+        if (status) return status;
+        status = matmul(kn, ly, OUT, st->attn, rows, st->delta, threads);
+        if (status) return status;
+        kn->add_rms_norm(st->x, hidden, st->delta, hidden, ly->ffn_norm, st->x, st->h, rows, hidden, st->eps, threads);
+        status = matmul(kn, ly, GATE_UP, st->h, rows, st->gate_up, threads);
+        if (status) return status;
+        kn->act_mul(st->gate_up, st->act, rows, st->ffn, (int)st->activation, threads);
+        status = matmul(kn, ly, DOWN, st->act, rows, st->delta, threads);
+        if (status) return status;
+    }
+    return 0;
+}
