@@ -1,7 +1,7 @@
 """A CPU decode step's layers as one C call (workers/model/cpu_layer_chain.py): on each matmul
-path it takes (int8, int8 panels, blocks) and for several block types, decode steps give the
-hidden states of the Python layer loop bit for bit, and the same greedy tokens; steps it does
-not cover (verification rows, prefill, dense tiles) run the loop; models it does not cover
+path it takes (int8, int8 panels, blocks) and for several block types, steps of decode and
+verification rows (1-3 a sequence) give the hidden states of the Python layer loop bit for bit,
+and the same greedy tokens; steps it does not cover (prefill, dense tiles) run the loop; models it does not cover
 have no chain; a bad slot is a ValueError that writes nothing."""
 from __future__ import annotations
 
@@ -35,20 +35,25 @@ def load(path: str, plan: PathPlan, chain: bool):
 
 
 def decode(model, runner, steps: int) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Prefill the three prompts, then `steps` decode steps: (hidden rows sampled per step,
-    tokens per step)."""
+    """Prefill the three prompts, then `steps` steps of 1-3 rows per sequence (decode, and rows
+    as speculative verification sends them, ragged): (each step's forward output, each step's
+    sampled tokens)."""
     hidden: list[torch.Tensor] = []
-    logits = model.logits
-    model.logits = lambda h: (hidden.append(h.clone()), logits(h))[1]
+    forward = model.forward
+    model.forward = lambda *args: (hidden.append(forward(*args).clone()), hidden[-1])[1]
     tables = {rid: list(range(4 * i, 4 * i + 4)) for i, rid in enumerate(PROMPTS)}
     new = [NewRequest(rid, GREEDY, len(p), np.asarray(p, np.int32)) for rid, p in PROMPTS.items()]
     out = runner.execute(StepPlan.build(0, [(rid, 0, p, tables[rid], True) for rid, p in PROMPTS.items()], new))
     tokens = [[int(t) for t in out.sampled_token_ids]]
     lengths = {rid: len(p) for rid, p in PROMPTS.items()}
     for step in range(steps):
-        chunks = [(rid, lengths[rid] + step, [tokens[-1][i]], tables[rid], True) for i, rid in enumerate(PROMPTS)]
+        chunks = []
+        for i, rid in enumerate(PROMPTS):
+            rows = [tokens[-1][i]] + [(7 * step + j) % 300 + 3 for j in range(step * (i + 1) % 3)]
+            chunks.append((rid, lengths[rid], rows, tables[rid], True))
+            lengths[rid] += len(rows)
         tokens.append([int(t) for t in runner.execute(StepPlan.build(1 + step, chunks)).sampled_token_ids])
-    model.logits = logits
+    model.forward = forward
     return hidden, tokens
 
 
@@ -62,7 +67,7 @@ def test_decode_steps_give_the_loops_bits(tiny_gguf, monkeypatch, qtype, path, h
         pytest.skip("the int8 panels need AVX2")
     gguf = tiny_gguf(layers=2, hidden=hidden, heads=4, kv_heads=2, ffn=hidden * 2, vocab=384, context=256,
                      type=qtype, embed_type="Q8_0")
-    plan = PathPlan(((8, path), (1 << 16, "dense")))  # prefill (33 rows): dense tiles, the loop
+    plan = PathPlan(((8, path), (1 << 16, "dense")))  # prefill (60 rows): dense tiles, the loop
     runs = []
     real_run = cpu_layer_chain.LayerChain.run
     monkeypatch.setattr(cpu_layer_chain.LayerChain, "run",
@@ -73,7 +78,7 @@ def test_decode_steps_give_the_loops_bits(tiny_gguf, monkeypatch, qtype, path, h
         assert (model.layer_chain is not None) == chain
         results[chain] = decode(model, runner, steps=5)
         pool.close()
-    assert runs == [3] * 5  # every decode step, no prefill
+    assert runs == [3, 6, 6, 3, 6]  # every step of short chunks, no prefill
     (hidden_chain, tokens_chain), (hidden_loop, tokens_loop) = results[True], results[False]
     assert tokens_chain == tokens_loop
     assert len(hidden_chain) == len(hidden_loop) == 6
@@ -92,13 +97,14 @@ def test_steps_and_models_it_does_not_cover(tiny_gguf, monkeypatch):
     new = [NewRequest("a", GREEDY, 8, np.arange(3, 11, dtype=np.int32))]
     runner.execute(StepPlan.build(0, [("a", 0, list(range(3, 11)), [0, 1], True)], new))
     runner.execute(StepPlan.build(1, [("a", 8, [5, 6], [0, 1], True)]))  # two rows of one sequence
-    assert runs == []
+    assert runs == [2]
     new = [NewRequest(r, GREEDY, 4, np.arange(3, 7, dtype=np.int32)) for r in "bcd"]
     runner.execute(StepPlan.build(2, [(r, 0, [3, 4, 5, 6], [4 + i], True) for i, r in enumerate("bcd")], new))
+    assert runs == [2]  # a prefill
     runner.execute(StepPlan.build(3, [(r, 4, [7], [4 + i], True) for i, r in enumerate("bcd")]))  # 3 rows: dense
-    assert runs == []
+    assert runs == [2]
     runner.execute(StepPlan.build(4, [("a", 10, [7], [0, 1], True)]))
-    assert runs == [1]
+    assert runs == [2, 1]
     pool.close()
     assert load_model(GGUFFile(gguf), weights="fp32", progress=False).layer_chain is None
     monkeypatch.setenv(cpu_layer_chain.ENABLE_ENV, "0")

@@ -7,9 +7,9 @@ with the same arguments and in the same order, from C, so the hidden states are 
 as the loop's (tests/workers/test_layer_chain.py compares them).
 
 It covers a model whose layers are all plain (a gated FFN, no biases, no q/k or post norms, no
-sliding window) with every matmul kept as GGUF blocks (`--weights auto`), and a step that is
-pure decode (one row per sequence) whose plans pick a C kernel for each matrix; anything else
-runs the loop. `JUSTAPI_LAYER_CHAIN=0` turns it off.
+sliding window) with every matmul kept as GGUF blocks (`--weights auto`), and a step of short
+chunks only (decode, speculative verification: no prefill chunk) whose plans pick a C kernel for
+each matrix; anything else runs the loop. `JUSTAPI_LAYER_CHAIN=0` turns it off.
 Owns: that eligibility and the call. Does not own: the kernels (csrc/, block_kernels.py,
 layer_ops.py, cpu_kernels.py) or the forward's math (forward.py).
 """
@@ -55,8 +55,9 @@ class _Step(ctypes.Structure):
                 ("half", i64), ("ffn", i64), ("activation", i64), ("num_threads", i64), ("eps", ctypes.c_float),
                 ("cos", ctypes.POINTER(ptr)), ("sin", ctypes.POINTER(ptr)), ("slots", ptr), ("tables", ptr),
                 ("num_keys", ptr), ("num_rows", ptr), ("mask", ptr), ("block_size", i64), ("max_blocks", i64),
-                ("num_blocks", i64), ("x", ptr), ("delta", ptr), ("h", ptr), ("qkv", ptr), ("qk", ptr), ("q", ptr),
-                ("attn", ptr), ("gate_up", ptr), ("act", ptr), ("first_delta", i64)]
+                ("num_blocks", i64), ("num_seqs", i64), ("q_max", i64), ("q_rows", ptr), ("valid_rows", ptr),
+                ("out_rows", ptr), ("x", ptr), ("delta", ptr), ("h", ptr), ("qkv", ptr), ("qk", ptr), ("q", ptr),
+                ("attn", ptr), ("attn_pad", ptr), ("gate_up", ptr), ("act", ptr), ("first_delta", i64)]
 
 
 def _address(library: ctypes.CDLL, name: str) -> int:
@@ -133,10 +134,11 @@ class LayerChain:
         return cls(model, library, kernels)
 
     def covers(self, backend: AttentionBackend, meta: AttentionMetadata, num_rows: int) -> bool:
-        """Whether this step is one the chain computes: pure decode on the CPU kernel, every
-        matrix on a C path at this row count (the panels need AVX2)."""
+        """Whether this step is one the chain computes: short chunks only (decode, speculative
+        verification) on the CPU kernel, every matrix on a C path at this row count (the panels
+        need AVX2)."""
         short = meta.short
-        if short is None or meta.longs or not short.is_identity or not isinstance(backend, TorchCpuBackend):
+        if short is None or meta.longs or not isinstance(backend, TorchCpuBackend):
             return False
         if backend.kernel is not paged_attention():
             return False
@@ -180,6 +182,16 @@ class LayerChain:
         cos_ptrs = (ptr * len(cos))(*[c.data_ptr() for c in cos])
         sin_ptrs = (ptr * len(sin))(*[s.data_ptr() for s in sin])
         step.cos, step.sin = cos_ptrs, sin_ptrs
+        num_seqs, q_max = short.rows.shape
+        step.num_seqs, step.q_max = num_seqs, q_max
+        q_rows = short.rows.contiguous()
+        step.q_rows = q_rows.data_ptr()
+        if short.is_identity:
+            step.valid_rows = step.out_rows = None
+        else:
+            valid_rows, out_rows = short.valid_rows.contiguous(), short.out_rows.contiguous()
+            assert valid_rows.numel() == out_rows.numel() == rows, "short chunks cover every row"
+            step.valid_rows, step.out_rows = valid_rows.data_ptr(), out_rows.data_ptr()
         mask = short.mask[:, 0].contiguous()
         slots, block_tables = meta.slots.contiguous(), short.tables.contiguous()
         num_keys, num_rows = short.num_keys.contiguous(), short.num_rows.contiguous()
@@ -191,10 +203,12 @@ class LayerChain:
         step.block_size, step.max_blocks, step.num_blocks = block_size, block_tables.shape[1], num_blocks
         delta = self._buffer("delta", rows, x.shape[1])
         step.x, step.delta = x.data_ptr(), delta.data_ptr()
-        buffers = {"h": x.shape[1], "qkv": (num_qk + kv_heads) * hd, "qk": num_qk * hd, "q": heads * hd,
-                   "attn": heads * hd, "gate_up": 2 * self.ffn_size, "act": self.ffn_size}
-        for name, width in buffers.items():
-            setattr(step, name, self._buffer(name, rows, width).data_ptr())
+        padded = num_seqs * q_max
+        buffers = {"h": (rows, x.shape[1]), "qkv": (rows, (num_qk + kv_heads) * hd), "qk": (rows, num_qk * hd),
+                   "q": (padded, heads * hd), "attn": (rows, heads * hd), "attn_pad": (padded, heads * hd),
+                   "gate_up": (rows, 2 * self.ffn_size), "act": (rows, self.ffn_size)}
+        for name, (count, width) in buffers.items():
+            setattr(step, name, self._buffer(name, count, width).data_ptr())
         step.first_delta = 0
         paths = self._paths[rows]
         for record, kv, layer_paths, linears in zip(self._layers, kv_layers, paths, self.linears):

@@ -51,9 +51,14 @@ struct Step {
     float eps;
     const float *const *cos, *const *sin;  /* per rotary table: [rows, half] */
     const int64_t *slots, *tables, *num_keys, *num_rows;  /* tables [rows, max_blocks] */
-    const uint8_t *mask;  /* [rows, max_blocks * block_size] */
+    const uint8_t *mask;  /* [num_seqs, q_max, max_blocks * block_size] */
     int64_t block_size, max_blocks, num_blocks;
-    float *x, *delta, *h, *qkv, *qk, *q, *attn, *gate_up, *act;  /* scratch, sized by the caller */
+    /* The attention's padded batch of num_seqs x q_max query rows: q_rows [num_seqs * q_max]
+     * names the step row of each (padding repeats one); padded row valid_rows[j] is step row
+     * out_rows[j], j < rows. NULL valid_rows: one row per sequence, in order (the identity). */
+    int64_t num_seqs, q_max;
+    const int64_t *q_rows, *valid_rows, *out_rows;
+    float *x, *delta, *h, *qkv, *qk, *q, *attn, *attn_pad, *gate_up, *act;  /* scratch, sized by the caller */
     int64_t first_delta;  /* 0: the first layer's norm has no residual add before it */
 };
 
@@ -68,7 +73,7 @@ static int matmul(const struct Kernels *kn, const struct Layer *ly, int which, c
     return status ? CHAIN_BAD_MATMUL : 0;
 }
 
-/* Every layer of a pure decode step (one row per sequence, rows in sequence order). x [rows,
+/* Every layer of a step of short chunks (decode, speculative verification). x [rows,
  * hidden] holds the embedded tokens and is updated in place as the residual stream; on return
  * delta holds the last layer's FFN output, and x + delta is the forward's output (the caller
  * adds them, as the Python loop's last line does). Returns 0 or a negative status (a slot
@@ -77,7 +82,9 @@ int layer_chain(const struct Kernels *kn, const struct Layer *layers, int64_t nu
     const int64_t rows = st->rows, hidden = st->hidden, hd = st->head_dim;
     const int64_t num_qk = st->heads + st->kv_heads, qkv_width = (num_qk + st->kv_heads) * hd;
     const int threads = (int)st->num_threads;
-    const int64_t dims[8] = {rows, 1, st->heads, st->kv_heads, hd, st->block_size, st->max_blocks, st->num_blocks};
+    const int64_t dims[8] = {st->num_seqs, st->q_max, st->heads, st->kv_heads, hd, st->block_size, st->max_blocks,
+                             st->num_blocks};
+    const int64_t q_size = st->heads * hd;
     for (int64_t i = 0; i < num_layers; i++) {
         const struct Layer *ly = layers + i;
         if (i == 0 && !st->first_delta)
@@ -92,11 +99,15 @@ int layer_chain(const struct Kernels *kn, const struct Layer *layers, int64_t nu
         if (kn->store_kv(st->qk + st->heads * hd, num_qk * hd, st->qkv + num_qk * hd, qkv_width, st->slots, rows,
                          st->kv_heads * hd, st->num_blocks * st->block_size, ly->kv))
             return CHAIN_BAD_SLOT;
-        for (int64_t r = 0; r < rows; r++)  /* the query heads, contiguous per row */
-            memcpy(st->q + r * st->heads * hd, st->qk + r * num_qk * hd, sizeof(float) * st->heads * hd);
-        status = kn->attention(st->q, ly->kv, st->tables, st->mask, st->num_keys, st->num_rows, st->attn, dims,
-                               ly->scale, ly->softcap, threads);
+        for (int64_t i = 0; i < st->num_seqs * st->q_max; i++)  /* the query heads, padded batch */
+            memcpy(st->q + i * q_size, st->qk + st->q_rows[i] * num_qk * hd, sizeof(float) * q_size);
+        status = kn->attention(st->q, ly->kv, st->tables, st->mask, st->num_keys, st->num_rows,
+                               st->valid_rows ? st->attn_pad : st->attn, dims, ly->scale, ly->softcap, threads);
         if (status) return status;
+        if (st->valid_rows)
+            for (int64_t j = 0; j < rows; j++)
+                memcpy(st->attn + st->out_rows[j] * q_size, st->attn_pad + st->valid_rows[j] * q_size,
+                       sizeof(float) * q_size);
         status = matmul(kn, ly, OUT, st->attn, rows, st->delta, threads);
         if (status) return status;
         kn->add_rms_norm(st->x, hidden, st->delta, hidden, ly->ffn_norm, st->x, st->h, rows, hidden, st->eps, threads);
