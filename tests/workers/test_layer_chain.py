@@ -19,6 +19,7 @@ from workers.runner import ModelRunner
 from workers.weights.block_kernels import block_kernels
 from workers.weights.path_plan import PathPlan
 from workers.weights.paths import load_model
+from tests.support.hf_gguf import tiny_hf_model, write_gguf
 
 pytestmark = pytest.mark.skipif(block_kernels() is None, reason="no C compiler: no block kernels")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -34,7 +35,7 @@ def load(path: str, plan: PathPlan, chain: bool):
     return model, pool, ModelRunner(model, pool, TorchCpuBackend(16))
 
 
-def decode(model, runner, steps: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+def decode(model, runner, steps: int, vocab: int = 384) -> tuple[list[torch.Tensor], list[list[int]]]:
     """Prefill the three prompts, then `steps` steps of 1-3 rows per sequence (decode, and rows
     as speculative verification sends them, ragged): (each step's forward output, each step's
     sampled tokens)."""
@@ -49,7 +50,7 @@ def decode(model, runner, steps: int) -> tuple[list[torch.Tensor], list[list[int
     for step in range(steps):
         chunks = []
         for i, rid in enumerate(PROMPTS):
-            rows = [tokens[-1][i]] + [(7 * step + j) % 300 + 3 for j in range(step * (i + 1) % 3)]
+            rows = [tokens[-1][i]] + [(7 * step + j) % (vocab - 3) + 3 for j in range(step * (i + 1) % 3)]
             chunks.append((rid, lengths[rid], rows, tables[rid], True))
             lengths[rid] += len(rows)
         tokens.append([int(t) for t in runner.execute(StepPlan.build(1 + step, chunks)).sampled_token_ids])
@@ -84,6 +85,20 @@ def test_decode_steps_give_the_loops_bits(tiny_gguf, monkeypatch, qtype, path, h
     assert len(hidden_chain) == len(hidden_loop) == 6
     for got, want in zip(hidden_chain, hidden_loop):
         assert torch.equal(got, want)
+
+
+def test_qkv_biases_in_the_chain_give_the_loops_bits(tmp_path):
+    """Qwen2's layers add a bias to QKV: the chain adds it after the matmul, one add a value, as
+    the loop's `qkv + bias` does."""
+    gguf = write_gguf(tiny_hf_model("qwen2"), str(tmp_path / "qwen2.gguf"), "Q8_0")
+    results = {}
+    for chain in (True, False):
+        model, pool, runner = load(gguf, PathPlan(((8, "int8"), (1 << 16, "dense"))), chain)
+        assert (model.layer_chain is not None) == chain and model.layers[0].qkv_bias is not None
+        results[chain] = decode(model, runner, steps=4, vocab=model.params.vocab_size)
+        pool.close()
+    assert results[True][1] == results[False][1]
+    assert all(torch.equal(a, b) for a, b in zip(results[True][0], results[False][0]))
 
 
 def test_steps_and_models_it_does_not_cover(tiny_gguf, monkeypatch):

@@ -6,8 +6,8 @@ every part of a step is one the C kernels compute anyway, `LayerChain.run` makes
 with the same arguments and in the same order, from C, so the hidden states are the same bits
 as the loop's (tests/workers/test_layer_chain.py compares them).
 
-It covers a model whose layers are all plain (a gated FFN, no biases, no q/k or post norms, no
-sliding window) with every matmul kept as GGUF blocks (`--weights auto`), and a step of short
+It covers a model whose layers are all plain (a gated FFN, biases or none, no q/k or post
+norms, no sliding window) with every matmul kept as GGUF blocks (`--weights auto`), and a step of short
 chunks only (decode, speculative verification: no prefill chunk) whose plans pick a C kernel for
 each matrix; anything else runs the loop. `JUSTAPI_LAYER_CHAIN=0` turns it off.
 Owns: that eligibility and the call. Does not own: the kernels (csrc/, block_kernels.py,
@@ -46,7 +46,8 @@ class _Kernels(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("weight", ptr * 4), ("type", i64 * 4), ("out_features", i64 * 4), ("in_features", i64 * 4),
-                ("path", i64 * 4), ("attn_norm", ptr), ("ffn_norm", ptr), ("kv", ptr), ("rotary", i64),
+                ("path", i64 * 4), ("attn_norm", ptr), ("ffn_norm", ptr), ("qkv_bias", ptr), ("out_bias", ptr),
+                ("kv", ptr), ("rotary", i64),
                 ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
 
 
@@ -93,6 +94,8 @@ class LayerChain:
                 record.type[j] = int(matrix.qtype)
                 record.out_features[j], record.in_features[j] = matrix.shape
             record.attn_norm, record.ffn_norm = layer.attn_norm.data_ptr(), layer.ffn_norm.data_ptr()
+            record.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
+            record.out_bias = None if layer.attn_out_bias is None else layer.attn_out_bias.data_ptr()
             record.rotary = layer.rotary
             params = layer.attention
             record.scale = p.head_dim ** -0.5 if params.scale is None else params.scale
@@ -114,8 +117,12 @@ class LayerChain:
             if not all(isinstance(lin, BlockLinear) for lin in
                        (layer.qkv, layer.attn_out, layer.ffn.gate_up, layer.ffn.down)):
                 return None
-            if any(t is not None for t in (layer.qkv_bias, layer.attn_out_bias, layer.q_norm, layer.k_norm,
-                                           layer.post_attn_norm, layer.post_ffn_norm)):
+            if any(t is not None for t in (layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.post_ffn_norm)):
+                return None  # (the loop's per-head q/k norms are torch's, whose bits C would not match)
+            biases = [(b, lin.out_features) for b, lin in ((layer.qkv_bias, layer.qkv), (layer.attn_out_bias,
+                                                                                       layer.attn_out))]
+            if not all(b is None or (b.dtype == torch.float32 and b.is_contiguous() and b.shape == (n,))
+                       for b, n in biases):
                 return None
             if layer.attention.window or not (layer.attn_norm.is_contiguous() and layer.ffn_norm.is_contiguous()):
                 return None

@@ -41,6 +41,7 @@ struct Layer {  /* fixed at load, except the paths (per step: they follow the ro
     const uint8_t *weight[4];
     int64_t type[4], out_features[4], in_features[4], path[4];
     const float *attn_norm, *ffn_norm;
+    const float *qkv_bias, *out_bias;  /* NULL: none */
     float *kv;  /* the layer's pool: [2, num_blocks, block_size, kv_heads, head_dim] */
     int64_t rotary;  /* which of the step's cos/sin tables */
     float scale, softcap;
@@ -64,13 +65,18 @@ struct Step {
 
 enum { CHAIN_BAD_MATMUL = -10, CHAIN_BAD_SLOT = -11 };  /* otherwise the attention's own status */
 
+/* y = x @ W.T (+ bias: one add per value, as torch's `y + bias`). */
 static int matmul(const struct Kernels *kn, const struct Layer *ly, int which, const float *x, int64_t rows,
-                  float *y, int num_threads) {
-    const int64_t path = ly->path[which];
+                  float *y, const float *bias, int num_threads) {
+    const int64_t path = ly->path[which], n = ly->out_features[which];
     if (path < 0 || path > 2) return CHAIN_BAD_MATMUL;
-    const int status = kn->matmul[path]((int)ly->type[which], ly->weight[which], ly->out_features[which],
-                                        ly->in_features[which], x, rows, y, num_threads);
-    return status ? CHAIN_BAD_MATMUL : 0;
+    if (kn->matmul[path]((int)ly->type[which], ly->weight[which], n, ly->in_features[which], x, rows, y,
+                         num_threads))
+        return CHAIN_BAD_MATMUL;
+    if (bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < n; j++) y[r * n + j] += bias[j];
+    return 0;
 }
 
 /* Every layer of a step of short chunks (decode, speculative verification). x [rows,
@@ -92,7 +98,7 @@ int layer_chain(const struct Kernels *kn, const struct Layer *layers, int64_t nu
         else
             kn->add_rms_norm(st->x, hidden, st->delta, hidden, ly->attn_norm, st->x, st->h, rows, hidden, st->eps,
                              threads);
-        int status = matmul(kn, ly, QKV, st->h, rows, st->qkv, threads);
+        int status = matmul(kn, ly, QKV, st->h, rows, st->qkv, ly->qkv_bias, threads);
         if (status) return status;
         kn->rotary(st->qkv, qkv_width, st->cos[ly->rotary], st->sin[ly->rotary], st->qk, rows, num_qk, hd, st->half,
                    threads);
@@ -108,13 +114,13 @@ int layer_chain(const struct Kernels *kn, const struct Layer *layers, int64_t nu
             for (int64_t j = 0; j < rows; j++)
                 memcpy(st->attn + st->out_rows[j] * q_size, st->attn_pad + st->valid_rows[j] * q_size,
                        sizeof(float) * q_size);
-        status = matmul(kn, ly, OUT, st->attn, rows, st->delta, threads);
+        status = matmul(kn, ly, OUT, st->attn, rows, st->delta, ly->out_bias, threads);
         if (status) return status;
         kn->add_rms_norm(st->x, hidden, st->delta, hidden, ly->ffn_norm, st->x, st->h, rows, hidden, st->eps, threads);
-        status = matmul(kn, ly, GATE_UP, st->h, rows, st->gate_up, threads);
+        status = matmul(kn, ly, GATE_UP, st->h, rows, st->gate_up, NULL, threads);
         if (status) return status;
         kn->act_mul(st->gate_up, st->act, rows, st->ffn, (int)st->activation, threads);
-        status = matmul(kn, ly, DOWN, st->act, rows, st->delta, threads);
+        status = matmul(kn, ly, DOWN, st->act, rows, st->delta, NULL, threads);
         if (status) return status;
     }
     return 0;
