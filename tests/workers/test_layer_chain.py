@@ -58,6 +58,15 @@ def decode(model, runner, steps: int, vocab: int = 384) -> tuple[list[torch.Tens
     return hidden, tokens
 
 
+def count_runs(monkeypatch) -> list[int]:
+    """The rows of every step the chain runs, from now on."""
+    runs: list[int] = []
+    real_run = cpu_layer_chain.LayerChain.run
+    monkeypatch.setattr(cpu_layer_chain.LayerChain, "run",
+                        lambda self, *args: (runs.append(args[0].shape[0]), real_run(self, *args))[1])
+    return runs
+
+
 CASES = [("Q4_1", "int8", 64), ("Q8_0", "int8", 64), ("Q4_0", "int8_panels", 64), ("Q5_1", "blocks", 64),
          ("Q4_K", "int8", 256), ("Q6_K", "int8_panels", 256)]
 
@@ -69,10 +78,7 @@ def test_decode_steps_give_the_loops_bits(tiny_gguf, monkeypatch, qtype, path, h
     gguf = tiny_gguf(layers=2, hidden=hidden, heads=4, kv_heads=2, ffn=hidden * 2, vocab=384, context=256,
                      type=qtype, embed_type="Q8_0")
     plan = PathPlan(((8, path), (1 << 16, "dense")))  # prefill (60 rows): dense tiles, the loop
-    runs = []
-    real_run = cpu_layer_chain.LayerChain.run
-    monkeypatch.setattr(cpu_layer_chain.LayerChain, "run",
-                        lambda self, *args: (runs.append(args[0].shape[0]), real_run(self, *args))[1])
+    runs = count_runs(monkeypatch)
     results = {}
     for chain in (True, False):
         model, pool, runner = load(gguf, plan, chain)
@@ -104,10 +110,7 @@ def test_qkv_biases_in_the_chain_give_the_loops_bits(tmp_path):
 def test_steps_and_models_it_does_not_cover(tiny_gguf, monkeypatch):
     gguf = tiny_gguf(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=384, context=256, type="Q4_1",
                      embed_type="Q8_0")
-    runs = []
-    real_run = cpu_layer_chain.LayerChain.run
-    monkeypatch.setattr(cpu_layer_chain.LayerChain, "run",
-                        lambda self, *args: (runs.append(args[0].shape[0]), real_run(self, *args))[1])
+    runs = count_runs(monkeypatch)
     model, pool, runner = load(gguf, PathPlan(((2, "int8"), (1 << 16, "dense"))), chain=True)
     new = [NewRequest("a", GREEDY, 8, np.arange(3, 11, dtype=np.int32))]
     runner.execute(StepPlan.build(0, [("a", 0, list(range(3, 11)), [0, 1], True)], new))

@@ -58,7 +58,7 @@ class _Step(ctypes.Structure):
                 ("num_keys", ptr), ("num_rows", ptr), ("mask", ptr), ("block_size", i64), ("max_blocks", i64),
                 ("num_blocks", i64), ("num_seqs", i64), ("q_max", i64), ("q_rows", ptr), ("valid_rows", ptr),
                 ("out_rows", ptr), ("x", ptr), ("delta", ptr), ("h", ptr), ("qkv", ptr), ("qk", ptr), ("q", ptr),
-                ("attn", ptr), ("attn_pad", ptr), ("gate_up", ptr), ("act", ptr), ("first_delta", i64)]
+                ("attn", ptr), ("attn_pad", ptr), ("gate_up", ptr), ("act", ptr)]
 
 
 def _address(library: ctypes.CDLL, name: str) -> int:
@@ -103,7 +103,8 @@ class LayerChain:
         ffn = model.layers[0].ffn
         assert isinstance(ffn, GatedFfn)
         self.ffn_size, self.activation = ffn.ffn_size, ACTIVATIONS[ffn.activation]
-        self._paths: dict[int, list[tuple[str, ...]]] = {}
+        self._paths: dict[int, list[tuple[str, ...]] | None] = {}
+        """Each row count's path per matrix, or None where one is not a C kernel's (a dense tile)."""
         self._scratch: dict[str, torch.Tensor] = {}
 
     @classmethod
@@ -142,26 +143,17 @@ class LayerChain:
 
     def covers(self, backend: AttentionBackend, meta: AttentionMetadata, num_rows: int) -> bool:
         """Whether this step is one the chain computes: short chunks only (decode, speculative
-        verification) on the CPU kernel, every matrix on a C path at this row count (the panels
-        need AVX2)."""
+        verification) on the CPU kernel, every matrix on a C path at this row count."""
         short = meta.short
         if short is None or meta.longs or not isinstance(backend, TorchCpuBackend):
             return False
         if backend.kernel is not paged_attention():
             return False
-        paths = self._paths.get(num_rows)
-        if paths is None:
-            paths = self._paths[num_rows] = [tuple(lin.plan.path_for(num_rows) for lin in linears)
-                                              for linears in self.linears]
-        if not all(path in KERNEL_PATHS for layer in paths for path in layer):
-            return False
-        return "int8_panels" not in {path for layer in paths for path in layer} or self._panels_ok()
-
-    @staticmethod
-    @functools.cache
-    def _panels_ok() -> bool:
-        blocks = block_kernels()
-        return blocks is not None and blocks.has_panels
+        if num_rows not in self._paths:
+            paths = [tuple(lin.plan.path_for(num_rows) for lin in linears) for linears in self.linears]
+            covered = all(path in KERNEL_PATHS for layer in paths for path in layer)
+            self._paths[num_rows] = paths if covered else None
+        return self._paths[num_rows] is not None
 
     def _buffer(self, name: str, rows: int, width: int) -> torch.Tensor:
         flat = self._scratch.get(name)
@@ -216,8 +208,8 @@ class LayerChain:
                    "gate_up": (rows, 2 * self.ffn_size), "act": (rows, self.ffn_size)}
         for name, (count, width) in buffers.items():
             setattr(step, name, self._buffer(name, count, width).data_ptr())
-        step.first_delta = 0
         paths = self._paths[rows]
+        assert paths is not None, "run only what covers() accepted"
         for record, kv, layer_paths, linears in zip(self._layers, kv_layers, paths, self.linears):
             assert kv.is_contiguous() and kv.shape == kv0.shape
             record.kv = kv.data_ptr()

@@ -40,7 +40,7 @@ class LayerOps:
             fn.restype = None
         library.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr]
         library.store_kv_rows.restype = i32
-        self._lib = self.library = library
+        self.library = library
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """x [rows, n] (rows may be apart, values contiguous) -> x / rms(x) * weight."""
@@ -48,7 +48,7 @@ class LayerOps:
             return None
         rows, n = x.shape
         out = torch.empty(rows, n, dtype=torch.float32)
-        self._lib.rms_norm_rows(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n,
+        self.library.rms_norm_rows(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n,
                                 eps, torch.get_num_threads())
         return out
 
@@ -64,7 +64,7 @@ class LayerOps:
         rows, n = x.shape
         total = torch.empty(rows, n, dtype=torch.float32)
         out = torch.empty(rows, n, dtype=torch.float32)
-        self._lib.add_rms_norm_rows(x.data_ptr(), x.stride(0), delta.data_ptr(), delta.stride(0),
+        self.library.add_rms_norm_rows(x.data_ptr(), x.stride(0), delta.data_ptr(), delta.stride(0),
                                     weight.data_ptr(), total.data_ptr(), out.data_ptr(), rows, n, eps,
                                     torch.get_num_threads())
         return total, out
@@ -78,7 +78,7 @@ class LayerOps:
         if x.stride(2) != 1 or x.stride(1) != dim or not (cos.is_contiguous() and sin.is_contiguous()):
             return None
         out = torch.empty(tokens, heads, dim, dtype=torch.float32)
-        self._lib.rotary_rows(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+        self.library.rotary_rows(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
                               tokens, heads, dim, half, torch.get_num_threads())
         return out
 
@@ -88,7 +88,7 @@ class LayerOps:
             return None
         rows, f = x.shape[0], x.shape[1] // 2
         out = torch.empty(rows, f, dtype=torch.float32)
-        self._lib.act_mul_rows(x.data_ptr(), out.data_ptr(), rows, f, ACTIVATIONS[activation],
+        self.library.act_mul_rows(x.data_ptr(), out.data_ptr(), rows, f, ACTIVATIONS[activation],
                                torch.get_num_threads())
         return out
 
@@ -106,10 +106,11 @@ class LayerOps:
                 or not (kv.is_contiguous() and slots.is_contiguous()) or kv.device.type != "cpu":
             return False
         num_slots = num_blocks * block_size
-        if self._lib.store_kv_rows(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
+        if self.library.store_kv_rows(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
                                    rows, kv_heads * head_dim, num_slots, kv.data_ptr()):
             raise ValueError(f"a KV slot is outside the pool's {num_slots}")
         return True
+
 
 def ops_for(device: torch.device) -> LayerOps | TritonLayerOps | None:
     """The small ops' kernels for a forward on `device`: these C ones on a CPU, the Triton ones

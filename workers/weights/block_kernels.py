@@ -53,7 +53,7 @@ class BlockKernels:
         library.quant_dequantize.restype = i32
         library.quant_has_panels.argtypes = []
         library.quant_has_panels.restype = i32
-        self._lib = self.library = library
+        self.library = library
         self.has_panels = bool(library.quant_has_panels())
         """Whether `matmul(..., panels=True)` runs here (x86 with AVX2)."""
 
@@ -65,7 +65,7 @@ class BlockKernels:
         if x.dim() != 2 or x.shape[1] != in_features:
             raise ValueError(f"x of shape {tuple(x.shape)} does not match a {out_features}x{in_features} weight")
         y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-        fn = self._lib.quant_matmul_i8_panels if panels else self._lib.quant_matmul_i8 if int8 else self._lib.quant_matmul
+        fn = self.library.quant_matmul_i8_panels if panels else self.library.quant_matmul_i8 if int8 else self.library.quant_matmul
         _check(fn(int(matrix.qtype), matrix.raw.data_ptr(), out_features, in_features, x.data_ptr(),
                   x.shape[0], y.data_ptr(), torch.get_num_threads()), matrix.type_name)
         return y
@@ -81,7 +81,7 @@ class BlockKernels:
             out = torch.empty(raw.shape[0], in_features, dtype=dtype)
         if not out.is_contiguous() or out.dtype != dtype or tuple(out.shape) != (raw.shape[0], in_features):
             raise ValueError(f"out must be a contiguous {dtype} tensor [{raw.shape[0]}, {in_features}]")
-        _check(self._lib.quant_dequantize(int(qtype), raw.data_ptr(), raw.shape[0], in_features,
+        _check(self.library.quant_dequantize(int(qtype), raw.data_ptr(), raw.shape[0], in_features,
                                           out.data_ptr(), int(dtype == torch.bfloat16),
                                           torch.get_num_threads()), qtype.name)
         return out

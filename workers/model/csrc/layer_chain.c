@@ -60,7 +60,6 @@ struct Step {
     int64_t num_seqs, q_max;
     const int64_t *q_rows, *valid_rows, *out_rows;
     float *x, *delta, *h, *qkv, *qk, *q, *attn, *attn_pad, *gate_up, *act;  /* scratch, sized by the caller */
-    int64_t first_delta;  /* 0: the first layer's norm has no residual add before it */
 };
 
 enum { CHAIN_BAD_MATMUL = -10, CHAIN_BAD_SLOT = -11 };  /* otherwise the attention's own status */
@@ -93,7 +92,7 @@ int layer_chain(const struct Kernels *kn, const struct Layer *layers, int64_t nu
     const int64_t q_size = st->heads * hd;
     for (int64_t i = 0; i < num_layers; i++) {
         const struct Layer *ly = layers + i;
-        if (i == 0 && !st->first_delta)
+        if (i == 0)  /* no residual add before the first layer's norm */
             kn->rms_norm(st->x, hidden, ly->attn_norm, st->h, rows, hidden, st->eps, threads);
         else
             kn->add_rms_norm(st->x, hidden, st->delta, hidden, ly->attn_norm, st->x, st->h, rows, hidden, st->eps,
