@@ -204,3 +204,48 @@ def test_a_block_id_outside_the_pool_is_an_error_not_a_stray_read():
     meta.short.tables[1, 0] = -1
     with pytest.raises(ValueError, match="outside the pool's"):
         backend.attend(kv, q, meta)
+
+
+def reference_attention(batch, kv, q, window=0, softcap=0.0):
+    """Each row by hand: softmax over the keys it may see (causal, and within the window)."""
+    kv_flat = kv.view(2, -1, kv.shape[-2], kv.shape[-1])
+    out, row = torch.empty_like(q), 0
+    group = q.shape[1] // kv.shape[-2]
+    for seq, (start, n) in enumerate(zip(batch.start_positions.tolist(), batch.num_tokens.tolist())):
+        table = batch.padded_tables(np.array([seq]))[0]
+        key_slots = (torch.from_numpy(table)[:, None] * batch.block_size + torch.arange(batch.block_size)).reshape(-1)
+        k = kv_flat[0, key_slots[:start + n]].repeat_interleave(group, dim=1)  # [K, heads, d]
+        v = kv_flat[1, key_slots[:start + n]].repeat_interleave(group, dim=1)
+        for i in range(n):
+            pos = start + i
+            visible = torch.arange(start + n) <= pos
+            if window:
+                visible &= torch.arange(start + n) > pos - window
+            scores = torch.einsum("hd,khd->hk", q[row + i].double(), k.double()) * q.shape[-1] ** -0.5
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            scores[:, ~visible] = float("-inf")
+            out[row + i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v.double()).float()
+        row += n
+    return out
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (40, 0.0), (500, 0.0), (0, 30.0)])
+def test_long_chunks_attend_causally_with_or_without_a_mask(window, softcap):
+    """Long chunks (prefill): a whole prompt with no window reaching into it runs SDPA's causal
+    path with no mask; a chunk after a prefix, or one a window cuts into, keeps its mask. Both
+    match attention computed row by hand, and the unmasked path gives the masked one's bits."""
+    starts, rows = [0, 0, 70], [200, 17, 90]
+    batch, kv, q = random_step(starts, rows, seed=3)
+    backend = TorchCpuBackend(batch.block_size, use_kernel=False)
+    meta = backend.with_window(backend.prepare(batch), window)
+    unmasked = [chunk.mask is None for chunk in meta.longs]
+    assert unmasked == [not 0 < window < n and start == 0 for start, n in zip(starts, rows)]
+    params = AttentionParams(window=window, softcap=softcap)
+    got = backend.attend(kv, q, backend.prepare(batch), params)
+    torch.testing.assert_close(got, reference_attention(batch, kv, q, window, softcap), atol=2e-5, rtol=0)
+    for chunk in meta.longs:  # the same chunks with the causal mask spelled out
+        if chunk.mask is None:
+            chunk.mask = torch.ones(chunk.num_tokens, chunk.num_keys, dtype=torch.bool).tril()
+    masked = backend.attend(kv, q, meta, AttentionParams(softcap=softcap))  # meta: windowed already
+    assert torch.equal(got, masked)

@@ -125,7 +125,11 @@ class LongChunk:
     num_tokens: int
     num_keys: int  # start + num_tokens
     blocks: torch.Tensor  # int64 [ceil(num_keys / block_size)]
-    mask: torch.Tensor  # bool [num_tokens, num_keys], causal with the chunk's offset
+    mask: torch.Tensor | None
+    """bool [num_tokens, num_keys], causal with the chunk's offset; None where that is plain
+    causal attention over the chunk alone (a whole prompt, no tree rows, no window reaching in):
+    SDPA's own causal path then skips the masked half (a 2048-token prompt's attention 1.7-2.8x
+    faster than the same mask given explicitly, the same bits)."""
 
 
 @dataclass
@@ -217,13 +221,17 @@ class TorchPagedBackend(AttentionBackend):
         start, n = int(batch.start_positions[seq]), int(batch.num_tokens[seq])
         num_keys = start + n
         table = batch.padded_tables(np.array([seq]))[0]
+        first_row = int(batch.token_offsets()[seq])
+        chunk = LongChunk(first_row=first_row, num_tokens=n, num_keys=num_keys, blocks=self._tensor(table),
+                          mask=None)
+        if start == 0 and not batch.tree and not 0 < masks.window < n:
+            return chunk
         mask = np.arange(num_keys)[None, :] <= start + np.arange(n)[:, None]  # [n, num_keys]
         if batch.tree:
             batch.tree.restrict_long(mask, seq)
-        first_row = int(batch.token_offsets()[seq])
         masks.slide(mask, np.arange(num_keys), np.arange(first_row, first_row + n))
-        return LongChunk(first_row=first_row, num_tokens=n, num_keys=num_keys,
-                         blocks=self._tensor(table), mask=torch.from_numpy(mask).to(self.device))
+        chunk.mask = torch.from_numpy(mask).to(self.device)
+        return chunk
 
     def write_kv(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> None:
@@ -298,13 +306,16 @@ class _Masks:
             mask &= keys > self.rotary_positions[rows][..., None] - self.window
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               params: AttentionParams) -> torch.Tensor:
     """SDPA over q [B, heads, Q, d], k/v [B, kv_heads, K, d], mask (True = visible, broadcast
-    to [B, heads, Q, K]); with a soft-cap, the same written out (SDPA has no soft-cap)."""
+    to [B, heads, Q, K]; None: causal, Q == K); with a soft-cap, the same written out (SDPA has
+    no soft-cap)."""
     if not params.softcap:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
-                                              scale=params.scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              enable_gqa=True, scale=params.scale)
+    if mask is None:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scale = params.scale if params.scale is not None else q.shape[-1] ** -0.5
