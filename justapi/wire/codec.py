@@ -1,10 +1,15 @@
 """Wire codec: a registered frozen dataclass <-> ZeroMQ multipart frames, never pickle.
 
-Frame 0 is an orjson header (the message's type tag and its fields); every numpy array in
-the message travels as one raw little-endian frame after it, referenced from the header by
-index. Decoding trusts nothing: unknown types, unknown fields, a value that does not have
-its field's annotated type, dtypes outside an allowlist and frames whose size disagrees
-with their shape raise `ProtocolError`.
+Frame 0 is an orjson header (the message's type tag and its fields); numpy arrays travel as
+raw little-endian bytes after it, referenced from the header by frame index and byte offset.
+Small arrays (up to PACK_LIMIT bytes) share one frame, each at an aligned offset: a step's
+plan is then 2 frames instead of 12, and every frame costs each side of a socket a send or
+receive call and its I/O thread a pass (a batch-1 plan's send and receive: 254 -> ~100 us).
+Larger arrays (KV blocks) keep a frame of their own, sent without a copy. A dataclass field
+left at its empty-array default is not sent at all. Decoding trusts nothing: unknown
+types, unknown fields, a value that does not have its field's annotated type, dtypes
+outside an allowlist, arrays that overlap, run past their frame or leave bytes of it unread
+raise `ProtocolError`.
 Owns: encoding rules and the type registry. Does not own: sockets (justapi/wire/transport.py).
 """
 from __future__ import annotations
@@ -23,8 +28,14 @@ _FIELD_CHECKS: dict[type, dict[str, tuple[Callable[[Any], bool], Any]]] = {}
 _ALLOWED_DTYPES = {"<i4", "<i8", "<f4", "<f2", "|u1", "|b1", "<u4"}
 _DTYPES = {name: np.dtype(name) for name in _ALLOWED_DTYPES}
 _FRAME_KEY = "__frame__"
+_OFFSET_KEY = "offset"
 _TYPE_KEY = "__type__"
 MAX_ARRAY_DIMS = 4
+PACK_LIMIT = 64 << 10
+"""Arrays up to this many bytes are copied into the message's shared frame; larger ones get
+a frame of their own (zero-copy: the copy would cost more than the frame)."""
+PACK_ALIGN = 16
+_EMPTY_DEFAULTS: dict[type, dict[str, np.ndarray]] = {}
 
 T = TypeVar("T")
 
@@ -48,12 +59,46 @@ def register(tag: str) -> Callable[[type[T]], type[T]]:
     return wrap
 
 
+class _Frames:
+    """The frames of one message being encoded: the header's slot, then the shared frame of
+    small arrays (made when the first one comes), then one frame per large array."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes | memoryview] = [b""]
+        self.pack: list[bytes | memoryview] = []
+        self.pack_index = 0
+        self.pack_bytes = 0
+
+    def add(self, array: np.ndarray) -> dict[str, Any]:
+        ref: dict[str, Any] = {"dtype": array.dtype.str, "shape": list(array.shape)}
+        data = memoryview(array).cast("B") if array.size else b""  # type: ignore[arg-type]
+        if array.nbytes > PACK_LIMIT:
+            self.frames.append(data)
+            ref[_FRAME_KEY] = len(self.frames) - 1
+            return ref
+        if not self.pack_index:
+            self.frames.append(b"")
+            self.pack_index = len(self.frames) - 1
+        pad = -self.pack_bytes % PACK_ALIGN
+        if pad:
+            self.pack.append(bytes(pad))
+        ref[_FRAME_KEY], ref[_OFFSET_KEY] = self.pack_index, self.pack_bytes + pad
+        self.pack.append(data)
+        self.pack_bytes += pad + array.nbytes
+        return ref
+
+    def done(self, header: Any) -> list[bytes | memoryview]:
+        self.frames[0] = orjson.dumps(header)
+        if self.pack_index:
+            self.frames[self.pack_index] = b"".join(self.pack)
+        return self.frames
+
+
 def encode(message: Any) -> list[bytes | memoryview]:
-    """Message -> [header, array frames...]. Arrays are sent without a copy when contiguous."""
-    frames: list[bytes | memoryview] = [b""]
-    header = _encode_value(message, frames)
-    frames[0] = orjson.dumps(header)
-    return frames
+    """Message -> [header, array frames...]: small arrays copied into one shared frame, large
+    ones sent without a copy when contiguous."""
+    frames = _Frames()
+    return frames.done(_encode_value(message, frames))
 
 
 def decode(frames: Sequence[bytes | memoryview | Any]) -> Any:
@@ -67,10 +112,14 @@ def decode(frames: Sequence[bytes | memoryview | Any]) -> Any:
         raise ProtocolError(f"header is not JSON: {exc}") from None
     if not isinstance(header, dict) or _TYPE_KEY not in header:
         raise ProtocolError("header is not a typed message")
-    used: set[int] = set()
-    message = _decode_value(header, buffers, used, depth=0)
-    if len(used) != len(buffers) - 1:
-        raise ProtocolError(f"message has {len(buffers) - 1} array frames, {len(used)} used")
+    ends: dict[int, int] = {}  # frame -> end of the last array read from it
+    message = _decode_value(header, buffers, ends, depth=0)
+    if len(ends) != len(buffers) - 1:
+        raise ProtocolError(f"message has {len(buffers) - 1} array frames, {len(ends)} used")
+    for index, end in ends.items():
+        if end != buffers[index].nbytes:
+            raise ProtocolError(f"array frame {index} has {buffers[index].nbytes} bytes, its arrays "
+                                f"end at {end}")
     return message
 
 
@@ -80,20 +129,23 @@ def _as_buffer(frame: Any) -> memoryview:
     return memoryview(frame)
 
 
-def _encode_value(value: Any, frames: list[bytes | memoryview]) -> Any:
+def _encode_value(value: Any, frames: _Frames) -> Any:
     if isinstance(value, np.ndarray):
         array = np.ascontiguousarray(value)
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("<"))
-        frames.append(memoryview(array).cast("B") if array.size else b"")  # type: ignore[arg-type]
-        return {_FRAME_KEY: len(frames) - 1, "dtype": array.dtype.str, "shape": list(array.shape)}
+        return frames.add(array)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         tag = getattr(type(value), "TAG", None)
         if tag is None:
             raise TypeError(f"{type(value).__name__} is not a registered message type")
         out = {_TYPE_KEY: tag}
+        defaults = _empty_defaults(type(value))
         for field in dataclasses.fields(value):
-            out[field.name] = _encode_value(getattr(value, field.name), frames)
+            item = getattr(value, field.name)
+            if field.name in defaults and _is_default(item, defaults[field.name]):
+                continue  # the receiver's dataclass fills it in
+            out[field.name] = _encode_value(item, frames)
         return out
     if isinstance(value, (list, tuple)):
         return [_encode_value(v, frames) for v in value]
@@ -104,21 +156,41 @@ def _encode_value(value: Any, frames: list[bytes | memoryview]) -> Any:
     return value
 
 
-def _decode_value(value: Any, buffers: list[memoryview], used: set[int], depth: int) -> Any:
+def _empty_defaults(cls: type) -> dict[str, np.ndarray]:
+    """The fields of `cls` whose default is an empty array, with that default."""
+    defaults = _EMPTY_DEFAULTS.get(cls)
+    if defaults is None:
+        defaults = {}
+        for field in dataclasses.fields(cls):
+            factory = field.default_factory
+            if factory is not dataclasses.MISSING:
+                value = factory()
+                if isinstance(value, np.ndarray) and value.size == 0:
+                    defaults[field.name] = value
+        _EMPTY_DEFAULTS[cls] = defaults
+    return defaults
+
+
+def _is_default(value: Any, default: np.ndarray) -> bool:
+    return (isinstance(value, np.ndarray) and value.size == 0 and value.shape == default.shape
+            and value.dtype == default.dtype)
+
+
+def _decode_value(value: Any, buffers: list[memoryview], ends: dict[int, int], depth: int) -> Any:
     if depth > 8:
         raise ProtocolError("message nests too deeply")
     if isinstance(value, list):
-        return [_decode_value(v, buffers, used, depth + 1) for v in value]
+        return [_decode_value(v, buffers, ends, depth + 1) for v in value]
     if not isinstance(value, dict):
         return value
     if _FRAME_KEY in value:
-        return _decode_array(value, buffers, used)
+        return _decode_array(value, buffers, ends)
     if _TYPE_KEY in value:
-        return _decode_dataclass(value, buffers, used, depth)
-    return {k: _decode_value(v, buffers, used, depth + 1) for k, v in value.items()}
+        return _decode_dataclass(value, buffers, ends, depth)
+    return {k: _decode_value(v, buffers, ends, depth + 1) for k, v in value.items()}
 
 
-def _decode_dataclass(value: dict, buffers: list[memoryview], used: set[int], depth: int) -> Any:
+def _decode_dataclass(value: dict, buffers: list[memoryview], ends: dict[int, int], depth: int) -> Any:
     cls = _REGISTRY.get(value[_TYPE_KEY]) if isinstance(value[_TYPE_KEY], str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {value[_TYPE_KEY]!r}")
@@ -129,7 +201,7 @@ def _decode_dataclass(value: dict, buffers: list[memoryview], used: set[int], de
             continue
         if key not in names:
             raise ProtocolError(f"{cls.__name__} has no field {key!r}")
-        kwargs[key] = _decode_value(item, buffers, used, depth + 1)
+        kwargs[key] = _decode_value(item, buffers, ends, depth + 1)
     _check_field_types(cls, kwargs)
     try:
         return cls(**kwargs)
@@ -200,19 +272,29 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
-def _decode_array(ref: dict, buffers: list[memoryview], used: set[int]) -> np.ndarray:
+def _decode_array(ref: dict, buffers: list[memoryview], ends: dict[int, int]) -> np.ndarray:
+    """An array read in place from its frame; arrays of one frame must come in order, without
+    overlapping (so no two alias the same bytes)."""
     index, dtype, shape = ref.get(_FRAME_KEY), ref.get("dtype"), ref.get("shape")
-    if not isinstance(index, int) or not 1 <= index < len(buffers) or index in used:
+    offset = ref.get(_OFFSET_KEY, 0)
+    if type(index) is not int or not 1 <= index < len(buffers):
         raise ProtocolError(f"bad array frame index {index!r}")
+    if type(offset) is not int or offset < ends.get(index, 0):
+        raise ProtocolError(f"bad array offset {offset!r} in frame {index} (arrays overlap or go back)")
     np_dtype = _DTYPES.get(dtype) if isinstance(dtype, str) else None
     if np_dtype is None:
         raise ProtocolError(f"array dtype {dtype!r} not allowed")
     if (not isinstance(shape, list) or len(shape) > MAX_ARRAY_DIMS
             or not all(isinstance(d, int) and d >= 0 for d in shape)):
         raise ProtocolError(f"bad array shape {shape!r}")
-    expected = math.prod(shape) * np_dtype.itemsize
+    count = math.prod(shape)
+    end = offset + count * np_dtype.itemsize
     buffer = buffers[index]
-    if buffer.nbytes != expected:
-        raise ProtocolError(f"array frame has {buffer.nbytes} bytes, shape {shape} needs {expected}")
-    used.add(index)
-    return np.frombuffer(buffer, dtype=np_dtype).reshape(shape)
+    if end > buffer.nbytes:
+        raise ProtocolError(f"array frame {index} has {buffer.nbytes} bytes, shape {shape} at "
+                            f"offset {offset} needs {end}")
+    ends[index] = end
+    if not count:
+        return np.empty(shape, dtype=np_dtype)
+    array = np.frombuffer(buffer, dtype=np_dtype, count=count, offset=offset).reshape(shape)
+    return array if array.flags.aligned else array.copy()

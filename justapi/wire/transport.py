@@ -99,7 +99,9 @@ def recv(sock: zmq.Socket, *, routed: bool = False, flags: int = 0) -> tuple[byt
 def drain(sock: zmq.Socket, *, routed: bool = False, limit: int = 10_000) -> list[tuple[bytes | None, Any]]:
     """Every message waiting on `sock` (non-blocking); malformed ones are logged and dropped."""
     out: list[tuple[bytes | None, Any]] = []
-    while len(out) < limit:
+    # EVENTS first: a receive on an empty socket raises zmq.Again, whose construction costs a
+    # loop of the scheduler (several sockets drained per step) ~20 us a step at batch 1
+    while len(out) < limit and int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
         try:
             out.append(recv(sock, routed=routed, flags=zmq.NOBLOCK))
         except zmq.Again:

@@ -8,9 +8,10 @@ import orjson
 import pytest
 
 from justapi.sampling import SamplingParams
-from justapi.wire.codec import ProtocolError, decode, encode
+from justapi.wire.codec import PACK_ALIGN, PACK_LIMIT, ProtocolError, decode, encode
 from justapi.wire.protocol import (
     AbortRequest,
+    BlockData,
     CopyBlocks,
     Heartbeat,
     NewRequest,
@@ -85,13 +86,49 @@ def test_roundtrip(message):
     assert_same(message, roundtrip(message))
 
 
-def test_arrays_travel_as_raw_frames_not_json():
+def test_arrays_travel_as_raw_bytes_not_json():
     plan = MESSAGES[0]
     frames = encode(plan)
     header = orjson.loads(bytes(frames[0]))
     assert header["token_ids"]["dtype"] == "<i4"
-    assert len(frames) > 5  # one frame per array
     assert b"[1,2,3" not in bytes(frames[0])
+    # small arrays share one frame, each at an aligned offset, in field order
+    assert len(frames) == 2
+    refs = [header[name] for name in ("start_positions", "num_tokens", "token_ids", "block_ids")]
+    assert all(ref["__frame__"] == 1 and ref["offset"] % PACK_ALIGN == 0 for ref in refs)
+    assert [ref["offset"] for ref in refs] == sorted(ref["offset"] for ref in refs)
+    start = header["token_ids"]["offset"]
+    assert bytes(frames[1])[start:start + 12] == plan.token_ids[:3].tobytes()
+    # fields left at their empty-array default are not sent; the receiver fills them in
+    assert "draft_parents" not in header and "token_bitmask" not in header
+    assert roundtrip(plan).token_bitmask.shape == plan.token_bitmask.shape
+
+
+def test_a_large_array_keeps_a_frame_of_its_own_without_a_copy():
+    data = np.arange(PACK_LIMIT + 1, dtype=np.uint8)
+    message = BlockData(copy_id=1, worker_id=0, first=0, num_blocks=1, dtype="float32", data=data,
+                        is_last=True)
+    frames = encode(message)
+    assert len(frames) == 2 and "offset" not in orjson.loads(bytes(frames[0]))["data"]
+    assert np.shares_memory(np.frombuffer(frames[1], np.uint8), data)
+    assert np.array_equal(roundtrip(message).data, data)
+
+
+def _packed(offsets_and_bytes):
+    """A StepResult whose two arrays sit at the given offsets of a shared frame of n bytes."""
+    (first, second), size = offsets_and_bytes
+    header = {"__type__": "StepResult", "step_id": 1, "worker_id": 0, "request_ids": ["a"],
+              "num_sampled": {"__frame__": 1, "offset": first, "dtype": "<i4", "shape": [1]},
+              "sampled_token_ids": {"__frame__": 1, "offset": second, "dtype": "<i4", "shape": [1]}}
+    return [orjson.dumps(header), np.ones(size // 4, np.int32).tobytes()]
+
+
+def test_packed_arrays_must_not_overlap_overrun_or_leave_bytes():
+    assert decode(_packed(((0, 16), 20))).sampled_token_ids.tolist() == [1]
+    for bad, match in ((((0, 0), 8), "overlap"), (((16, 0), 20), "overlap"), (((0, 4), 4), "needs 8"),
+                       (((0, 16), 24), "end at 20"), (((0, -4), 20), "offset")):
+        with pytest.raises(ProtocolError, match=match):
+            decode(_packed(bad))
 
 
 def test_offsets():
@@ -118,7 +155,7 @@ def _plan_frames():
 
 def test_truncated_array_frame_is_refused():
     frames = _plan_frames()
-    frames[3] = frames[3][:-1]
+    frames[1] = frames[1][:-1]  # the shared frame: its last array runs past the end
     with pytest.raises(ProtocolError, match="bytes"):
         decode(frames)
 
