@@ -151,7 +151,7 @@ def test_int8_and_int8_panels_give_the_same_bits(qtype):
     lone decode step does (up to the dense path's range)."""
     skip_without_panels("int8_panels")
     matrix, _ = weights(qtype, 37, 2 * cols_for(qtype) + (0 if qtype.name.endswith("_K") else 2048), seed=9)
-    x = torch.randn(21, matrix.in_features, generator=torch.Generator().manual_seed(10))
+    x = torch.randn(8 * 16 + 21, matrix.in_features, generator=torch.Generator().manual_seed(10))  # 2 passes
     x[5] *= 300.0
     per_row = block_kernels().matmul(matrix, x, int8=True)
     assert torch.equal(block_kernels().matmul(matrix, x, panels=True), per_row)
