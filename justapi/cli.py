@@ -36,10 +36,11 @@ def main() -> None:
               help='Print one JSON object {"text", "token_ids", "prompt_token_ids", "finish_reason"}.')
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda[:N]")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past the end-of-sequence token.")
-@click.option("--weights", default="fp32", show_default=True, type=click.Choice(list(WEIGHT_MODES)),
-              help="Dequantize at load (fp32, or bf16 matmuls on CPUs that have them), keep "
-                   "4-bit planes for the int4 kernels (q4), or the GGUF blocks with a kernel per "
-                   "step (auto; see docs/quantization.md).")
+@click.option("--weights", default="auto", show_default=True, type=click.Choice(list(WEIGHT_MODES)),
+              help="Keep the GGUF blocks with a kernel per step (auto; fp32 on CPUs without "
+                   "AVX2 and on GPUs; see docs/quantization.md), dequantize at load (fp32, or "
+                   "bf16 matmuls on CPUs that have them) or keep 4-bit planes for the int4 "
+                   "kernels (q4).")
 def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p: float,
              top_k: int, seed: int | None, chat: bool, as_json: bool, device: str,
              ignore_eos: bool, weights: str) -> None:

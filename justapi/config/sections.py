@@ -105,10 +105,11 @@ class ModelConfig:
     device: str = option("cpu", 'Run the workers on CUDA GPUs, one per GPU (TOML: device = '
                                 '"cuda").',
                          decls=("--gpu",), flag_value="cuda", choices=DEVICES)
-    weights: str = option("fp32", "fp32: dequantize at load; bf16: the same, multiplied in bf16 "
-                                  "on CPUs with AVX512-BF16/AMX; q4: 4-bit planes (int4 kernels) "
-                                  "where exact; auto: keep the GGUF blocks, each step's kernel "
-                                  "from a plan measured at start-up.",
+    weights: str = option("auto", "auto: keep the GGUF blocks, each step's kernel from a plan "
+                                  "measured at start-up (CPUs with AVX2; elsewhere fp32); fp32: "
+                                  "dequantize at load; bf16: the same, multiplied in bf16 on CPUs "
+                                  "with AVX512-BF16/AMX; q4: 4-bit planes (int4 kernels) where "
+                                  "exact.",
                           choices=WEIGHT_MODES)
     max_context: int = option(0, "Cap on the model's context length; 0 takes the model's own.")
     cuda_graphs: bool = option(True, "GPU: replay decode (and uniform verification) steps from "

@@ -100,7 +100,7 @@ def test_smollm2_copies_a_passage_with_ngram_as_plain_decoding_does(smollm2_path
     passage = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He "
                "trimmed the wick, polished the great lens, and watched the ships pass safely.")
     messages = [{"role": "user", "content": "Repeat this passage word for word:\n\n" + passage}]
-    engine = LLMEngine(smollm2_path, progress=False, num_blocks=64)
+    engine = LLMEngine(smollm2_path, progress=False, num_blocks=64, weights="auto")  # serve's default
     from justapi.sampling import SamplingParams
     expected = engine.generate([engine.chat_prompt(messages)],
                                SamplingParams(temperature=0.0, max_tokens=32))[0].text

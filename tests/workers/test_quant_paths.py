@@ -11,6 +11,7 @@ import openai
 import pytest
 import torch
 from click.testing import CliRunner
+from gguf import GGMLQuantizationType
 
 from justapi.cli import main as cli_main
 from justapi.config.serve import build_config
@@ -25,6 +26,7 @@ from workers.model.perplexity import perplexity, window_starts
 from workers.runner import ModelRunner
 from workers.weights.block_linear import BlockLinear
 from workers.weights.path_plan import PathPlan
+from workers.weights import paths as paths_module
 from workers.weights.paths import has_hardware_bf16, load_model
 from workers.weights.quant_linear import Int4Linear
 
@@ -95,12 +97,27 @@ def test_generate_cli_takes_the_weights_flag(tiny_gguf):
 
 
 def test_serve_flag_reaches_the_model_config():
-    assert build_config({}, {"weights": "auto"}).model.weights == "auto"
+    assert build_config({}, {}).model.weights == "auto"  # the default
+    assert build_config({}, {"weights": "fp32"}).model.weights == "fp32"
     assert build_config({"weights": "q4"}, {}).model.weights == "q4"
     with pytest.raises(ValueError, match="weights must be one of"):
         build_config({}, {"weights": "int8"})
     from justapi.launch.serve import serve
     assert "--weights [fp32|bf16|q4|auto]" in CliRunner().invoke(serve, ["--help"]).output
+
+
+def test_auto_runs_fp32_on_a_cpu_without_the_int8_kernels(monkeypatch):
+    """Without AVX2 the block kernels have no int8 panels or direct path: auto (the default)
+    then holds and multiplies fp32, the fastest path there; a forced plan still gets blocks."""
+    kernels = paths_module.block_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler: auto runs fp32 anyway")
+    assert paths_module.WeightPaths("auto").mode == ("auto" if kernels.has_panels else "fp32")
+    monkeypatch.setattr(kernels, "has_panels", False)
+    fallback = paths_module.WeightPaths("auto")
+    assert fallback.mode == "fp32" and fallback.form(GGMLQuantizationType.Q4_1) == "dense"
+    forced = paths_module.WeightPaths("auto", plan=PathPlan.only("blocks"))
+    assert forced.mode == "auto" and forced.form(GGMLQuantizationType.Q4_1) == "blocks"
 
 
 def test_perplexity_windows_and_score(tiny_gguf):

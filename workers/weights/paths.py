@@ -114,9 +114,14 @@ class WeightPaths:
         self.kernels = block_kernels() if on_cpu and mode in ("q4", "auto") else None
         if mode == "q4":
             require_int4_kernel(self.device)
-        elif mode == "auto" and self.kernels is None:
-            logger.warning("no block kernels on %s: --weights auto runs fp32", self.device)
+        elif mode == "auto" and self.kernels is None:  # a GPU, or no C compiler
+            logger.info("no block kernels on %s: --weights auto runs fp32", self.device)
             mode = "fp32"
+        elif mode == "auto" and plan is None and self.kernels is not None and not self.kernels.has_panels:
+            # without AVX2 (another ISA) the block kernels have no int8 panels or direct path
+            # and fall behind the fp32 GEMM at every row count but the smallest
+            logger.info("this CPU has no AVX2: --weights auto runs fp32, the fastest path here")
+            self.kernels, mode = None, "fp32"
         elif mode == "bf16" and on_cpu and not (has_hardware_bf16() and has_onednn_bf16()):
             logger.warning("this CPU has no bf16 matmul instructions (AVX512-BF16 or AMX): "
                            "--weights bf16 runs fp32, which is faster here")
