@@ -69,10 +69,12 @@ class ServedPool:
 
     `zmq=True` also opens the ZMQ client endpoint on a free port (`self.zmq`).
     `private_state=True` gives the pool a state directory of its own (JUSTAPI_STATE_DIR, set in
-    this process too) so that `AdminClient()` here finds this pool and no other."""
+    this process too) so that `AdminClient()` here finds this pool and no other.
+    `cwd`: the directory the server starts in; `python -m` puts it first on sys.path, ahead of
+    PYTHONPATH, so a server run from another source tree must start in that tree."""
 
     def __init__(self, *args: str, zmq: bool = False, private_state: bool = False,
-                 ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+                 ready_timeout_s: float = READY_TIMEOUT_S, cwd: str | None = None) -> None:
         if private_state:
             os.environ["JUSTAPI_STATE_DIR"] = tempfile.mkdtemp(prefix="justapi-state-")
         self.port = free_port()
@@ -83,7 +85,7 @@ class ServedPool:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "justapi.cli", "serve", "--port", str(self.port),
              *(["--zmq", self.zmq] if self.zmq else []), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
         self.children: list[int] = []
         try:
             self._wait_ready(ready_timeout_s)

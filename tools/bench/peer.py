@@ -128,12 +128,14 @@ class Server:
 
 @contextlib.contextmanager
 def justapi_server(serve_args: list[str], tree: str | None) -> Iterator[str]:
-    """`justapi serve` (from `tree` when given: its PYTHONPATH wins in the children)."""
+    """`justapi serve` (from `tree` when given: started in it, with its PYTHONPATH for the
+    children; started here, `python -m` ran this tree's code whatever PYTHONPATH said)."""
     saved = os.environ.get("PYTHONPATH")
     if tree:
         os.environ["PYTHONPATH"] = os.path.abspath(tree)
     try:
-        pool = ServedPool("--log-level", "warning", *serve_args)
+        pool = ServedPool("--log-level", "warning", *serve_args,
+                          cwd=os.path.abspath(tree) if tree else None)
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
