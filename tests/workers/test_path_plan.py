@@ -101,6 +101,25 @@ def test_measure_plan_on_a_fake_clock():
     assert plan.steps == ((31, "int8"), (1 << 16, "dense"))
 
 
+def test_a_path_behind_at_few_rows_but_catching_up_is_timed_on():
+    """The int8 panels compute 8 rows as cheaply as 1: far behind the per-row kernel at 1-4
+    rows of a wide matrix, ahead from a few dozen. Dropping them for being 2x behind early
+    sent a 7B model's prefill chunks to a slower path."""
+    clock = [0.0]
+    cost = {"int8": (1.0, 0.5), "int8_panels": (30.0, 0.1), "blocks": (40.0, 1.0)}
+
+    def run(path: str, x: torch.Tensor) -> None:
+        a, b = cost[path]
+        clock[0] += a + b * x.shape[0]
+
+    rows = (1, 2, 4, 8, 16, 32, 64, 128)
+    plan, seconds = measure_plan(run, 8, list(cost), rows=rows, repeats=3, timer=lambda: clock[0])
+    assert len(seconds["int8_panels"]) == len(rows)  # 20x behind at first, but catching up
+    assert len(seconds["blocks"]) == 3  # behind and falling further behind
+    assert plan.path_for(8) == "int8" and plan.path_for(128) == "int8_panels"
+    assert plan.steps[0] == (72, "int8")  # 1 + 0.5 r = 30 + 0.1 r at r = 72.5
+
+
 def blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> BlockMatrix:
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     return block_matrix(quantize(w, qtype), qtype, (rows, cols))

@@ -39,7 +39,11 @@ and 512 for prefill chunks: the dense GEMM gains per row up to there (SmolLM2's 
 0.038 ms a row at 128, 0.027 at 512), so lines fitted to 128 rows at most kept int8 for
 prefill, 1.4x slower than the dense tile at 512."""
 DROP_RATIO = 2.0
-CACHE_VERSION = 8
+LONG_CALL_S = 0.05
+"""A count whose slowest call at the previous count took longer is timed over 2 rounds, not
+`repeats`: a 7B model's matrices (11008 x 4096) take 0.1-1 s a call at 128-512 rows, where
+the noise of one round matters less than the start-up time of five."""
+CACHE_VERSION = 9
 
 
 @dataclass(frozen=True)
@@ -167,32 +171,42 @@ def measure_plan(run: Callable[[str, torch.Tensor], object], in_features: int, p
                  rows: Sequence[int] = MEASURE_ROWS, repeats: int = 5,
                  timer: Callable[[], float] = time.perf_counter) -> tuple[PathPlan, dict]:
     """Time `run(path, x)` for x of each row count on every path -> (plan, {path: seconds}).
-    A path DROP_RATIO times slower than the best at two counts in a row is not timed at larger
-    counts (its line is fitted to what was measured): a 150k-token head at 128 rows on a slow
-    path would cost seconds of start-up to learn what the first counts already say."""
+    A path DROP_RATIO times slower than the best at two counts in a row, and not catching up,
+    is not timed at larger counts (its line is fitted to what was measured): a 150k-token head
+    at 128 rows on a slow path would cost seconds of start-up to learn what the first counts
+    already say. Counts after a long call take 2 rounds (LONG_CALL_S)."""
     seconds: dict[str, list[float]] = {path: [] for path in paths}
     active = list(paths)
     generator = torch.Generator().manual_seed(0)
+    rounds = repeats
     with torch.inference_mode():
         for count in rows:
             x = torch.randn(count, in_features, generator=generator)
-            best = paired_times({path: functools.partial(run, path, x) for path in active}, repeats, timer)
+            best = paired_times({path: functools.partial(run, path, x) for path in active}, rounds, timer)
             for path in active:
                 seconds[path].append(best[path])
             active = [path for path in active if not _far_behind(seconds, path)]
+            rounds = min(repeats, 2) if max(best.values()) > LONG_CALL_S else repeats
     return plan_from_timings(rows, seconds), seconds
 
 
 def _far_behind(seconds: Mapping[str, Sequence[float]], path: str) -> bool:
-    """`path` took DROP_RATIO times the best time at each of the last two counts."""
+    """`path` took DROP_RATIO times the best time at each of the last two counts, and its time
+    grew at least as much as the best path's over the last count: a path still catching up is
+    kept. The int8 panels compute 8 rows as cheaply as 1 and the dense tile pays its expansion
+    once per call, so at 1-4 rows of a 4096-wide matrix both were 2x behind the per-row int8
+    kernel and were dropped, and a 7B model's 512-row prefill chunks went to the fp32 block
+    kernel instead of the panels."""
     times = seconds[path]
-    if len(times) < 3:
+    n = len(times)
+    if n < 3:
         return False
     for back in (1, 2):
-        best = min(t[len(times) - back] for t in seconds.values() if len(t) >= len(times))
+        best = min(t[n - back] for t in seconds.values() if len(t) >= n)
         if times[-back] < DROP_RATIO * best:
             return False
-    return True
+    leader = min((t for t in seconds.values() if len(t) >= n), key=lambda t: t[n - 1])
+    return times[-1] - times[-2] >= leader[n - 1] - leader[n - 2]
 
 
 class PlanCache:
