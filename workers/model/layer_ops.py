@@ -49,7 +49,7 @@ class LayerOps:
         rows, n = x.shape
         out = torch.empty(rows, n, dtype=torch.float32)
         self.library.rms_norm_rows(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n,
-                                eps, torch.get_num_threads())
+                                   eps, torch.get_num_threads())
         return out
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
@@ -65,8 +65,8 @@ class LayerOps:
         total = torch.empty(rows, n, dtype=torch.float32)
         out = torch.empty(rows, n, dtype=torch.float32)
         self.library.add_rms_norm_rows(x.data_ptr(), x.stride(0), delta.data_ptr(), delta.stride(0),
-                                    weight.data_ptr(), total.data_ptr(), out.data_ptr(), rows, n, eps,
-                                    torch.get_num_threads())
+                                       weight.data_ptr(), total.data_ptr(), out.data_ptr(), rows, n, eps,
+                                       torch.get_num_threads())
         return total, out
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
@@ -79,7 +79,7 @@ class LayerOps:
             return None
         out = torch.empty(tokens, heads, dim, dtype=torch.float32)
         self.library.rotary_rows(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                              tokens, heads, dim, half, torch.get_num_threads())
+                                 tokens, heads, dim, half, torch.get_num_threads())
         return out
 
     def act_mul(self, x: torch.Tensor, activation: str) -> torch.Tensor | None:
@@ -89,7 +89,7 @@ class LayerOps:
         rows, f = x.shape[0], x.shape[1] // 2
         out = torch.empty(rows, f, dtype=torch.float32)
         self.library.act_mul_rows(x.data_ptr(), out.data_ptr(), rows, f, ACTIVATIONS[activation],
-                               torch.get_num_threads())
+                                  torch.get_num_threads())
         return out
 
     def store_kv(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
@@ -107,7 +107,7 @@ class LayerOps:
             return False
         num_slots = num_blocks * block_size
         if self.library.store_kv_rows(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
-                                   rows, kv_heads * head_dim, num_slots, kv.data_ptr()):
+                                      rows, kv_heads * head_dim, num_slots, kv.data_ptr()):
             raise ValueError(f"a KV slot is outside the pool's {num_slots}")
         return True
 

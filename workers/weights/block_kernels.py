@@ -65,7 +65,8 @@ class BlockKernels:
         if x.dim() != 2 or x.shape[1] != in_features:
             raise ValueError(f"x of shape {tuple(x.shape)} does not match a {out_features}x{in_features} weight")
         y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-        fn = self.library.quant_matmul_i8_panels if panels else self.library.quant_matmul_i8 if int8 else self.library.quant_matmul
+        library = self.library
+        fn = library.quant_matmul_i8_panels if panels else library.quant_matmul_i8 if int8 else library.quant_matmul
         _check(fn(int(matrix.qtype), matrix.raw.data_ptr(), out_features, in_features, x.data_ptr(),
                   x.shape[0], y.data_ptr(), torch.get_num_threads()), matrix.type_name)
         return y
@@ -82,8 +83,8 @@ class BlockKernels:
         if not out.is_contiguous() or out.dtype != dtype or tuple(out.shape) != (raw.shape[0], in_features):
             raise ValueError(f"out must be a contiguous {dtype} tensor [{raw.shape[0]}, {in_features}]")
         _check(self.library.quant_dequantize(int(qtype), raw.data_ptr(), raw.shape[0], in_features,
-                                          out.data_ptr(), int(dtype == torch.bfloat16),
-                                          torch.get_num_threads()), qtype.name)
+                                             out.data_ptr(), int(dtype == torch.bfloat16),
+                                             torch.get_num_threads()), qtype.name)
         return out
 
 

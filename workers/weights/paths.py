@@ -118,8 +118,8 @@ class WeightPaths:
             logger.info("no block kernels on %s: --weights auto runs fp32", self.device)
             mode = "fp32"
         elif mode == "auto" and plan is None and self.kernels is not None and not self.kernels.has_panels:
-            # without AVX2 (another ISA) the block kernels have no int8 panels or direct path
-            # and fall behind the fp32 GEMM at every row count but the smallest
+            # without AVX2 the block kernels build neither the int8 panels nor the direct path,
+            # the two that put auto ahead of fp32 past a few rows
             logger.info("this CPU has no AVX2: --weights auto runs fp32, the fastest path here")
             self.kernels, mode = None, "fp32"
         elif mode == "bf16" and on_cpu and not (has_hardware_bf16() and has_onednn_bf16()):
