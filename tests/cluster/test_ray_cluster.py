@@ -74,6 +74,23 @@ def wait_for(predicate, what: str, timeout_s: float = WAIT_S):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def load_until_running(pool: ServedPool, executor, worker_id: int) -> dict:
+    """Submits LOAD and returns its futures once worker `worker_id` runs some of them. A round
+    that ends before the worker is seen running (a fast host) is checked and submitted again,
+    so the caller's fault always lands mid-load."""
+    key = f"worker_{worker_id}_num_requests_running"
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        futures = {p: executor.submit(greedy, pool, p, LOAD_TOKENS) for p in LOAD}
+        while not all(f.done() for f in futures.values()):
+            if status(pool).stats.get(key, 0) > 0:
+                return futures
+            time.sleep(0.05)
+        for future in futures.values():
+            future.result()  # a round that failed fails here, with its own error
+    raise AssertionError(f"timed out waiting for worker {worker_id} to run requests")
+
+
 def ray_config(lab: NetnsLab, more: str) -> str:
     """TOML for a pool on the lab: one worker per host (strict_spread), 1 CPU each."""
     return (f'launcher = "ray"\naddress = "{lab.address}"\nnode-ip = "{lab.head_ip}"\n'
@@ -215,9 +232,7 @@ def test_a_worker_killed_mid_load_loses_no_request_and_ray_restarts_it(served):
     pool, reference = served
     victim = next(w for w in status(pool).workers if w["worker_id"] == 1)
     with concurrent.futures.ThreadPoolExecutor(len(LOAD)) as executor:
-        futures = {p: executor.submit(greedy, pool, p, LOAD_TOKENS) for p in LOAD}
-        wait_for(lambda: status(pool).stats.get("worker_1_num_requests_running", 0) > 0,
-                 "worker 1 to run requests")
+        futures = load_until_running(pool, executor, 1)
         os.kill(victim["pid"], signal.SIGKILL)
         outputs = {p: f.result(timeout=WAIT_S * 2)[0] for p, f in futures.items()}
     assert outputs == {p: reference[p] for p in LOAD}
@@ -237,9 +252,7 @@ def test_a_host_cut_off_mid_load_loses_no_request_and_comes_back(served, lab):
     victim = next(w for w in status(pool).workers if w["worker_id"] == 0)
     host = next(h for h in lab.hosts if h.inside_ip == victim["host"])
     with concurrent.futures.ThreadPoolExecutor(len(LOAD)) as executor:
-        futures = {p: executor.submit(greedy, pool, p, LOAD_TOKENS) for p in LOAD}
-        wait_for(lambda: status(pool).stats.get("worker_0_num_requests_running", 0) > 0,
-                 "worker 0 to run requests")
+        futures = load_until_running(pool, executor, 0)
         lab.set_link(host, is_up=False)
         try:
             outputs = {p: f.result(timeout=WAIT_S * 2)[0] for p, f in futures.items()}
