@@ -17,6 +17,7 @@ figures that hold still (it counts everything this process does: Python, samplin
 scheduler, the draft model).
 
     python -m tools.bench spec [--threads 1] [--section ngram,tree,draft,sweep] [--max-tokens 96]
+    python -m tools.bench spec --section sweep --weights auto    # the server's default path
 """
 from __future__ import annotations
 
@@ -76,8 +77,10 @@ class Run:
 
 
 class Bench:
-    def __init__(self, model: str, max_tokens: int, repeats: int, clock: str) -> None:
-        self.engine = LLMEngine(model, progress=False, num_blocks=4096, max_seqs=64)
+    def __init__(self, model: str, max_tokens: int, repeats: int, clock: str,
+                 weights: str = "fp32") -> None:
+        self.engine = LLMEngine(model, progress=False, num_blocks=4096, max_seqs=64,
+                                weights=weights)
         self.max_tokens = max_tokens
         self.repeats = repeats
         self.clock = time.process_time if clock == "cpu" else time.perf_counter
@@ -220,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--section", default="ngram,tree,draft,sweep")
     parser.add_argument("--batches", default="1,4,8,16,32")
     parser.add_argument("--sweep-tasks", default="rewrite,copy")
+    parser.add_argument("--weights", default="fp32",
+                        help="weight path: fp32 (LLMEngine's default) or auto (the server's)")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
                         help="cpu: this process's CPU time (robust on a shared machine with "
                              "--threads 1); wall: elapsed time")
@@ -229,8 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     load = os.getloadavg()[0]
     print(f"model {args.model or default_model_path()}; torch threads {torch.get_num_threads()}; "
           f"{os.cpu_count()} cores; load average {load:.1f}; max_tokens {args.max_tokens}; "
-          f"best of {args.repeats}; {args.clock} time")
-    bench = Bench(args.model, args.max_tokens, args.repeats, args.clock)
+          f"best of {args.repeats}; {args.clock} time; weights {args.weights}")
+    bench = Bench(args.model, args.max_tokens, args.repeats, args.clock, args.weights)
     sections = args.section.split(",")
     if "ngram" in sections:
         section_ngram(bench)
