@@ -14,6 +14,11 @@ from justapi.config.fields import check_bool, check_choice, check_number, option
 
 PROPOSERS = ("", "ngram", "draft")
 MAX_GAMMA = 32
+NGRAM_GAMMA = 7
+"""The n-gram proposer's default depth: 8 rows (one int8 panel) verify up to 8 tokens, and the
+adaptive rule trims levels where drafts are rarely accepted (docs/speculative.md)."""
+DRAFT_GAMMA = 4
+"""A draft model's default depth: each level costs one of its forwards."""
 MAX_BRANCH = 16
 MAX_NODES = 128
 
@@ -38,8 +43,8 @@ class SpecConfig:
                            "model) or draft (draft-model); none: off.", choices=PROPOSERS)
     draft_model: str = option("", "GGUF of a draft model with the target's vocabulary, proposing "
                                   "tokens the model verifies; implies spec = draft.")
-    gamma: int = option(4, "Tokens proposed along one path per step: the depth of the token "
-                           "tree.")
+    gamma: int = option(0, "Tokens proposed along one path per step: the depth of the token "
+                           "tree (0: 7 with ngram, 4 with a draft model).")
     branch: int = option(1, "Children per node of the token tree (1: a chain of gamma tokens).")
     spec_tree: str = option("", "Explicit tree shape, children per node at each depth, e.g. "
                                 "3,2,1,1 (overrides gamma and branch).")
@@ -67,7 +72,9 @@ class SpecConfig:
         require(self.spec != "ngram" or not self.draft_model,
                 "give either spec = 'ngram' or draft-model, not both (draft-model "
                 f"{self.draft_model!r})")
-        check_number(self.gamma, "gamma", low=1, high=MAX_GAMMA, integer=True)
+        check_number(self.gamma, "gamma", low=0, high=MAX_GAMMA, integer=True)
+        if self.gamma == 0 and self.spec:  # n-gram drafts cost nothing to propose; a draft's do
+            object.__setattr__(self, "gamma", NGRAM_GAMMA if self.spec == "ngram" else DRAFT_GAMMA)
         check_number(self.branch, "branch", low=1, high=MAX_BRANCH, integer=True)
         require(isinstance(self.spec_tree, str),
                 f"spec-tree must be a string, got {self.spec_tree!r}")

@@ -51,7 +51,7 @@ def test_what_each_config_sets():
 def test_spec_configs_turn_speculation_on():
     by_name = {p.stem: p for p in CONFIGS}
     ngram = load(by_name["spec-ngram"]).speculative
-    assert ngram.spec == "ngram" and ngram.gamma == 4
+    assert ngram.spec == "ngram" and ngram.gamma == 7
     draft = load(by_name["spec-draft"]).speculative
     assert draft.spec == "draft" and draft.draft_model == "models/draft.gguf" and draft.gamma == 4
 

@@ -33,11 +33,18 @@ def test_defaults_are_off_and_a_draft_model_selects_the_draft_proposer():
     assert config.widths == (1, 1, 1, 1) and config.max_nodes == 4
 
 
+def test_the_default_depth_follows_the_proposer():
+    assert SpecConfig(spec="ngram").gamma == 7 and SpecConfig(spec="ngram").max_nodes == 7
+    assert SpecConfig(draft_model="d.gguf").gamma == 4
+    assert SpecConfig(spec="ngram", gamma=3).gamma == 3 and SpecConfig(spec="ngram", gamma=0).gamma == 7
+
+
 @pytest.mark.parametrize("fields,message", [
     (dict(spec="medusa"), "spec must be one of"),
     (dict(spec="draft"), "needs draft-model"),
     (dict(spec="ngram", draft_model="d.gguf"), "give either"),
-    (dict(gamma=0), "gamma must be an integer in [1, 32], got 0"),
+    (dict(gamma=-1), "gamma must be an integer in [0, 32], got -1"),
+    (dict(gamma=33), "gamma must be an integer in [0, 32], got 33"),
     (dict(branch=17), "branch must be an integer in [1, 16], got 17"),
     (dict(spec_tree="3,x"), "spec-tree must be"),
     (dict(spec_budget=-1), "spec-budget must be an integer in [0, 128], got -1"),

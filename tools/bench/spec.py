@@ -197,20 +197,24 @@ def section_draft(bench: Bench) -> None:
                               for label, draft, fields in runs])
 
 
-def section_sweep(bench: Bench, batches: list[int], task: str) -> None:
-    print(f"== batch sweep, {task} task, n-gram: plain vs fixed gamma 4 vs adaptive")
-    print(f"{'batch':>5s} {'plain tok/s':>11s} {'fixed tok/s':>11s} {'x':>5s} "
-          f"{'adaptive tok/s':>14s} {'x':>5s} {'levels':>6s} {'acclen':>6s}")
+def section_sweep(bench: Bench, batches: list[int], task: str, gammas: list[int]) -> None:
+    """Plain, fixed gamma (the first of gammas) and the adaptive rule at each of gammas."""
+    print(f"== batch sweep, {task} task, n-gram: plain vs fixed gamma {gammas[0]} vs adaptive at "
+          f"gamma {', '.join(map(str, gammas))}")
+    print(f"{'batch':>5s} {'plain tok/s':>11s} {'fixed tok/s':>11s} {'x':>5s}" + "".join(
+        f" {f'g{g} adaptive':>12s} {'x':>5s} {'levels':>6s} {'acclen':>6s}" for g in gammas))
     for batch in batches:
         prompts = bench.prompts(task, batch)
         base = bench.run(prompts, SpecConfig())
-        fixed = bench.run(prompts, SpecConfig(spec="ngram", spec_adaptive=False))
-        adaptive = bench.run(prompts, SpecConfig(spec="ngram"))
-        s = adaptive.stats
-        print(f"{batch:5d} {base.tok_s:11.1f} {fixed.tok_s:11.1f} {fixed.tok_s / base.tok_s:5.2f} "
-              f"{adaptive.tok_s:14.1f} {adaptive.tok_s / base.tok_s:5.2f} "
-              f"{s.get('spec_decode_mean_budget_levels', 0.0):6.2f} "
-              f"{s.get('spec_decode_mean_acceptance_length', 0.0):6.2f}")
+        fixed = bench.run(prompts, SpecConfig(spec="ngram", spec_adaptive=False, gamma=gammas[0]))
+        line = f"{batch:5d} {base.tok_s:11.1f} {fixed.tok_s:11.1f} {fixed.tok_s / base.tok_s:5.2f}"
+        for gamma in gammas:
+            adaptive = bench.run(prompts, SpecConfig(spec="ngram", gamma=gamma))
+            s = adaptive.stats
+            line += (f" {adaptive.tok_s:12.1f} {adaptive.tok_s / base.tok_s:5.2f} "
+                     f"{s.get('spec_decode_mean_budget_levels', 0.0):6.2f} "
+                     f"{s.get('spec_decode_mean_acceptance_length', 0.0):6.2f}")
+        print(line)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -223,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--section", default="ngram,tree,draft,sweep")
     parser.add_argument("--batches", default="1,4,8,16,32")
     parser.add_argument("--sweep-tasks", default="rewrite,copy")
+    parser.add_argument("--gammas", default="4", help="sweep: the adaptive rule at each gamma "
+                                                     "(the first also runs fixed)")
     parser.add_argument("--weights", default="fp32",
                         help="weight path: fp32 (LLMEngine's default) or auto (the server's)")
     parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
@@ -245,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
         section_draft(bench)
     if "sweep" in sections:
         for task in args.sweep_tasks.split(","):
-            section_sweep(bench, [int(b) for b in args.batches.split(",")], task)
+            section_sweep(bench, [int(b) for b in args.batches.split(",")], task,
+                          [int(g) for g in args.gammas.split(",")])
 
 
 if __name__ == "__main__":
