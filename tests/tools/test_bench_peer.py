@@ -1,8 +1,9 @@
 """`python -m tools.bench peer`: its workloads are the issue's shapes, its figures (burst ITL
 window, later turns' TTFT) and ratio orientation are right, and it starts llama-server with
-the agreed flags and stops it (a stand-in binary here)."""
+the agreed flags and stops it (a stand-in binary here); `--base-tree` runs that tree's code."""
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from justapi.bench.client import RequestRecord, RunResult
 from tools.bench import peer
+from tools.harness import TINY_MODEL
 
 STAND_IN = f"""#!{sys.executable}
 import http.server, sys
@@ -78,3 +80,22 @@ def test_llama_server_gets_the_agreed_flags_and_is_stopped(tmp_path: Path):
     assert " ".join(argv[argv.index("-t"):]) == "-t 2 -np 16 -c 32768 --no-webui"
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/health", timeout=1)
+
+
+@pytest.mark.e2e
+def test_the_base_server_runs_the_base_trees_code(tmp_path: Path):
+    """`--base-tree`: the base server runs that tree's code, not this one's (`python -m` puts
+    the directory it starts in first on sys.path, ahead of PYTHONPATH)."""
+    here = Path(__file__).resolve().parents[2]
+    tree = tmp_path / "base"
+    for package in ("justapi", "workers"):
+        shutil.copytree(here / package, tree / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    api = tree / "justapi" / "frontend" / "api_server.py"
+    source = api.read_text()
+    assert '"owned_by": "justapi"' in source
+    api.write_text(source.replace('"owned_by": "justapi"', '"owned_by": "the-base-tree"'))
+    for where, owner in ((str(tree), "the-base-tree"), (None, "justapi")):
+        with peer.justapi_server(["--model", TINY_MODEL], where) as url:
+            models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+        assert models[0]["owned_by"] == owner, where
