@@ -40,13 +40,16 @@ class LoopLimits:
     overlap: bool = False
     """Plan step N+1 before N's result (the server's overlap): in one process it saves
     nothing, but the runner resolves the placeholders just the same (tests)."""
+    decode_steps: int = 1
+    """Multi-step decoding's steps per plan (the server's --decode-steps; 1: off)."""
 
     def build_core(self, spec: SpecConfig | None) -> Scheduler:
         """The core as justapi/scheduler/factory.py builds it for one mixed worker; no
         separate prefill cap (every seat may prefill in one step)."""
         config = SchedulerConfig(max_seqs=self.max_seqs, max_decode=self.max_seqs,
                                  max_prefill=self.max_seqs, chunk_size=self.chunk_size,
-                                 max_batched_tokens=self.max_batched_tokens, overlap=self.overlap)
+                                 max_batched_tokens=self.max_batched_tokens, overlap=self.overlap,
+                                 decode_steps=self.decode_steps)
         return Scheduler(config, CacheConfig(self.block_size, self.num_blocks),
                          Topology.shared_pool(self.num_blocks),
                          ModelLimits(self.max_context, self.eos_token_ids), spec)

@@ -20,7 +20,13 @@ import numpy as np
 import torch
 
 from justapi.ops.timeline import Timeline
-from justapi.wire.protocol import PLACEHOLDER_TOKEN, StepPlan, StepResult, offsets
+from justapi.wire.protocol import (
+    PLACEHOLDER_TOKEN,
+    StepPlan,
+    StepResult,
+    merge_step_results,
+    offsets,
+)
 from workers.kv.pool import KVPool
 from workers.model.attention import AttentionBackend, AttentionBatch
 from workers.model.forward import DecoderModel
@@ -63,7 +69,10 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step: forward every chunk, mask the constrained rows (structured outputs),
         sample the sequences whose sample flag is set (verifying their drafts,
-        workers/spec/step.py, when there are any or a draft model)."""
+        workers/spec/step.py, when there are any or a draft model). A multi-step plan runs its
+        steps back to back, each one's sampled tokens the next one's input."""
+        if plan.num_steps > 1:
+            return merge_step_results([self.execute(step) for step in plan.sub_steps()])
         is_speculative = self.draft is not None or bool(np.any(plan.draft_counts > 0))
         # [sum over sampled (1 + drafts), vocab]: one row per sample without drafts
         logits = self.forward_logits(plan, tree_layout(plan) if is_speculative else None)

@@ -17,6 +17,7 @@ from justapi.config.fields import check_bool, check_choice, check_number, option
 from justapi.model.info import GGUF_SAMPLING_KEYS
 from justapi.sampling import BUILTIN_SAMPLING_DEFAULTS, SamplingParams
 from justapi.wire import transport
+from justapi.wire.protocol import MAX_DECODE_STEPS
 
 POLICIES = ("fcfs", "priority", "lpm")
 DEVICES = ("cpu", "cuda")
@@ -82,6 +83,11 @@ class SchedulerConfig:
                                  "nor on PD prefill workers; local CPU workers only when their threads leave a core "
                                  "free); --no-overlap: one step at a time.",
                            decls=("--overlap/--no-overlap",))
+    decode_steps: int = option(-1, "Multi-step decoding: a plan whose chunks are all single-token "
+                                   "decodes runs up to this many steps on the worker without a "
+                                   "round trip (tokens reach clients this many at a time). -1 "
+                                   "(auto): 4 where local CPU workers' threads take every core "
+                                   "(no overlap there), else 1 (off).")
 
     def __post_init__(self) -> None:
         for name in ("max_seqs", "max_prefill", "max_decode", "chunk_size", "max_batched_tokens",
@@ -90,6 +96,9 @@ class SchedulerConfig:
         check_choice(self.policy, "policy", POLICIES)
         check_bool(self.scheduled, "scheduled")
         check_bool(self.overlap, "overlap")
+        check_number(self.decode_steps, "decode-steps", low=-1, high=MAX_DECODE_STEPS, integer=True)
+        require(self.decode_steps != 0, "decode-steps must be -1 (auto) or a number of steps >= 1, "
+                                        "got 0")
         check_number(self.itl_target_ms, "itl-target-ms", low=-1.0)
         require(self.itl_target_ms == -1 or self.itl_target_ms >= 0, "itl-target-ms must be -1 "
                 f"(auto), 0 (off) or a number of milliseconds > 0, got {self.itl_target_ms!r}")

@@ -29,6 +29,8 @@ from justapi.scheduler.topology import ROLE_DECODE
 
 API_KEY_ENV = "JUSTAPI_API_KEY"
 """The HTTP API key reaches the frontend in its environment only (never a config or argv)."""
+AUTO_DECODE_STEPS = 4
+"""decode-steps under auto where CPU workers' threads take every core (docs/runtime.md)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,16 @@ class ServeConfig:
         streams, docs/bench.md)."""
         threads = self.local_cpu_threads(cores)
         return self.scheduler.overlap and (threads is None or threads < cores)
+
+    def decode_steps_for(self, cores: int) -> int:
+        """Steps a multi-step plan may run. Auto: AUTO_DECODE_STEPS where local CPU workers'
+        threads take every core - the round trip between steps is not hidden by overlap there,
+        and each step's control-plane work takes a core from the next (docs/runtime.md) - else
+        1 (off)."""
+        if self.scheduler.decode_steps >= 1:
+            return self.scheduler.decode_steps
+        threads = self.local_cpu_threads(cores)
+        return AUTO_DECODE_STEPS if threads is not None and threads >= cores else 1
 
     def control_niceness(self, cores: int) -> int:
         """The niceness the frontend and the scheduler take. Auto: 10 where local CPU workers'

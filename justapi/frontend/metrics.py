@@ -70,6 +70,8 @@ SCHEDULER_METRICS = (
                "prefix_cache_hit_tokens", is_counter=True),
     StatMetric(PREFIX + "num_preemptions", "Requests preempted (blocks freed, re-queued).",
                "num_preemptions", is_counter=True),
+    StatMetric(PREFIX + "num_multi_step_plans", "Plans that ran several decode steps without a "
+               "round trip (--decode-steps).", "num_multi_step_plans", is_counter=True),
 )
 # PD disaggregation (--pd P:D; justapi/scheduler/pd/stats.py): absent from a colocated snapshot.
 PD_METRICS = (

@@ -154,11 +154,18 @@ class StepBatch:
             del column[i]
         self.new_requests.pop(req.request_id, None)
 
-    def build(self, step_id: int, pool_base: int, finished_request_ids: list[str]) -> StepPlan:
+    def build(self, step_id: int, pool_base: int, finished_request_ids: list[str],
+              num_steps: int = 1) -> StepPlan:
+        """The plan; num_steps > 1 (a batch of single-token decodes only): a multi-step plan,
+        each table covering the positions of all its steps."""
         token_ids = array.array("i")
         block_ids = array.array("i")
+        num_blocks = self.num_blocks
+        if num_steps > 1:
+            bs = self.block_size
+            num_blocks = [(start + num_steps + bs - 1) // bs for start in self.starts]
         for req, start, n, d, needed in zip(self.reqs, self.starts, self.num_tokens,
-                                            self.num_drafts, self.num_blocks):
+                                            self.num_drafts, num_blocks):
             if n == 1:  # a decode; past the known tokens: the token a step in flight samples
                 token_ids.append(req.token_ids[start] if start < len(req.token_ids)
                                  else PLACEHOLDER_TOKEN)
@@ -176,7 +183,7 @@ class StepBatch:
             start_positions=np.asarray(self.starts, dtype=np.int32),
             num_tokens=np.asarray(self.num_tokens, dtype=np.int32),
             token_ids=np.frombuffer(token_ids, dtype=np.int32) if token_ids else _empty(),
-            num_blocks=np.asarray(self.num_blocks, dtype=np.int32), block_ids=blocks,
+            num_blocks=np.asarray(num_blocks, dtype=np.int32), block_ids=blocks,
             sample_flags=np.asarray(self.is_sampled, dtype=np.bool_),
             num_draft_tokens=(np.asarray(self.num_drafts, dtype=np.int32) if any(self.num_drafts)
                               else _empty()),
@@ -184,7 +191,8 @@ class StepBatch:
             finished_request_ids=finished_request_ids,
             draft_parents=self._draft_parents(),
             num_propose=(np.asarray(self.num_propose, dtype=np.int32) if any(self.num_propose)
-                         else _empty()))
+                         else _empty()),
+            num_steps=num_steps)
 
     def _draft_parents(self) -> np.ndarray:
         """Flat draft parents when some sequence's drafts are a tree; [] when all are chains."""

@@ -65,6 +65,8 @@ def _build_core(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, 
     if config.scheduler.overlap and not config.overlaps_steps(os.cpu_count() or 1):
         logger.info("overlap off: the CPU workers' threads take every core (--threads to leave one)")
         config = dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, overlap=False))
+    config = dataclasses.replace(config, scheduler=dataclasses.replace(
+        config.scheduler, decode_steps=config.decode_steps_for(os.cpu_count() or 1)))
     if not pd.is_enabled and config.server.launcher == "ray":
         hosts = HostMap((r.pool for r in readies), config.cluster.cross_host_copy_cost)
         return Scheduler(config.scheduler, config.cache, topology, limits, config.speculative,

@@ -67,6 +67,9 @@ class ResultApplier:
         if list(result.request_ids) != step.sampled_request_ids:
             return (f"step {step.step_id}: result lists {len(result.request_ids)} sampled "
                     f"requests, the plan sampled {len(step.sampled_request_ids)}")
+        if step.num_steps > 1 and bool((result.num_sampled != step.num_steps).any()):
+            return (f"step {step.step_id}: a plan of {step.num_steps} steps got "
+                    f"{result.num_sampled.tolist()} tokens per request")
         return ""
 
     def _fail_step(self, step: InFlightStep, error: str, deltas: DeltaBuilder) -> None:
@@ -131,6 +134,8 @@ class ResultApplier:
                 if reason:
                     finish_or_hold(self.state, req, reason)
                 add_one(req, token, reason, position)
+            elif step.num_steps > 1:
+                self._extend(req, sampled[position:position + count], deltas, position)
             else:
                 self._accept(req, num_drafts, sampled[position:position + count], deltas, position)
             position += count
@@ -176,6 +181,17 @@ class ResultApplier:
         deltas.add(req, emitted, reason, first_index, num_forced)
         if reason == FINISH_ERROR:
             deltas.errors[req.request_id] = f"the grammar refused token {emitted[-1]}: {error}"
+
+    def _extend(self, req: Request, tokens: list[int], deltas: DeltaBuilder,
+                first_index: int) -> None:
+        """A multi-step plan's tokens for one request: appended until one finishes it (the
+        KV of the positions after that is dropped with the request)."""
+        num_before = len(req.token_ids)
+        reason = self._append(req, tokens)
+        self.kv.cache_computed(req)
+        if reason:
+            finish_or_hold(self.state, req, reason)
+        deltas.add(req, tokens[:len(req.token_ids) - num_before], reason, first_index)
 
     def _jump_forward(self, req: Request) -> tuple[str, int]:
         """Append the tokens the request's grammar forces (structured.py): returns the finish

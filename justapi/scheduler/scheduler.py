@@ -75,6 +75,9 @@ class Scheduler:
         self.imports: PrefixImports | NoImports = (
             NoImports() if hosts is None else PrefixImports(self.state, self.router, hosts))
         self.depth = OVERLAP_DEPTH if config.overlap and self.state.spec is None else 1
+        # multi-step decoding: steps one plan may run (1: off; not with overlap or speculation)
+        self.decode_steps = (config.decode_steps if self.depth == 1 and self.state.spec is None
+                             else 1)
 
     # ------------------------------------------------------------------ frontend side
     def add_request(self, request: SubmitRequest) -> None:
@@ -224,14 +227,16 @@ class Scheduler:
     def _dispatch(self, worker: WorkerState, batch: StepBatch) -> StepPlan:
         state = self.state
         state.step_id += 1
+        num_steps = self._num_steps(worker, batch)
         plan = batch.build(state.step_id, state.pool.base(worker.pool_id),
-                           list(worker.pending_drops))
+                           list(worker.pending_drops), num_steps)
         worker.pending_drops.clear()
         masks = state.structured.masks(batch) if state.structured is not None else None
         if masks is not None:
             plan = dataclasses.replace(plan, bitmask_rows=masks[0], token_bitmask=masks[1])
         step_id = state.step_id
-        ends = [start + num_tokens for start, num_tokens in zip(batch.starts, batch.num_tokens)]
+        ends = [start + num_tokens + num_steps - 1
+                for start, num_tokens in zip(batch.starts, batch.num_tokens)]
         for req, end in zip(batch.reqs, ends):
             req.num_computed_tokens = end
             req.is_in_flight = True
@@ -243,19 +248,48 @@ class Scheduler:
         counters.num_prefill_tokens += num_prefill
         counters.num_decode_tokens += num_tokens - num_prefill
         counters.num_steps += 1
+        counters.num_multi_step_plans += num_steps > 1
         worker.num_steps += 1
         worker.num_scheduled_tokens += num_tokens
         sampled = [req.request_id for req, s in zip(batch.reqs, batch.is_sampled) if s]
         worker.in_flight.append(InFlightStep(step_id, batch.reqs, batch.num_drafts,
-                                             batch.is_sampled, sampled, ends))
+                                             batch.is_sampled, sampled, ends,
+                                             num_steps=num_steps))
         if self.planner.budget.is_enabled:
             self.planner.budget.dispatched(worker.worker_id, step_id, batch.features())
         return plan
 
+    def _num_steps(self, worker: WorkerState, batch: StepBatch) -> int:
+        """Steps the plan runs (multi-step decoding): decode_steps when every chunk decodes
+        one sampled token of a request free of grammar, nobody waits for admission in the
+        pool (a new prompt waits for the plan to end), and each request has that many tokens
+        left and gets blocks for them without preempting anyone; else 1."""
+        steps = self.decode_steps
+        if steps <= 1 or not len(batch) or batch.new_requests \
+                or self.state.queues[worker.pool_id]:
+            return 1
+        for req, num_tokens, is_prefill, is_sampled, num_drafts in zip(
+                batch.reqs, batch.num_tokens, batch.is_prefill, batch.is_sampled,
+                batch.num_drafts):
+            if is_prefill or not is_sampled or num_tokens != 1 or num_drafts \
+                    or req.grammar is not None or req.num_jumped:
+                return 1
+            steps = min(steps, req.final_len - len(req.token_ids))
+        if steps <= 1:
+            return 1
+        for req, start in zip(batch.reqs, batch.starts):
+            if not self.planner.allocate(req, start + steps):
+                return 1  # (blocks taken so far serve the next steps)
+        return steps
+
     def update(self, result: StepResult) -> TokenDeltas:
         """Apply a worker's result; returns the step's coalesced deltas (maybe empty). Its
-        step time feeds the worker's step-cost fit (step_budget.py)."""
-        self.planner.budget.observe(result.worker_id, result.step_id, result.step_time_s)
+        step time (per step of a multi-step plan) feeds the worker's step-cost fit
+        (step_budget.py)."""
+        worker = self.state.workers.get(result.worker_id)
+        step = worker.in_flight[0] if worker is not None and worker.in_flight else None
+        steps = step.num_steps if step is not None and step.step_id == result.step_id else 1
+        self.planner.budget.observe(result.worker_id, result.step_id, result.step_time_s / steps)
         return self.results.apply(result)
 
     def copy_done(self, ack: BlocksCopied) -> TokenDeltas:

@@ -45,6 +45,7 @@ class Counters:
     num_aborted: int = 0
     num_errors: int = 0
     num_preemptions: int = 0
+    num_multi_step_plans: int = 0  # plans of several decode steps (multi-step decoding)
     num_steps: int = 0
     num_scheduled_tokens: int = 0
     num_prefill_tokens: int = 0

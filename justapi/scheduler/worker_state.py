@@ -25,6 +25,7 @@ class InFlightStep:
     deferred_blocks: list[tuple[int, str]] = field(default_factory=list)
     """(block id, holder) released when this step lands: a cached duplicate the request gave
     up while this step may still read it (overlap.py)."""
+    num_steps: int = 1  # multi-step decoding: steps the plan runs, a token each per request
 
 
 @dataclass(eq=False)

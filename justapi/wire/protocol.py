@@ -7,7 +7,7 @@ Owns: message shapes and their cheap structural validation. Does not own: socket
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -15,6 +15,8 @@ from justapi.sampling import SamplingParams
 from justapi.wire.codec import ProtocolError, register
 
 PLACEHOLDER_TOKEN = -1
+MAX_DECODE_STEPS = 64
+"""Most steps one multi-step plan may ask for (StepPlan.num_steps)."""
 """In StepPlan.token_ids (overlap): the token the worker sampled at this position in the
 request's previous step, which the scheduler has not seen yet."""
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
@@ -95,6 +97,10 @@ class StepPlan:
     word w = token 32 w + b; tokens past the last word are disallowed) at logits row
     bitmask_rows[r], counted over the sampled sequences' 1 + num_draft_tokens[i] rows in plan
     order (justapi/structured/masks.py); rows not listed are free.
+    num_steps > 1 (multi-step decoding): every sequence decodes one token at a time for
+    num_steps steps without a round trip; step j computes position start + j from the token
+    step j - 1 sampled (`sub_steps`), the block tables cover all of them, and the result
+    holds num_steps tokens per sequence in order (`merge_step_results`).
 
         token_ids: | seq 0 chunk | seq 1 (decode: 1 token) | seq 2 chunk ... |
         block_ids: | seq 0 table ........ | seq 1 table | seq 2 table ...... |
@@ -115,6 +121,7 @@ class StepPlan:
     num_propose: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [num_seqs] or []
     bitmask_rows: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [rows]
     token_bitmask: np.ndarray = field(default_factory=lambda: _EMPTY_MASK)  # int32 [rows, words]
+    num_steps: int = 1
 
     def __post_init__(self) -> None:
         num_seqs = len(self.request_ids)
@@ -137,10 +144,30 @@ class StepPlan:
         if len(self.bitmask_rows) or len(self.token_bitmask):
             _check_bitmask(self.bitmask_rows, self.token_bitmask, self.sample_flags,
                            self.draft_counts)
+        if self.num_steps > 1 and (np.any(self.num_tokens != 1) or not np.all(self.sample_flags)
+                                   or np.any(self.draft_counts) or np.any(self.propose_counts)
+                                   or len(self.bitmask_rows)):
+            raise ProtocolError("StepPlan.num_steps > 1 needs one sampled token per sequence, "
+                                "no drafts, proposals or bitmasks")
+        if not 1 <= self.num_steps <= MAX_DECODE_STEPS:
+            raise ProtocolError(f"StepPlan.num_steps must be in [1, {MAX_DECODE_STEPS}], got "
+                                f"{self.num_steps}")
 
     @property
     def num_seqs(self) -> int:
         return len(self.request_ids)
+
+    def sub_steps(self) -> list[StepPlan]:
+        """The plan as num_steps one-step plans: the first is this one's own step (its tokens,
+        new and finished requests); step j computes each sequence's position start + j from
+        a placeholder for the token step j - 1 sampled."""
+        first = replace(self, num_steps=1)
+        if self.num_steps == 1:
+            return [first]
+        holes = np.full(self.num_seqs, PLACEHOLDER_TOKEN, np.int32)
+        return [first] + [replace(first, start_positions=self.start_positions + j, token_ids=holes,
+                                  new_requests=[], finished_request_ids=[])
+                          for j in range(1, self.num_steps)]
 
     @property
     def draft_counts(self) -> np.ndarray:
@@ -253,6 +280,31 @@ class StepResult:
             raise ProtocolError("StepResult.proposed_token_ids length disagrees with num_proposed")
         if len(self.proposed_parents):
             _check_parents(self.proposed_parents, self.num_proposed, "StepResult.proposed_parents")
+
+
+def merge_step_results(results: list[StepResult]) -> StepResult:
+    """One StepResult of a multi-step plan from its steps' results (one token per sequence
+    each): sequence i's tokens (and logprobs) in step order, num_sampled = the number of
+    steps."""
+    first = results[0]
+    num_seqs = len(first.request_ids)
+    for result in results:
+        if result.error:
+            return result
+        if list(result.request_ids) != list(first.request_ids) or np.any(result.num_sampled != 1):
+            raise ProtocolError("multi-step results must sample one token per sequence each")
+
+    def interleave(name: str) -> np.ndarray:
+        columns = [getattr(r, name) for r in results]
+        if not len(columns[0]):
+            return columns[0]
+        stacked = np.stack(columns, axis=1)  # [num_seqs, steps, ...]
+        return stacked.reshape((num_seqs * len(results),) + stacked.shape[2:])
+
+    return replace(first, num_sampled=np.full(num_seqs, len(results), np.int32),
+                   sampled_token_ids=interleave("sampled_token_ids"),
+                   logprobs=interleave("logprobs"), top_logprob_ids=interleave("top_logprob_ids"),
+                   top_logprobs=interleave("top_logprobs"))
 
 
 @register("PoolInfo")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from justapi.config.sections import ConfigError
-from justapi.config.serve import ServeConfig, build_config, load_toml
+from justapi.config.serve import AUTO_DECODE_STEPS, ServeConfig, build_config, load_toml
 
 
 def test_file_then_flags(tmp_path):
@@ -77,3 +77,19 @@ def test_control_processes_nice_only_where_cpu_workers_take_every_core():
     assert config(server={"control_nice": 5, "threads": 1}).control_niceness(cores=8) == 5
     with pytest.raises(ConfigError, match="control-nice"):
         config(server={"control_nice": 20})
+
+
+def test_multi_step_decoding_only_where_cpu_workers_take_every_core():
+    def config(**sections: dict) -> ServeConfig:
+        return ServeConfig.from_dict(sections)
+
+    assert config().decode_steps_for(cores=2) == AUTO_DECODE_STEPS  # threads take both cores
+    assert config(server={"threads": 1}).decode_steps_for(cores=2) == 1  # overlap instead
+    assert config(server={"workers": 2}).decode_steps_for(cores=2) == AUTO_DECODE_STEPS
+    assert config(model={"device": "cuda"}).decode_steps_for(cores=1) == 1
+    assert config(server={"launcher": "ray"}).decode_steps_for(cores=2) == 1
+    assert config(scheduler={"decode_steps": 1}).decode_steps_for(cores=2) == 1  # set: it wins
+    assert config(scheduler={"decode_steps": 6}, model={"device": "cuda"}).decode_steps_for(cores=8) == 6
+    for bad in (0, -2, 65, 1.5):
+        with pytest.raises(ConfigError, match="decode-steps"):
+            config(scheduler={"decode_steps": bad})

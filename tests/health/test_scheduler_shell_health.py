@@ -55,9 +55,10 @@ class FakeWorker:
             self.plans.append(plan)
             if self.is_answering:
                 sampled = [r for r, s in zip(plan.request_ids, plan.sample_flags) if s]
+                steps = plan.num_steps  # a token per request and step (multi-step plans)
                 transport.send(self.sock, StepResult(
-                    plan.step_id, self.worker_id, sampled, np.ones(len(sampled), np.int32),
-                    np.full(len(sampled), 7, np.int32)))
+                    plan.step_id, self.worker_id, sampled, np.full(len(sampled), steps, np.int32),
+                    np.full(len(sampled) * steps, 7, np.int32)))
 
 
 class Shell:

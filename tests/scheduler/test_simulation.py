@@ -89,17 +89,19 @@ def check_no_leak(sched: Scheduler) -> None:
     sched.check_invariants()
 
 
-@pytest.mark.parametrize("seed, overlap", [(s, False) for s in range(240)]
-                         + [(s, True) for s in range(2000, 2060)])
-def test_random_traces(seed, overlap):
+@pytest.mark.parametrize("seed, overlap, decode_steps",
+                         [(s, False, 1) for s in range(240)]
+                         + [(s, True, 1) for s in range(2000, 2060)]
+                         + [(s, False, 2 + s % 6) for s in range(3000, 3060)])
+def test_random_traces(seed, overlap, decode_steps):
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 8])
     max_prompt = rng.choice([8, 24, 48])
     # Tiny pools force preemption: just enough for the longest request, or a little more.
     pool_blocks = math.ceil((max_prompt + 24) / block_size) + rng.choice([0, 1, 4, 16, 200])
     num_workers, shared = rng.choice([(1, True), (2, True), (3, True), (2, False)])
-    sched = build({**random_config(rng), "overlap": overlap}, block_size, pool_blocks,
-                  num_workers, shared, prefix_cache=rng.random() < 0.8)
+    sched = build({**random_config(rng), "overlap": overlap, "decode_steps": decode_steps},
+                  block_size, pool_blocks, num_workers, shared, prefix_cache=rng.random() < 0.8)
     result = Simulation(sched, vocab_size=V, check_invariants=True).run(
         random_trace(rng, rng.randint(4, 18), max_prompt))
     check_result(sched, result)
@@ -129,6 +131,9 @@ def test_outputs_do_not_depend_on_how_requests_are_scheduled(seed):
         (dict(overlap=True, chunk_size=7, max_seqs=3), 2, 34, 1, True, True),
         (dict(overlap=True, max_prefill=1, policy="lpm"), 8, 16, 3, True, True),
         (dict(overlap=True, scheduled=False, max_seqs=5), 4, 64, 2, True, True),
+        (dict(decode_steps=4), 16, 512, 1, True, True),  # multi-step decoding
+        (dict(decode_steps=3, chunk_size=7, max_seqs=3), 2, 34, 1, True, True),
+        (dict(decode_steps=5, max_prefill=1, policy="lpm"), 8, 16, 3, True, True),
     ]
     outputs = []
     for config, block_size, pool_blocks, workers, shared, cache in layouts:

@@ -64,6 +64,26 @@ def test_a_served_step_is_split_into_its_parts():
     assert served_breakdown(worker, scheduler, frontend, batch=8).num_steps == 0  # not full
 
 
+def test_a_multi_step_plan_counts_as_its_steps():
+    """Plans of 3 steps (forward 30, sample 2 each) after a 1 ms prepare, sent 1 ms after the
+    last sampling, the next plan 6 ms later: per step, period 104 / 3 and idle 2."""
+    worker = []
+    for plan in range(1, 5):
+        t = 104 * (plan - 1)
+        worker += [(t * MS, "cpu", plan, 30 * plan * MS), (t * MS, "plan_in", plan, 1)]
+        for j in range(3):
+            start = t + 1 + 32 * j
+            worker += [(start * MS, "forward_start", plan, 1),
+                       ((start + 30) * MS, "forward_end", plan, 1),
+                       ((start + 32) * MS, "sample_end", plan, -1)]
+        worker.append(((t + 98) * MS, "result_out", plan, 0))
+    parts = served_breakdown(sorted(worker), [], [], batch=1)
+    assert parts.num_steps == 3 and parts.steps_per_plan == 3
+    expected = {"period": 104 / 3, "prepare": 1 / 3, "forward": 30, "sample": 2, "send": 1 / 3,
+                "idle": 2, "cpu_worker": 10}
+    assert {k: parts.get(k) for k in expected} == pytest.approx(expected)
+
+
 def test_a_plan_sent_before_the_result_counts_as_waiting():
     worker, scheduler = [], []
     for step in range(1, 5):

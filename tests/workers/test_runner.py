@@ -147,6 +147,29 @@ def test_engine_outputs_are_the_same_with_overlap(tiny_gguf):
     engine.close()
 
 
+def test_engine_outputs_are_the_same_with_multi_step_decoding(tiny_gguf):
+    """The real core's multi-step plans over the real runner (each step's tokens the next
+    one's input, a stop inside a plan, seeded sampling, logprobs asked): the same tokens and
+    finish reasons as one step at a time."""
+    engine = LLMEngine(tiny_gguf(layers=2, type="Q8_0", context=64), block_size=4,
+                       num_blocks=64, max_seqs=3, progress=False)
+    prompts = [[3 + (i * 7 + j) % 90 for j in range(5 + 3 * i)] for i in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=9 + 2 * i, ignore_eos=True, logprobs=2)
+              for i in range(3)]
+    params[1] = dataclasses.replace(params[1], temperature=0.8, seed=5)
+    plain = engine.generate(prompts, params)
+    stop = plain[2].token_ids[5]  # request 2 stops inside a plan (or earlier: a repeat)
+    params[2] = dataclasses.replace(params[2], stop_token_ids=[stop])
+    plain = engine.generate(prompts, params)
+    engine.limits = dataclasses.replace(engine.limits, decode_steps=4)
+    multi = engine.generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason) for o in multi] == \
+        [(o.token_ids, o.finish_reason) for o in plain]
+    assert plain[2].finish_reason == "stop" and plain[2].token_ids[-1] == stop
+    assert engine.loop is not None and engine.loop.stats()["num_multi_step_plans"] >= 2
+    engine.close()
+
+
 @pytest.mark.parametrize("plan,new_requests,needle", [
     ([("x", 0, [1], blocks(0), True)], [], "never announced"),
     ([("a", 5, [1], blocks(0), True)], [("a", [1, 2])], "starts at position 5"),

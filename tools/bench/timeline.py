@@ -103,8 +103,8 @@ def report_served(name: str, runs: list[Run], offline: Run) -> float:
     s, o = best.step, offline.step
     print(f"{name}: {best.tok_s:.1f} tok/s -> {ratio:.2f} of offline (runs "
           f"{' / '.join(f'{r.tok_s:.1f}' for r in runs)}); decode step period "
-          f"{s.get('period'):.2f} ms over {s.num_steps} steps ({o.get('period') / s.get('period'):.2f} "
-          f"of offline's)")
+          f"{s.get('period'):.2f} ms over {s.num_steps} plans of {s.steps_per_plan:g} step(s) "
+          f"({o.get('period') / s.get('period'):.2f} of offline's)")
     print(f"  worker busy: prepare {s.get('prepare'):.2f} | forward {s.get('forward'):.2f} "
           f"(offline {o.get('forward'):.2f}) | sample {s.get('sample'):.2f} "
           f"(offline {o.get('sample'):.2f}) | send {s.get('send'):.2f}")

@@ -6,13 +6,17 @@ busy part (prepare, forward, sample, send) and its idle wait for the next plan, 
 itself split into the result's trip to the scheduler, the scheduler, and the plan's trip back
 (with overlap the plan is already waiting: the wait is only its receipt). The frontend's part
 (deltas to the frontend, deltas to SSE text) runs beside the worker's next step; each
-process's CPU time per step says what it takes from the worker's cores.
+process's CPU time per step says what it takes from the worker's cores. A multi-step plan
+(--decode-steps) counts as its k steps: its period, its parts outside the forward and sampling,
+and the CPU times are divided by k (per token of a stream), its forward and sampling are its
+first step's.
 Owns: that arithmetic. Does not own: the runs (timeline.py) or the events (the processes).
 """
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from justapi.ops.timeline import Event
@@ -35,12 +39,13 @@ class Breakdown:
     num_steps: int = 0
     parts: dict[str, float] = field(default_factory=dict)
     plan_waiting: float = 0.0  # share of steps whose plan reached the worker before it was free
+    steps_per_plan: float = 1.0  # median steps a plan ran (multi-step decoding)
 
     def get(self, name: str) -> float:
         return self.parts.get(name, float("nan"))
 
 
-def _median_ms(values: list[int]) -> float:
+def _median_ms(values: Sequence[float]) -> float:
     return statistics.median(values) / NS_PER_MS if values else float("nan")
 
 
@@ -48,38 +53,44 @@ def served_breakdown(worker: list[Event], scheduler: list[Event], frontend: list
                      batch: int) -> Breakdown:
     """Split each full-batch decode step of one worker and the gap to its next step."""
     w, s, f = by_step(worker), by_step(scheduler), by_step(frontend)
+    last_sample = {step: t for t, name, step, _ in worker if name == "sample_end"}  # the last
+    steps_of = Counter(step for _, name, step, _ in worker if name == "forward_start")
     plans = sorted((t, step) for step, (t, _) in w["plan_in"].items())
-    parts: dict[str, list[int]] = defaultdict(list)
+    parts: dict[str, list[float]] = defaultdict(list)
     waiting = 0
     for (t_in, step), (t_next, nxt) in zip(plans, plans[1:]):
         if not _is_decode(w, step, batch) or step not in w["result_out"] \
                 or step not in w["sample_end"]:
             continue
+        k = steps_of[step]
         t_fwd, t_end = w["forward_start"][step][0], w["forward_end"][step][0]
         t_sample, t_out = w["sample_end"][step][0], w["result_out"][step][0]
-        parts["period"].append(t_next - t_in)
-        parts["prepare"].append(t_fwd - t_in)
+        parts["steps"].append(k)
+        parts["period"].append((t_next - t_in) / k)
+        parts["prepare"].append((t_fwd - t_in) / k)
         parts["forward"].append(t_end - t_fwd)
         parts["sample"].append(t_sample - t_end)
-        parts["send"].append(t_out - t_sample)
-        parts["idle"].append(t_next - t_out)
+        parts["send"].append((t_out - last_sample[step]) / k)
+        parts["idle"].append((t_next - t_out) / k)
         plan_out = s["plan_out"].get(nxt, (None, 0))[0]
         if plan_out is not None and plan_out <= t_out:
             waiting += 1
         elif plan_out is not None and step in s["result_in"]:
-            parts["to_scheduler"].append(s["result_in"][step][0] - t_out)
-            parts["scheduler"].append(plan_out - s["result_in"][step][0])
-            parts["to_worker"].append(t_next - plan_out)
+            parts["to_scheduler"].append((s["result_in"][step][0] - t_out) / k)
+            parts["scheduler"].append((plan_out - s["result_in"][step][0]) / k)
+            parts["to_worker"].append((t_next - plan_out) / k)
         if step in s["result_in"] and step in s["deltas_out"]:
-            parts["update"].append(s["deltas_out"][step][0] - s["result_in"][step][0])
+            parts["update"].append((s["deltas_out"][step][0] - s["result_in"][step][0]) / k)
         if step in s["deltas_out"] and step in f["deltas_in"]:
-            parts["to_frontend"].append(f["deltas_in"][step][0] - s["deltas_out"][step][0])
+            parts["to_frontend"].append((f["deltas_in"][step][0] - s["deltas_out"][step][0]) / k)
         for name, table in (("cpu_worker", w), ("cpu_scheduler", s), ("cpu_frontend", f)):
             if step in table["cpu"] and nxt in table["cpu"]:  # CPU time between two steps
-                parts[name].append(table["cpu"][nxt][1] - table["cpu"][step][1])
+                parts[name].append((table["cpu"][nxt][1] - table["cpu"][step][1]) / k)
     _frontend_parts(frontend, parts)
     num = len(parts["period"])
-    return Breakdown(num, {k: _median_ms(v) for k, v in parts.items()}, waiting / num if num else 0.0)
+    steps = statistics.median(parts.pop("steps")) if num else 1.0
+    return Breakdown(num, {k: _median_ms(v) for k, v in parts.items()}, waiting / num if num else 0.0,
+                     steps)
 
 
 def _is_decode(w: dict[str, dict[int, tuple[int, int]]], step: int, batch: int) -> bool:
@@ -89,7 +100,7 @@ def _is_decode(w: dict[str, dict[int, tuple[int, int]]], step: int, batch: int) 
             and w["forward_start"][step][1] == batch and w["forward_end"][step][1] == batch)
 
 
-def _frontend_parts(frontend: list[Event], parts: dict[str, list[int]]) -> None:
+def _frontend_parts(frontend: list[Event], parts: dict[str, list[float]]) -> None:
     """deltas_in -> each sse_out after it (before the next deltas_in): the frontend's turn."""
     last_in = None
     for t_ns, name, _, _ in frontend:

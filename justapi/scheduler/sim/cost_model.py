@@ -30,6 +30,8 @@ class StepCostModel:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
 
     def step_time_s(self, plan: StepPlan) -> float:
+        if plan.num_steps > 1:  # multi-step decoding: its steps back to back
+            return sum(self.step_time_s(step) for step in plan.sub_steps())
         num_tokens = int(np.sum(plan.num_tokens))
         n = plan.num_tokens.astype(np.int64)
         context_reads = int(np.sum(n * plan.start_positions + n * (n + 1) // 2))

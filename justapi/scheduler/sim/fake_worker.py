@@ -29,6 +29,7 @@ from justapi.wire.protocol import (
     CopyBlocks,
     StepPlan,
     StepResult,
+    merge_step_results,
     offsets,
 )
 
@@ -68,8 +69,16 @@ class FakeWorker:
         self.num_steps = 0
         self.num_copies = 0
         self._masks: dict[int, np.ndarray] = {}  # this step's bitmask rows by logits row
+        self._steps_after = 0  # a multi-step plan's steps after the one running
 
     def execute(self, plan: StepPlan) -> StepResult:
+        if plan.num_steps > 1:  # multi-step decoding, as workers/runner.py runs it
+            results = []
+            for j, step in enumerate(plan.sub_steps()):
+                self._steps_after = plan.num_steps - 1 - j  # the tables cover those positions too
+                results.append(self.execute(step))
+            self._steps_after = 0
+            return merge_step_results(results)
         self.num_steps += 1
         for rid in plan.finished_request_ids:
             if rid not in self.requests:
@@ -128,7 +137,7 @@ class FakeWorker:
             raise FakeWorkerError(f"step {step_id}: {rid!r} chunk at {start} is not its tokens")
         known.extend(int(t) for t in chunk[len(overlap):num_known])  # forced by a grammar
         bs = self.store.block_size
-        needed = -(-(start + len(chunk) + c.num_propose) // bs)
+        needed = -(-(start + len(chunk) + c.num_propose + self._steps_after) // bs)
         if len(table) != needed:
             raise FakeWorkerError(f"step {step_id}: {rid!r} has {len(table)} blocks, needs {needed}")
         if len(table) and (int(table.min()) < 0 or int(table.max()) >= self.store.num_blocks):
