@@ -15,10 +15,10 @@ from justapi.sampling import SamplingParams
 from justapi.wire.codec import ProtocolError, register
 
 PLACEHOLDER_TOKEN = -1
-MAX_DECODE_STEPS = 64
-"""Most steps one multi-step plan may ask for (StepPlan.num_steps)."""
 """In StepPlan.token_ids (overlap): the token the worker sampled at this position in the
 request's previous step, which the scheduler has not seen yet."""
+MAX_DECODE_STEPS = 64
+"""Most steps one multi-step plan may ask for (StepPlan.num_steps)."""
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 _EMPTY_F32 = np.zeros(0, dtype=np.float32)
 _EMPTY_MASK = np.zeros((0, 0), dtype=np.int32)
