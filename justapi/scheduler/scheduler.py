@@ -40,6 +40,7 @@ from justapi.scheduler.spec.speculation import Speculation
 from justapi.scheduler.spec.tree import chain_parents, check_tree, is_chain, keep_depth
 from justapi.scheduler.state import SchedulerState
 from justapi.scheduler.stats import collect_stats
+from justapi.scheduler.step_budget import multi_step_count
 from justapi.scheduler.topology import ModelLimits, PoolSpec, Topology, WorkerSpec
 from justapi.scheduler.worker_state import InFlightStep, WorkerState
 from justapi.wire.protocol import (
@@ -263,7 +264,8 @@ class Scheduler:
         """Steps the plan runs (multi-step decoding): decode_steps when every chunk decodes
         one sampled token of a request free of grammar, nobody waits for admission in the
         pool (a new prompt waits for the plan to end), and each request has that many tokens
-        left and gets blocks for them without preempting anyone; else 1."""
+        left and gets blocks for them without preempting anyone; else 1. Fewer where the
+        worker's fitted step time makes the plan longer than MULTI_STEP_PLAN_S."""
         steps = self.decode_steps
         if steps <= 1 or not len(batch) or batch.new_requests \
                 or self.state.queues[worker.pool_id]:
@@ -275,6 +277,9 @@ class Scheduler:
                     or req.grammar is not None or req.num_jumped:
                 return 1
             steps = min(steps, req.final_len - len(req.token_ids))
+        cost = self.planner.budget.cost(worker.worker_id)
+        if cost is not None:
+            steps = multi_step_count(steps, cost.step_s(batch.features()))
         if steps <= 1:
             return 1
         for req, start in zip(batch.reqs, batch.starts):

@@ -43,6 +43,19 @@ def prefill_rank(remaining_tokens: int, waited_steps: int) -> float:
     return remaining_tokens * (1.0 - age / PREFILL_AGING_STEPS)
 
 
+MULTI_STEP_PLAN_S = 0.05
+"""A multi-step plan's predicted length at most (multi-step decoding, docs/runtime.md): a
+prompt that arrives while a plan runs waits for its end, so that wait stays under ~50 ms."""
+
+
+def multi_step_count(steps: int, step_s: float) -> int:
+    """Steps a multi-step plan runs: at most `steps`, and as many as fit MULTI_STEP_PLAN_S at
+    step_s each (at least one); step_s <= 0 (not fitted yet): `steps`."""
+    if step_s <= 0:
+        return steps
+    return max(1, min(steps, int(MULTI_STEP_PLAN_S / step_s)))
+
+
 MAX_STEPS_IN_FLIGHT = 4
 """Dispatched steps remembered per worker until their results report a time (overlap keeps two
 in flight); older ones are forgotten."""

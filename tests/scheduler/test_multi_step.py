@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from justapi.scheduler.sim.fake_model import ReferenceModel
+from justapi.scheduler.sim.cost_model import StepCostModel
 from justapi.scheduler.sim.harness import Harness, build_scheduler
+from justapi.scheduler.step_budget import MULTI_STEP_PLAN_S, multi_step_count
 from justapi.wire.protocol import PLACEHOLDER_TOKEN, ProtocolError, StepPlan, StepResult, merge_step_results
 
 V = 64
@@ -125,3 +127,31 @@ def test_malformed_multi_step_plans_are_refused(fields, message):
     base = StepPlan.build(1, [("a", 3, [5], [0], True)]).__dict__
     with pytest.raises(ProtocolError, match=message.replace("[", r"\[").replace("]", r"\]")):
         StepPlan(**{**base, **fields})
+
+
+@pytest.mark.parametrize("steps, step_s, want", [
+    (4, 0.0, 4),  # not fitted yet: as configured
+    (4, 0.009, 4),  # 5 would fit 50 ms; the configured 4 caps it
+    (4, 0.02, 2),
+    (4, 0.03, 1),
+    (4, 0.2, 1),  # one step whatever its length
+    (1, 0.001, 1),
+])
+def test_a_plan_runs_as_many_steps_as_fit_its_time_cap(steps, step_s, want):
+    assert MULTI_STEP_PLAN_S == 0.05
+    assert multi_step_count(steps, step_s) == want
+
+
+@pytest.mark.parametrize("fixed_s, want", [(0.004, 4), (0.02, 2), (0.03, 1)])
+def test_once_the_step_cost_is_fitted_plans_stay_within_the_cap(fixed_s, want):
+    """A worker whose steps take fixed_s (+ a little per token) gets plans of as many steps
+    as fit 50 ms once its cost is fitted; the outputs do not change."""
+    h = Harness(build_scheduler(pool_blocks=64, decode_steps=4),
+                step_cost=StepCostModel(a_s=fixed_s, b_s=1e-5, c_s=0.0))
+    h.submit("a", PROMPT, max_tokens=60, ignore_eos=True)
+    plans = []
+    while h.scheduler.has_work():
+        plans += [plan.num_steps for _, plan in h.step() if plan.num_seqs]
+    assert h.outputs["a"] == reference(PROMPT, 60)
+    assert plans[0] == 1 and plans[1] == 4  # the prompt; decodes before the fit
+    assert plans[-4:-1] == [want] * 3  # fitted (the last plan is what max_tokens leaves)
