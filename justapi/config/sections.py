@@ -85,7 +85,8 @@ class SchedulerConfig:
                            decls=("--overlap/--no-overlap",))
     decode_steps: int = option(-1, "Multi-step decoding: a plan whose chunks are all single-token "
                                    "decodes runs up to this many steps on the worker without a "
-                                   "round trip (tokens reach clients this many at a time). -1 "
+                                   "round trip (tokens reach clients this many at a time; "
+                                   "fewer where the steps would take over ~50 ms). -1 "
                                    "(auto): 4 where local CPU workers' threads take every core "
                                    "(no overlap there), else 1 (off).")
 
