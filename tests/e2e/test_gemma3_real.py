@@ -22,7 +22,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.timeout(1200)]
 SERVE_ARGS = ("--max-context", "2048", "--max-seqs", "4")
 LONG_PROMPT_TOKENS = 600  # past the 512-token window of its local layers; 2 prefill chunks
 NUM_LONG_TOKENS = 6
-LOGPROB_TOLERANCE = 0.1  # attending past the window instead moves these by 1.5-12 nats
+LOGPROB_TOLERANCE = 0.3
+"""Attending past the window instead moves these by 1.5-12 nats. The served default (auto)
+rounds activations to 8 bits where its start-up plan (timed) picks that kernel: one of these
+logprobs then read 0.157 off the fp32 reference, 0.1 passing only with the fp32-activation one."""
 QUESTION = [{"role": "user", "content": "What is 2+2?"}]
 END_OF_TURN = 106
 
