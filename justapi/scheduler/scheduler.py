@@ -41,6 +41,7 @@ from justapi.scheduler.spec.tree import chain_parents, check_tree, is_chain, kee
 from justapi.scheduler.state import SchedulerState
 from justapi.scheduler.stats import collect_stats
 from justapi.scheduler.step_budget import multi_step_count
+from justapi.scheduler.step_cost import StepFeatures
 from justapi.scheduler.topology import ModelLimits, PoolSpec, Topology, WorkerSpec
 from justapi.scheduler.worker_state import InFlightStep, WorkerState
 from justapi.wire.protocol import (
@@ -228,7 +229,9 @@ class Scheduler:
     def _dispatch(self, worker: WorkerState, batch: StepBatch) -> StepPlan:
         state = self.state
         state.step_id += 1
-        num_steps = self._num_steps(worker, batch)
+        # the step in the cost formula's terms: the step budget's record, the multi-step cap
+        features = batch.features() if self.planner.budget.is_enabled else None
+        num_steps = self._num_steps(worker, batch, features)
         plan = batch.build(state.step_id, state.pool.base(worker.pool_id),
                            list(worker.pending_drops), num_steps)
         worker.pending_drops.clear()
@@ -256,11 +259,12 @@ class Scheduler:
         worker.in_flight.append(InFlightStep(step_id, batch.reqs, batch.num_drafts,
                                              batch.is_sampled, sampled, ends,
                                              num_steps=num_steps))
-        if self.planner.budget.is_enabled:
-            self.planner.budget.dispatched(worker.worker_id, step_id, batch.features())
+        if features is not None:
+            self.planner.budget.dispatched(worker.worker_id, step_id, features)
         return plan
 
-    def _num_steps(self, worker: WorkerState, batch: StepBatch) -> int:
+    def _num_steps(self, worker: WorkerState, batch: StepBatch,
+                   features: StepFeatures | None) -> int:
         """Steps the plan runs (multi-step decoding): decode_steps when every chunk decodes
         one sampled token of a request free of grammar, nobody waits for admission in the
         pool (a new prompt waits for the plan to end), and each request has that many tokens
@@ -278,8 +282,8 @@ class Scheduler:
                 return 1
             steps = min(steps, req.final_len - len(req.token_ids))
         cost = self.planner.budget.cost(worker.worker_id)
-        if cost is not None:
-            steps = multi_step_count(steps, cost.step_s(batch.features()))
+        if cost is not None and features is not None:
+            steps = multi_step_count(steps, cost.step_s(features))
         if steps <= 1:
             return 1
         for req, start in zip(batch.reqs, batch.starts):

@@ -14,6 +14,7 @@ A step without decodes keeps max_batched_tokens (nobody is waiting on it for a t
 Prefill order with the budget on: fewest remaining tokens first (a new conversation turn,
 mostly served from the prefix cache, goes ahead of long prompts), aged so that a prompt
 waiting PREFILL_AGING_STEPS steps ranks first whatever its length; ties: arrival order.
+A multi-step decoding plan runs no longer than MULTI_STEP_PLAN_S at the fitted step time.
 Owns: these rules and the per-worker fits. Does not own: the chunks (StepBatch, planner.py).
 """
 from __future__ import annotations

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from justapi.scheduler.sim.fake_model import ReferenceModel
 from justapi.scheduler.sim.cost_model import StepCostModel
+from justapi.scheduler.sim.fake_model import ReferenceModel
 from justapi.scheduler.sim.harness import Harness, build_scheduler
 from justapi.scheduler.step_budget import MULTI_STEP_PLAN_S, multi_step_count
 from justapi.wire.protocol import PLACEHOLDER_TOKEN, ProtocolError, StepPlan, StepResult, merge_step_results
