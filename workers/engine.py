@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from justapi.config.sections import CacheConfig
 from justapi.config.spec import SpecConfig
 from justapi.frontend.text.chat_template import ChatTemplate
 from justapi.frontend.text.tokenizer import Tokenizer
@@ -24,7 +25,7 @@ from workers.engine_loop import LoopLimits, SchedulerLoop
 
 if TYPE_CHECKING:
     from justapi.scheduler.structured import StructuredOutputs
-from workers.kv.pool import KVPool, PoolShape
+from workers.kv.pool import KVPool, PoolShape, dtype_of
 from workers.model.attention import AttentionBackend, require_cuda
 from workers.model.backends import make_backend
 from workers.runner import ModelRunner
@@ -70,8 +71,15 @@ class LLMEngine:
                  num_blocks: int = 0, max_seqs: int = 32, chunk_size: int = 512,
                  max_batched_tokens: int = 2048, max_context: int = 0,
                  seed: int | None = None, progress: bool = True, weights: str = "fp32",
-                 speculative: SpecConfig | None = None, cuda_graphs: bool = True) -> None:
-        if torch.device(device).type == "cuda":
+                 speculative: SpecConfig | None = None, cuda_graphs: bool = True,
+                 kv_cache_dtype: str = "auto") -> None:
+        """kv_cache_dtype: as `justapi serve --kv-cache-dtype` (auto, float32, bfloat16)."""
+        kind = torch.device(device).type
+        cache = CacheConfig(kv_cache_dtype=kv_cache_dtype)  # an unknown name: ConfigError (a ValueError)
+        if kind == "cuda" and kv_cache_dtype == "float32":
+            raise ValueError("kv_cache_dtype float32 is CPU only (GPU engines attend in bf16)")
+        kv_dtype = dtype_of(cache.pool_dtype(kind))
+        if kind == "cuda":
             require_cuda(device)  # fail before the slow parts
         else:
             keep_freed_memory()  # steps reuse their temporaries' pages (workers/cpu_memory.py)
@@ -82,11 +90,11 @@ class LLMEngine:
         p = self.model.params
         self.max_context = min(max_context or p.max_context, p.max_context)
         if num_blocks <= 0:
-            per_block = PoolShape(p.num_layers, 1, block_size, p.num_kv_heads, p.head_dim).num_bytes(dtype)
+            per_block = PoolShape(p.num_layers, 1, block_size, p.num_kv_heads, p.head_dim).num_bytes(kv_dtype)
             num_blocks = max(1, min(DEFAULT_KV_BYTES // per_block,
                                     max_seqs * -(-self.max_context // block_size)))
         shape = PoolShape(p.num_layers, num_blocks, block_size, p.num_kv_heads, p.head_dim)
-        self.pool = KVPool.create(shape, "local", dtype, device)
+        self.pool = KVPool.create(shape, "local", kv_dtype, device)
         self.speculative = speculative or SpecConfig()
         draft = (load_draft(self.speculative, num_blocks, block_size, device, seed, weights, progress)
                  if self.speculative.spec == "draft" else None)

@@ -22,6 +22,7 @@ from justapi.wire.protocol import MAX_DECODE_STEPS
 POLICIES = ("fcfs", "priority", "lpm")
 DEVICES = ("cpu", "cuda")
 WEIGHT_MODES = ("fp32", "bf16", "q4", "auto")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 LAUNCHERS = ("local", "ray")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -38,6 +39,17 @@ class CacheConfig:
     enable_prefix_cache: bool = option(
         True, "Share the cached KV blocks of identical prompt prefixes between requests "
               "(radix tree).", decls=("--prefix-cache/--no-prefix-cache",))
+    kv_cache_dtype: str = option(
+        "auto", "KV cache element type. auto: float32 on CPU, bfloat16 on CUDA (the compute "
+                "dtype). bfloat16 on CPU halves the pool's memory (twice the blocks) and the "
+                "bytes attention reads; K/V are rounded to bf16 as they are stored "
+                "(docs/runtime.md). float32 is CPU only.", choices=KV_CACHE_DTYPES)
+
+    def pool_dtype(self, device: str) -> str:
+        """The pool's dtype name (workers/kv/pool.py) for workers on `device` ("cpu", "cuda")."""
+        if self.kv_cache_dtype == "auto":
+            return "float32" if device == "cpu" else "bfloat16"
+        return self.kv_cache_dtype
 
     def __post_init__(self) -> None:
         check_number(self.block_size, "block-size", low=1, integer=True)
@@ -46,6 +58,7 @@ class CacheConfig:
         check_number(self.pool_blocks, "pool-blocks", low=0, integer=True)
         check_number(self.kv_memory_fraction, "kv-memory-fraction", above=0.0, high=0.95)
         check_bool(self.enable_prefix_cache, "enable-prefix-cache")
+        check_choice(self.kv_cache_dtype, "kv-cache-dtype", KV_CACHE_DTYPES)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The CPU KV pool's shared-memory segment, created and unlinked by the launcher.
 
 All CPU workers map this one segment as the pool tensor
-`[layers, 2, num_blocks, block_size, kv_heads, head_dim]` (fp32), so a block cached by one
+`[layers, 2, num_blocks, block_size, kv_heads, head_dim]` (fp32, or bf16 with
+`--kv-cache-dtype bfloat16`), so a block cached by one
 worker serves requests on another - except with `--pd P:D --pd-separate-pools`, where the
 prefill workers map pool 0 and the decode workers pool 1, each its own segment (PoolSegments).
 The launcher owns their lifetime: it unlinks them at shutdown even if workers were killed.
@@ -20,7 +21,7 @@ from justapi.config.pd import PdConfig
 from justapi.config.sections import CacheConfig, ConfigError, SchedulerConfig
 from justapi.model.info import ModelInfo
 
-FP32_BYTES = 4
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 MIN_BLOCKS = 4
 
 
@@ -35,7 +36,7 @@ class PoolPlan:
 
     @property
     def bytes_per_block(self) -> int:
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * FP32_BYTES
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
     @property
     def num_bytes(self) -> int:
@@ -56,7 +57,8 @@ def available_memory_bytes() -> int:
 def plan_cpu_pool(model: ModelInfo, cache: CacheConfig, sched: SchedulerConfig) -> PoolPlan:
     """Blocks from --pool-blocks, else a fraction of free RAM capped at what max_seqs full
     contexts could ever use."""
-    plan = PoolPlan(model.num_layers, 1, cache.block_size, model.num_kv_heads, model.head_dim)
+    dtype = cache.pool_dtype("cpu")
+    plan = PoolPlan(model.num_layers, 1, cache.block_size, model.num_kv_heads, model.head_dim, dtype)
     num_blocks = cache.pool_blocks
     if num_blocks == 0:
         by_memory = int(available_memory_bytes() * cache.kv_memory_fraction) // plan.bytes_per_block
@@ -66,7 +68,7 @@ def plan_cpu_pool(model: ModelInfo, cache: CacheConfig, sched: SchedulerConfig) 
         raise ConfigError(f"pool-blocks={num_blocks} needs {num_blocks * plan.bytes_per_block} "
                           "bytes, more than the free memory")
     return PoolPlan(model.num_layers, num_blocks, cache.block_size, model.num_kv_heads,
-                    model.head_dim)
+                    model.head_dim, dtype)
 
 
 class SharedPoolSegment:

@@ -37,12 +37,15 @@ DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "prose.txt"
               help="Tokens per step; 0: a whole window.")
 @click.option("--paths", default="fp32,q4,auto", show_default=True,
               help="Weight paths, comma-separated; the first is the baseline.")
+@click.option("--kv-cache-dtypes", default="auto", show_default=True,
+              help="KV cache dtypes (auto, float32, bfloat16), comma-separated: each weight path "
+                   "is scored with each.")
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda[:N]")
 def perplexity(model: str, text_path: str, n_ctx: int, stride: int, chunk_rows: int, paths: str,
-               device: str) -> None:
-    """Perplexity of a GGUF model on a text, per weight path.
+               kv_cache_dtypes: str, device: str) -> None:
+    """Perplexity of a GGUF model on a text, per weight path and KV cache dtype.
 
-    Sliding windows as llama.cpp's perplexity tool; the first path is the baseline.
+    Sliding windows as llama.cpp's perplexity tool; the first (path, KV dtype) is the baseline.
 
     Exit status 1, with one line on stderr, for a text or model that cannot be read.
     """
@@ -51,12 +54,14 @@ def perplexity(model: str, text_path: str, n_ctx: int, stride: int, chunk_rows: 
         click.echo(f"text {text_path}; n_ctx {n_ctx}, stride {stride or n_ctx // 2}, "
                    f"chunk rows {chunk_rows or n_ctx}; load average {os.getloadavg()[0]:.2f}")
         baseline = None
-        names = paths.split(",")
-        for path in names:
-            score, num_tokens, elapsed = _score(model, device, path, text,
+        kv_names = kv_cache_dtypes.split(",")
+        names = [f"{path}/{kv}" if len(kv_names) > 1 else path for path in paths.split(",") for kv in kv_names]
+        for name in names:
+            path, _, kv = name.partition("/")
+            score, num_tokens, elapsed = _score(model, device, path, kv or kv_names[0], text,
                                                 (n_ctx, stride, chunk_rows))
             baseline = baseline or score.perplexity
-            click.echo(f"{path:>5}: perplexity {score.perplexity:9.4f} "
+            click.echo(f"{name:>5}: perplexity {score.perplexity:9.4f} "
                        f"({100 * (score.perplexity / baseline - 1):+.2f}% vs {names[0]}), "
                        f"{score.num_scored} tokens scored in {score.num_windows} windows of "
                        f"{num_tokens}, {elapsed:.1f} s")
@@ -65,7 +70,7 @@ def perplexity(model: str, text_path: str, n_ctx: int, stride: int, chunk_rows: 
         sys.exit(1)
 
 
-def _score(model: str, device: str, weights: str, text: str,
+def _score(model: str, device: str, weights: str, kv_cache_dtype: str, text: str,
            window: tuple[int, int, int]) -> tuple[PerplexityResult, int, float]:
     """(perplexity result, tokens in the text, seconds) with `weights` loaded fresh."""
     from workers.engine import LLMEngine  # the data plane: torch loads here, not at import
@@ -73,7 +78,7 @@ def _score(model: str, device: str, weights: str, text: str,
 
     n_ctx, stride, chunk_rows = window
     engine = LLMEngine(model, device=device, weights=weights, progress=False,
-                       num_blocks=-(-n_ctx // 16) + 1, max_seqs=1)
+                       num_blocks=-(-n_ctx // 16) + 1, max_seqs=1, kv_cache_dtype=kv_cache_dtype)
     try:
         ids = engine.encode(text)
         start = time.perf_counter()

@@ -1,5 +1,6 @@
 """The native CPU paged-attention kernel against the torch path, its bit-for-bit batch
-invariance, and its build cache and fallback (workers/model/cpu_kernels.py)."""
+invariance, and its build cache and fallback (workers/model/cpu_kernels.py). Each arithmetic
+test runs over an fp32 and a bf16 pool (--kv-cache-dtype: the bf16 pool has a loop of its own)."""
 from __future__ import annotations
 
 import logging
@@ -44,6 +45,9 @@ def attend(batch, kv, q, use_kernel=True, params=AttentionParams()):
     return backend.attend(kv, q, backend.prepare(batch), params)
 
 
+KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
 SHAPES = [  # heads, kv_heads, head_dim, block_size
     (9, 3, 64, 16),   # SmolLM2-135M
     (4, 4, 16, 1),    # no GQA, one slot per block
@@ -53,24 +57,40 @@ SHAPES = [  # heads, kv_heads, head_dim, block_size
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
-def test_kernel_equals_the_gathered_torch_path(heads, kv_heads, head_dim, block_size):
+@KV_DTYPES
+def test_kernel_equals_the_gathered_torch_path(heads, kv_heads, head_dim, block_size, kv_dtype):
     """Decodes and multi-row chunks (verification), at scattered blocks, mid-block and at
     block boundaries."""
     starts = [0, 5, block_size * 3, 37, 100, 2, 63]
     rows = [1, 1, 1, 4, 16, 3, 1]
     batch, kv, q = random_step(starts, rows, heads, kv_heads, head_dim, block_size)
+    kv = kv.to(kv_dtype)
     got, want = attend(batch, kv, q), attend(batch, kv, q, use_kernel=False)
     assert got.shape == want.shape == q.shape
     torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
 
 
-def test_kernel_follows_token_tree_masks():
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
+def test_over_a_bf16_pool_the_kernel_attends_to_the_rounded_values(heads, kv_heads, head_dim, block_size):
+    """--kv-cache-dtype bfloat16: K/V widened exactly as they are read, so the result is the fp32
+    kernel's on kv16.float() (to the last bits: the bf16 loop sums in another order), not the
+    fp32 pool's."""
+    batch, kv, q = random_step([0, 5, 37, 100, 63], [1, 1, 4, 16, 1], heads, kv_heads, head_dim, block_size)
+    kv16 = kv.bfloat16()
+    got = attend(batch, kv16, q)
+    torch.testing.assert_close(got, attend(batch, kv16.float(), q), atol=2e-6, rtol=0)
+    assert not torch.allclose(got, attend(batch, kv, q), atol=1e-4)
+
+
+@KV_DTYPES
+def test_kernel_follows_token_tree_masks(kv_dtype):
     """Tree rows see their ancestors only, not their siblings (speculative tree verification)."""
     parents = [-1, 0, 0, 1, 2, 2]  # the drafts' parents (-1: the root, the chunk's first row)
     rows = [1, 1 + len(parents), 1]
     tree = TreeLayout()
     tree.add(verify_mask(seq=1, num_tokens=rows[1], start=20, parents=parents))
     batch, kv, q = random_step([7, 20, 40], rows, tree=tree)
+    kv = kv.to(kv_dtype)
     got, want = attend(batch, kv, q), attend(batch, kv, q, use_kernel=False)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
     chain, _, _ = random_step([7, 20, 40], rows)
@@ -99,34 +119,40 @@ def dense_attention(batch, kv, q, params):
     return out
 
 
-def test_scale_softcap_and_window_equal_a_dense_reference():
+@KV_DTYPES
+def test_scale_softcap_and_window_equal_a_dense_reference(kv_dtype):
     """A layer's attention params (Gemma 2's soft-cap, a sliding window shorter than the
     contexts, a scale other than 1/sqrt(d)) on both paths: short chunks and a long one."""
     params = AttentionParams(scale=0.3, softcap=5.0, window=6)
     batch, kv, q = random_step([0, 5, 37, 100, 9], [1, 1, 4, 16, 20], heads=8, kv_heads=2,
                                head_dim=24, block_size=4, seed=5)
-    want = dense_attention(batch, kv, q, params)
+    kv = kv.to(kv_dtype)
+    want = dense_attention(batch, kv.float(), q, params)
     for use_kernel in (True, False):
         torch.testing.assert_close(attend(batch, kv, q, use_kernel, params), want, atol=2e-5, rtol=0)
     unwindowed = AttentionParams(scale=0.3, softcap=5.0)
     assert not torch.allclose(attend(batch, kv, q, True, unwindowed), want, atol=1e-3)
 
 
-def test_a_window_on_token_tree_rows_is_alike_on_both_paths():
+@KV_DTYPES
+def test_a_window_on_token_tree_rows_is_alike_on_both_paths(kv_dtype):
     parents = [-1, 0, 0, 1, 2, 2]
     rows = [1, 1 + len(parents), 1]
     tree = TreeLayout()
     tree.add(verify_mask(seq=1, num_tokens=rows[1], start=20, parents=parents))
     batch, kv, q = random_step([7, 20, 40], rows, tree=tree)
+    kv = kv.to(kv_dtype)
     params = AttentionParams(window=5)
     got, want = attend(batch, kv, q, True, params), attend(batch, kv, q, False, params)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
     assert not torch.allclose(got, attend(batch, kv, q), atol=1e-3)
 
 
-def test_a_row_is_bit_identical_alone_beside_longer_mates_and_as_a_verification_row():
+@KV_DTYPES
+def test_a_row_is_bit_identical_alone_beside_longer_mates_and_as_a_verification_row(kv_dtype):
     """The torch path differs in the last bits in both cases (padded keys, multi-row SDPA)."""
     batch, kv, q = random_step([30, 200, 90, 500], [4, 1, 1, 1], seed=3)
+    kv = kv.to(kv_dtype)
     step = attend(batch, kv, q)
     for i in range(4):  # sequence 0's rows, each decoded alone at its position
         alone = AttentionBatch(np.array([30 + i]), np.array([1]), batch.num_blocks[:1],
@@ -137,12 +163,14 @@ def test_a_row_is_bit_identical_alone_beside_longer_mates_and_as_a_verification_
     assert torch.equal(attend(mates, kv, q[4:])[1:], step[5:])
 
 
-def test_thread_count_does_not_change_a_bit():
+@KV_DTYPES
+def test_thread_count_does_not_change_a_bit(kv_dtype):
     """With fewer sequences than threads the kernel splits each by KV head."""
     steps = [random_step([300], [1], seed=4), random_step([300, 10, 20, 7], [1, 3, 1, 2], seed=4)]
     before = torch.get_num_threads()
     try:
         for batch, kv, q in steps:
+            kv = kv.to(kv_dtype)
             outs = []
             for threads in (1, 2, 4):
                 torch.set_num_threads(threads)

@@ -26,12 +26,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 PROMPTS = {"a": list(range(3, 23)), "b": list(range(40, 73)), "c": list(range(100, 107))}
 
 
-def load(path: str, plan: PathPlan, chain: bool):
+def load(path: str, plan: PathPlan, chain: bool, kv_dtype: torch.dtype = torch.float32):
     model = load_model(GGUFFile(path), weights="auto", progress=False, plan=plan)
     if not chain:
         model.layer_chain = None
     p = model.params
-    pool = KVPool.create(PoolShape(p.num_layers, 64, 16, p.num_kv_heads, p.head_dim))
+    pool = KVPool.create(PoolShape(p.num_layers, 64, 16, p.num_kv_heads, p.head_dim), dtype=kv_dtype)
     return model, pool, ModelRunner(model, pool, TorchCpuBackend(16))
 
 
@@ -91,6 +91,29 @@ def test_decode_steps_give_the_loops_bits(tiny_gguf, monkeypatch, qtype, path, h
     assert len(hidden_chain) == len(hidden_loop) == 6
     for got, want in zip(hidden_chain, hidden_loop):
         assert torch.equal(got, want)
+
+
+def test_over_a_bf16_pool_the_chain_gives_the_loops_bits(tiny_gguf, monkeypatch):
+    """--kv-cache-dtype bfloat16: the chain stores and attends through the bf16 kernels, as the
+    loop's KV store and attention do."""
+    gguf = tiny_gguf(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=384, context=256, type="Q4_1",
+                     embed_type="Q8_0")
+    plan = PathPlan(((8, "int8"), (1 << 16, "dense")))
+    runs = count_runs(monkeypatch)
+    results = {}
+    for chain, dtype in ((True, torch.bfloat16), (False, torch.bfloat16), (True, torch.float32)):
+        model, pool, runner = load(gguf, plan, chain, dtype)
+        results[chain, dtype] = decode(model, runner, steps=5)
+        assert pool.tensor.dtype == dtype and pool.tensor[:, :, :12].abs().sum() > 0  # K/V were stored
+        pool.close()
+    assert runs == [3, 6, 6, 3, 6] * 2
+    (hidden_chain, tokens_chain), (hidden_loop, tokens_loop) = results[True, torch.bfloat16], results[False, torch.bfloat16]
+    assert tokens_chain == tokens_loop
+    for got, want in zip(hidden_chain, hidden_loop):
+        assert torch.equal(got, want)
+    hidden_fp32 = results[True, torch.float32][0]
+    assert not torch.equal(hidden_fp32[1], hidden_chain[1])  # attention read the rounded pool
+    torch.testing.assert_close(hidden_fp32[-1], hidden_chain[-1], atol=0.05, rtol=0.05)
 
 
 def test_qkv_biases_in_the_chain_give_the_loops_bits(tmp_path):

@@ -98,6 +98,29 @@ def test_store_kv_writes_each_rows_k_and_v_at_its_slot_like_index_copy():
     assert torch.equal(kv, other)
 
 
+def test_store_kv_into_a_bf16_pool_rounds_as_torch_does():
+    """Round to nearest, ties to even, infinities, signed zeros, subnormals: the bits of
+    index_copy_ of k.to(torch.bfloat16); NaN stays NaN (torch's own NaN bits differ between its
+    scalar and vector forms)."""
+    special = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1 + 2 ** -8 + 2 ** -20, float("inf"),
+                            -float("inf"), -0.0, 0.0, 1e-40, -3e-39, 3.4e38, float("nan")])
+    values = torch.cat([special, torch.randn(6 * 3 * 8 * 2 - len(special), generator=GEN) * 100])
+    k, v = values.view(2, 6, 3, 8)
+    slots = torch.tensor([7, 0, 19, 3, 12, 8])
+    kv = torch.zeros(2, 5, 4, 3, 8, dtype=torch.bfloat16)
+    want = kv.clone()
+    flat = want.view(2, -1, 3, 8)
+    flat[0].index_copy_(0, slots, k.bfloat16())
+    flat[1].index_copy_(0, slots, v.bfloat16())
+    assert layer_ops().store_kv(kv, k, v, slots)
+    assert torch.equal(kv.isnan(), want.isnan()) and int(kv.isnan().sum()) == 1
+    assert torch.equal(kv.view(torch.int16)[~kv.isnan()], want.view(torch.int16)[~want.isnan()])
+    assert kv.view(-1)[7 * 24:7 * 24 + 2].tolist() == [1.0, 1 + 2 ** -6]  # ties went to the even neighbour
+    with pytest.raises(ValueError, match="outside the pool"):
+        layer_ops().store_kv(kv, k, v, torch.tensor([7, 0, 20, 3, 12, 8]))
+    assert not layer_ops().store_kv(kv.half(), k, v, slots)  # fp16: the caller's torch form
+
+
 @pytest.mark.parametrize("rows,n", [(1, 576), (300, 640)])  # 300 x 640: threads split rows
 def test_add_rms_norm_is_the_add_then_the_norm_bit_for_bit(rows, n):
     x = torch.randn(rows, 2 * n, generator=GEN)[:, :n] * 3  # rows 2n apart

@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.bench step-parts", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF path (default SmolLM2-135M-Instruct)")
     parser.add_argument("--weights", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto, float32 or bfloat16 (as justapi serve's)")
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -150,10 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     need = max(batches) * -(-(args.prompt_tokens + args.steps + 8) // 16) + 16
     engine = LLMEngine(args.model or default_model_path(), num_blocks=need, max_seqs=max(batches),
-                       progress=False, weights=args.weights)
+                       progress=False, weights=args.weights, kv_cache_dtype=args.kv_cache_dtype)
     timers = Timers()
     instrument(engine, timers)
-    print(f"weights {args.weights}, torch threads {torch.get_num_threads()}, prompts of {args.prompt_tokens} "
+    print(f"weights {args.weights}, KV {engine.pool.tensor.dtype}, torch threads {torch.get_num_threads()}, prompts of {args.prompt_tokens} "
           f"tokens, median of {args.steps - 2} decode steps; ms per step (calls per step)")
     with torch.inference_mode():
         for batch in batches:

@@ -59,7 +59,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _dtype_of(name: str) -> torch.dtype:
+def dtype_of(name: str) -> torch.dtype:
+    """A PoolInfo dtype name ("float32", "bfloat16", "float16") as a torch dtype."""
     if name not in _DTYPES:
         raise ValueError(f"unsupported KV pool dtype {name!r} (supported: {', '.join(_DTYPES)})")
     return _DTYPES[name]
@@ -109,7 +110,7 @@ class KVPool:
     @classmethod
     def attach(cls, info: PoolInfo) -> KVPool:
         """Map a pool another process created (shm or cuda_ipc)."""
-        shape, dtype = PoolShape.of(info), _dtype_of(info.dtype)
+        shape, dtype = PoolShape.of(info), dtype_of(info.dtype)
         if info.kind == "shm":
             try:
                 segment = shared_memory.SharedMemory(name=info.handle, create=False)

@@ -160,7 +160,8 @@ class AttentionBackend(ABC):
 
 
 class TorchPagedBackend(AttentionBackend):
-    """Paged attention in plain torch: gather each sequence's blocks, then SDPA (GQA-aware).
+    """Paged attention in plain torch: gather each sequence's blocks, then SDPA (GQA-aware); a
+    pool in another dtype than q's is widened (or narrowed) in the gathered copy.
 
     Works on any device; TorchCpuBackend and CudaBackend below pick the device."""
 
@@ -262,7 +263,7 @@ class TorchPagedBackend(AttentionBackend):
             q_pad = q[group.rows]  # [A, Qmax, heads, head_dim]
         out = torch.empty_like(q_pad)
         for seqs in self._seq_chunks(kv, group.tables):
-            keys = gather_blocks(kv, group.tables[seqs])  # [2, c, Tk, kv_heads, head_dim]
+            keys = gather_blocks(kv, group.tables[seqs]).to(q.dtype)  # [2, c, Tk, kv_heads, head_dim]
             keys = keys.transpose(2, 3)  # [2, c, kv_heads, Tk, head_dim]
             q_c, k_c, v_c, mask_c = q_pad[seqs].transpose(1, 2), keys[0], keys[1], group.mask[seqs]
             num = q_c.shape[0]
@@ -285,7 +286,7 @@ class TorchPagedBackend(AttentionBackend):
 
     def _attend_long(self, kv: torch.Tensor, q: torch.Tensor, chunk: LongChunk,
                      params: AttentionParams = DEFAULT_PARAMS) -> torch.Tensor:
-        keys = gather_blocks(kv, chunk.blocks[None])[:, 0, :chunk.num_keys]  # [2, num_keys, kvh, hd]
+        keys = gather_blocks(kv, chunk.blocks[None])[:, 0, :chunk.num_keys].to(q.dtype)  # [2, num_keys, kvh, hd]
         keys = keys.transpose(1, 2)[:, None]  # [2, 1, kv_heads, num_keys, head_dim]
         # 4-d inputs: with 3-d ones torch's CPU SDPA took its unfused math path (20x slower)
         out = attention(q.transpose(0, 1)[None], keys[0], keys[1], chunk.mask, params)  # [1, heads, n, hd]
@@ -335,7 +336,8 @@ def gather_blocks(kv: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 class TorchCpuBackend(TorchPagedBackend):
-    """The CPU backend, fp32. Short chunks (decode, verification) go to the native paged-
+    """The CPU backend: fp32 arithmetic over an fp32 or bf16 pool (`--kv-cache-dtype`; K/V are
+    rounded to bf16 as they are stored and widened as they are read). Short chunks (decode, verification) go to the native paged-
     attention kernel (workers/model/csrc/paged_attention.c), which reads K/V in place and computes
     a row alike in any batch; long chunks, and short ones where the kernel cannot be built,
     to torch's CPU SDPA over gathered blocks. SmolLM2 decoded 1.1-1.8x faster with the kernel
@@ -354,7 +356,7 @@ class TorchCpuBackend(TorchPagedBackend):
 
     def _attend_short(self, kv: torch.Tensor, q: torch.Tensor, group: ShortGroup,
                       params: AttentionParams = DEFAULT_PARAMS) -> torch.Tensor:
-        if self.kernel is None or kv.dtype != torch.float32 or q.dtype != torch.float32:
+        if self.kernel is None or kv.dtype not in self.kernel.SYMBOLS or q.dtype != torch.float32:
             return super()._attend_short(kv, q, group, params)
         num_seqs, q_max = group.rows.shape
         q_pad = q.view(num_seqs, 1, *q.shape[1:]) if group.is_identity else q[group.rows]

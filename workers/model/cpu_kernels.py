@@ -98,33 +98,40 @@ def build(name: str, extra_flags: tuple[str, ...] = ()) -> Path:
 
 
 class PagedAttentionKernel:
-    """workers/model/csrc/paged_attention.c's paged_attention_short, called with torch tensors."""
+    """workers/model/csrc/paged_attention.c's paged_attention_short (an fp32 pool) and
+    paged_attention_short_bf16 (a bfloat16 pool), called with torch tensors."""
+
+    SYMBOLS = {torch.float32: "paged_attention_short", torch.bfloat16: "paged_attention_short_bf16"}
+    """The entry point per pool dtype (the layer chain takes their addresses)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        fn = library.paged_attention_short
         ptr, i64p = ctypes.c_void_p, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, i64p, ptr, i64p, i64p, ptr, i64p, ctypes.c_float, ctypes.c_float,
-                       ctypes.c_int]
-        fn.restype = ctypes.c_int
-        self._fn, self.library = fn, library
+        self._fns = {}
+        for dtype, name in self.SYMBOLS.items():
+            fn = getattr(library, name)
+            fn.argtypes = [ptr, ptr, i64p, ptr, i64p, i64p, ptr, i64p, ctypes.c_float, ctypes.c_float,
+                           ctypes.c_int]
+            fn.restype = ctypes.c_int
+            self._fns[dtype] = fn
+        self.library = library
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor,
                  num_keys: torch.Tensor, num_rows: torch.Tensor, scale: float | None = None,
                  softcap: float = 0.0) -> torch.Tensor:
         """q [A, Qmax, heads, head_dim] fp32; kv [2, num_blocks, block_size, kv_heads, head_dim]
-        fp32; tables [A, Bmax] int64; mask [A, Qmax, Bmax * block_size] bool; num_keys,
+        fp32 or bf16 (widened as read: the bits the fp32 call gives on kv.float()); tables [A, Bmax] int64; mask [A, Qmax, Bmax * block_size] bool; num_keys,
         num_rows [A] int64 -> out like q (rows past num_rows[a] undefined). Scores are
         q . k * scale (default 1 / sqrt(head_dim)), soft-capped when softcap > 0."""
         num_seqs, q_max, heads, head_dim = q.shape
         _, num_blocks, block_size, kv_heads, kv_dim = kv.shape
-        assert kv_dim == head_dim and heads % kv_heads == 0 and q.dtype == kv.dtype == torch.float32
+        assert kv_dim == head_dim and heads % kv_heads == 0 and q.dtype == torch.float32 and kv.dtype in self._fns
         assert mask.shape == (num_seqs, q_max, tables.shape[1] * block_size)
         assert kv.is_contiguous(), "a pool layer is contiguous (a copy would cost the whole layer)"
         q, tables, mask, num_keys, num_rows = (t.contiguous() for t in (q, tables, mask, num_keys, num_rows))
         out = torch.empty_like(q)
         dims = np.array([num_seqs, q_max, heads, kv_heads, head_dim, block_size, tables.shape[1],
                          num_blocks], dtype=np.int64)  # (torch.tensor of 8 ints cost ~10 us a call)
-        status = self._fn(q.data_ptr(), kv.data_ptr(), tables.data_ptr(), mask.data_ptr(),
+        status = self._fns[kv.dtype](q.data_ptr(), kv.data_ptr(), tables.data_ptr(), mask.data_ptr(),
                           num_keys.data_ptr(), num_rows.data_ptr(), out.data_ptr(), dims.ctypes.data,
                           head_dim ** -0.5 if scale is None else scale, softcap,
                           torch.get_num_threads())

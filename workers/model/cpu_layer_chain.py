@@ -77,8 +77,8 @@ def _chain_library() -> ctypes.CDLL | None:
 class LayerChain:
     """One model's layers as `_Layer` records, ready for layer_chain.c."""
 
-    def __init__(self, model: DecoderModel, library: ctypes.CDLL, kernels: _Kernels) -> None:
-        self.model, self._fn, self._kernels = model, library.layer_chain, kernels
+    def __init__(self, model: DecoderModel, library: ctypes.CDLL, kernels: dict[torch.dtype, _Kernels]) -> None:
+        self.model, self._fn, self._kernels = model, library.layer_chain, kernels  # by pool dtype
         p = model.params
         self.linears: list[list[BlockLinear]] = []
         self._layers = (_Layer * len(model.layers))()
@@ -132,14 +132,16 @@ class LayerChain:
         blocks, ops, attention, library = block_kernels(), layer_ops(), paged_attention(), _chain_library()
         if blocks is None or ops is None or attention is None or library is None:
             return None
-        kernels = _Kernels()
-        for name, slot in (("quant_matmul_i8", 0), ("quant_matmul_i8_panels", 1), ("quant_matmul", 2)):
-            kernels.matmul[slot] = _address(blocks.library, name)
-        for field, name in (("rms_norm", "rms_norm_rows"), ("add_rms_norm", "add_rms_norm_rows"),
-                            ("rotary", "rotary_rows"), ("store_kv", "store_kv_rows"), ("act_mul", "act_mul_rows")):
-            setattr(kernels, field, _address(ops.library, name))
-        kernels.attention = _address(attention.library, "paged_attention_short")
-        return cls(model, library, kernels)
+        by_dtype = {}
+        for dtype, store in ((torch.float32, "store_kv_rows"), (torch.bfloat16, "store_kv_rows_bf16")):
+            kernels = by_dtype[dtype] = _Kernels()
+            for name, slot in (("quant_matmul_i8", 0), ("quant_matmul_i8_panels", 1), ("quant_matmul", 2)):
+                kernels.matmul[slot] = _address(blocks.library, name)
+            for field, name in (("rms_norm", "rms_norm_rows"), ("add_rms_norm", "add_rms_norm_rows"),
+                                ("rotary", "rotary_rows"), ("store_kv", store), ("act_mul", "act_mul_rows")):
+                setattr(kernels, field, _address(ops.library, name))
+            kernels.attention = _address(attention.library, attention.SYMBOLS[dtype])
+        return cls(model, library, by_dtype)
 
     def covers(self, backend: AttentionBackend, meta: AttentionMetadata, num_rows: int) -> bool:
         """Whether this step is one the chain computes: short chunks only (decode, speculative
@@ -198,7 +200,7 @@ class LayerChain:
             slots.data_ptr(), block_tables.data_ptr(), num_keys.data_ptr(), num_rows.data_ptr(), mask.data_ptr())
         kv0 = kv_layers[0]
         _, num_blocks, block_size, pool_kv_heads, pool_hd = kv0.shape
-        assert (pool_kv_heads, pool_hd) == (kv_heads, hd) and kv0.dtype == torch.float32
+        assert (pool_kv_heads, pool_hd) == (kv_heads, hd) and kv0.dtype in self._kernels
         step.block_size, step.max_blocks, step.num_blocks = block_size, block_tables.shape[1], num_blocks
         delta = self._buffer("delta", rows, x.shape[1])
         step.x, step.delta = x.data_ptr(), delta.data_ptr()
@@ -211,12 +213,13 @@ class LayerChain:
         paths = self._paths[rows]
         assert paths is not None, "run only what covers() accepted"
         for record, kv, layer_paths, linears in zip(self._layers, kv_layers, paths, self.linears):
-            assert kv.is_contiguous() and kv.shape == kv0.shape
+            assert kv.is_contiguous() and kv.shape == kv0.shape and kv.dtype == kv0.dtype
             record.kv = kv.data_ptr()
             for j, (path, lin) in enumerate(zip(layer_paths, linears)):
                 record.path[j] = KERNEL_PATHS[path]
                 lin.num_calls[path] += 1
-        status = self._fn(ctypes.byref(self._kernels), self._layers, len(self._layers), ctypes.byref(step))
+        status = self._fn(ctypes.byref(self._kernels[kv0.dtype]), self._layers, len(self._layers),
+                          ctypes.byref(step))
         if status == -1:
             raise MemoryError(f"layer chain: {_STATUS[-1]}")
         if status:

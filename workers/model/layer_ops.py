@@ -38,8 +38,10 @@ class LayerOps:
         library.act_mul_rows.argtypes = [ptr, ptr, i64, i64, i32, i32]
         for fn in (library.rms_norm_rows, library.add_rms_norm_rows, library.rotary_rows, library.act_mul_rows):
             fn.restype = None
-        library.store_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr]
-        library.store_kv_rows.restype = i32
+        for fn in (library.store_kv_rows, library.store_kv_rows_bf16):
+            fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr]
+            fn.restype = i32
+        self._store = {torch.float32: library.store_kv_rows, torch.bfloat16: library.store_kv_rows_bf16}
         self.library = library
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -95,9 +97,10 @@ class LayerOps:
     def store_kv(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
         """kv [2, num_blocks, block_size, kv_heads, head_dim] (one pool layer) gets k and v [T,
         kv_heads, head_dim] (token rows may be apart) at slots [T] (int64); False (nothing
-        written) for a layout it does not read. A slot outside the pool is a ValueError."""
+        written) for a layout it does not read. A bf16 pool gets each value rounded to nearest
+        (ties to even, as .to(torch.bfloat16)). A slot outside the pool is a ValueError."""
         f32 = torch.float32
-        if kv.dtype != f32 or k.dtype != f32 or v.dtype != f32 or slots.dtype != torch.int64 or k.dim() != 3:
+        if kv.dtype not in self._store or k.dtype != f32 or v.dtype != f32 or slots.dtype != torch.int64 or k.dim() != 3:
             return False
         _, num_blocks, block_size, kv_heads, head_dim = kv.shape
         rows = k.shape[0]
@@ -106,7 +109,7 @@ class LayerOps:
                 or not (kv.is_contiguous() and slots.is_contiguous()) or kv.device.type != "cpu":
             return False
         num_slots = num_blocks * block_size
-        if self.library.store_kv_rows(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
+        if self._store[kv.dtype](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
                                       rows, kv_heads * head_dim, num_slots, kv.data_ptr()):
             raise ValueError(f"a KV slot is outside the pool's {num_slots}")
         return True

@@ -18,9 +18,10 @@ typedef void (*add_rms_norm_fn)(const float *x, int64_t ldx, const float *d, int
                                 float *sum, float *out, int64_t rows, int64_t n, float eps, int num_threads);
 typedef void (*rotary_fn)(const float *x, int64_t ldx, const float *cos_t, const float *sin_t, float *out,
                           int64_t tokens, int64_t heads, int64_t dim, int64_t half, int num_threads);
+/* kv: the pool layer, fp32 or bf16: the caller passes the store and attention of its dtype */
 typedef int (*store_kv_fn)(const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots,
-                           int64_t rows, int64_t slot_values, int64_t num_slots, float *kv);
-typedef int (*attention_fn)(const float *q, const float *kv, const int64_t *tables, const uint8_t *mask,
+                           int64_t rows, int64_t slot_values, int64_t num_slots, void *kv);
+typedef int (*attention_fn)(const float *q, const void *kv, const int64_t *tables, const uint8_t *mask,
                             const int64_t *num_keys, const int64_t *num_rows, float *out, const int64_t *dims,
                             float scale, float softcap, int num_threads);
 typedef void (*act_mul_fn)(const float *x, float *out, int64_t rows, int64_t f, int act, int num_threads);
@@ -42,7 +43,7 @@ struct Layer {  /* fixed at load, except the paths (per step: they follow the ro
     int64_t type[4], out_features[4], in_features[4], path[4];
     const float *attn_norm, *ffn_norm;
     const float *qkv_bias, *out_bias;  /* NULL: none */
-    float *kv;  /* the layer's pool: [2, num_blocks, block_size, kv_heads, head_dim] */
+    void *kv;  /* the layer's pool: [2, num_blocks, block_size, kv_heads, head_dim], fp32 or bf16 */
     int64_t rotary;  /* which of the step's cos/sin tables */
     float scale, softcap;
 };

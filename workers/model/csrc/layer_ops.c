@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "exp_nonpositive.h"
 
 #define PARALLEL_VALUES 65536  /* fewer values than this: one thread */
@@ -111,6 +112,22 @@ int store_kv_rows(const float *k, int64_t ldk, const float *v, int64_t ldv, cons
     for (int64_t r = 0; r < rows; r++) {
         memcpy(kv + slots[r] * slot_values, k + r * ldk, sizeof(float) * slot_values);
         memcpy(values + slots[r] * slot_values, v + r * ldv, sizeof(float) * slot_values);
+    }
+    return 0;
+}
+
+/* store_kv_rows into a bfloat16 pool (--kv-cache-dtype bfloat16): each value rounded to
+ * nearest, ties to even, as torch's .to(torch.bfloat16). */
+int store_kv_rows_bf16(const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots,
+                       int64_t rows, int64_t slot_values, int64_t num_slots, uint16_t *kv) {
+    for (int64_t r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= num_slots) return -1;
+    uint16_t *values = kv + num_slots * slot_values;
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *restrict kd = kv + slots[r] * slot_values, *restrict vd = values + slots[r] * slot_values;
+        const float *restrict ks = k + r * ldk, *restrict vs = v + r * ldv;
+        for (int64_t j = 0; j < slot_values; j++) kd[j] = bf16_of_float(ks[j]);
+        for (int64_t j = 0; j < slot_values; j++) vd[j] = bf16_of_float(vs[j]);
     }
     return 0;
 }
