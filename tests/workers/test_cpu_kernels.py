@@ -3,6 +3,7 @@ invariance, and its build cache and fallback (workers/model/cpu_kernels.py). Eac
 test runs over an fp32 and a bf16 pool (--kv-cache-dtype: the bf16 pool has a loop of its own)."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import shutil
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from workers.model import cpu_kernels
+from workers.model.cpu_kernels import cpu_id
 from workers.model.attention import AttentionBatch, AttentionParams, TorchCpuBackend
 from workers.spec.tree import TreeLayout, verify_mask
 
@@ -277,3 +279,32 @@ def test_long_chunks_attend_causally_with_or_without_a_mask(window, softcap):
             chunk.mask = torch.ones(chunk.num_tokens, chunk.num_keys, dtype=torch.bool).tril()
     masked = backend.attend(kv, q, meta, AttentionParams(softcap=softcap))  # meta: windowed already
     assert torch.equal(got, masked)
+
+
+@pytest.mark.skipif("avx512f" not in cpu_id(), reason="this CPU has no AVX-512: its build is already the AVX2 one")
+def test_the_bf16_loop_gives_the_same_bits_on_avx2_cpus():
+    """With AVX-512 three query heads share each widened key (their sums in 32 registers); with
+    AVX2's 16 registers one head at a time: the same operations per (key, head) in the same
+    order, so a build for AVX2 CPUs (checked here) gives this machine's bits. Decodes, a
+    verification chunk, head_dim 64 and 24, KV groups of 3, 4 (3 + 1 heads a pass) and 4."""
+    other = cpu_kernels.PagedAttentionKernel(ctypes.CDLL(str(cpu_kernels.build("paged_attention", ("-mno-avx512f",)))))
+    for heads, kv_heads, head_dim in ((9, 3, 64), (8, 2, 24), (4, 1, 64)):
+        batch, kv, q = random_step([0, 37, 100, 9], [1, 4, 1, 16], heads, kv_heads, head_dim, seed=6)
+        kv16 = kv.bfloat16()
+        backend = TorchCpuBackend(batch.block_size)
+        want = backend.attend(kv16, q, backend.prepare(batch))
+        backend.kernel = other
+        assert torch.equal(backend.attend(kv16, q, backend.prepare(batch)), want), (heads, kv_heads, head_dim)
+
+
+def test_the_bf16_loop_without_avx2_agrees_with_the_torch_path():
+    """The plain-C widening (CPUs without AVX2): the compiler fuses another subset of its
+    multiply-adds there, so its last bits may differ from this machine's; its values do not."""
+    other = cpu_kernels.PagedAttentionKernel(ctypes.CDLL(str(cpu_kernels.build("paged_attention",
+                                                                               ("-mno-avx512f", "-mno-avx2")))))
+    batch, kv, q = random_step([0, 37, 100, 9], [1, 4, 1, 16], 8, 2, 24, seed=6)
+    kv16 = kv.bfloat16()
+    backend = TorchCpuBackend(batch.block_size)
+    backend.kernel = other
+    torch.testing.assert_close(backend.attend(kv16, q, backend.prepare(batch)),
+                               attend(batch, kv16, q, use_kernel=False), atol=2e-6, rtol=0)

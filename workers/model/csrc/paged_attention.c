@@ -24,6 +24,10 @@
 #include "bf16.h"
 #include "exp_nonpositive.h"
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 /* Sums run in 16 lanes kept as two 8-lane halves: GCC lowers a 64-byte vector type to one
  * register only with AVX-512; on AVX2 it spilled it through the stack at every step, which
  * made a decode step's attention 3-5x slower. The halves give the bits 16 lanes would. */
@@ -153,6 +157,9 @@ static __attribute__((noinline)) int attend_seq(const struct Shape *sh, int64_t 
 /* ---------------------------------------------------------------- the bf16 pool's loop */
 
 #define TILE 8  /* keys a pass handles together: one score lane each */
+#ifndef TILE_AHEAD
+#define TILE_AHEAD 4  /* keys prefetched ahead (longer distances measured slower) */
+#endif
 
 static inline v8 pair_sums(v8 a, v8 b, i8v even, i8v odd) {
     return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
@@ -170,92 +177,100 @@ static inline v8 sum8_lanes(const v8 *a) {
     return pair_sums(pair_sums(x01, x23, e2, o2), pair_sums(x45, x67, e2, o2), e3, o3);
 }
 
-/* n bf16 values widened to fp32 (exact: a shift) */
-static inline void widen(float *restrict out, const uint16_t *restrict h, int64_t n) {
-    typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
-    typedef uint32_t u32x8 __attribute__((vector_size(32)));
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        const u32x8 wide = __builtin_convertvector(*(const u16x8 *)(h + j), u32x8) << 16;
-        memcpy(out + j, &wide, sizeof wide);
-    }
-    for (; j < n; j++) out[j] = float_of_bf16(h[j]);
+#if defined(__AVX512F__)
+#define HB 3  /* query heads of one KV head computed together: HB x TILE accumulators, 32 registers */
+#else
+#define HB 1  /* 16 registers: one head at a time (the same bits) */
+#endif
+
+/* 8 bf16 values widened to fp32 (exact: a shift). With intrinsics: GCC compiled the same from
+ * vector extensions into half-width loads and inserts that took half the bf16 loop's time. */
+static inline v8 widen8(const uint16_t *p) {
+#if defined(__AVX2__)
+    const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    v8 out;
+    memcpy(&out, &wide, sizeof out);
+    return out;
+#else
+    v8 out;
+    for (int j = 0; j < 8; j++) out[j] = float_of_bf16(p[j]);
+    return out;
+#endif
 }
 
-/* Scores of one query vector q [d] against TILE key rows [d]: lane k = q . keys[k], each dot
- * summed in 8 lanes (j mod 8, in order), then across them in a fixed pairing, plus the products
- * past the last multiple of 8 in order. The keys' 8 sums advance together (8 independent
- * chains of FMAs, q's values loaded once for all 8). */
-static inline v8 dot_tile(const float *restrict q, const float *const *keys, int64_t d) {
-    v8 acc[TILE] = {{0}};
+/* Scores of nh (<= HB) query vectors q[g] [d] against TILE key rows [d]: lane k of scores[g] is
+ * q[g] . keys[k], each dot summed in 8 lanes (j mod 8, in order), then across them in a fixed
+ * pairing, plus the products past the last multiple of 8 in order. A key's 8 values are widened
+ * once for the nh heads; the TILE x nh sums advance together (independent chains of FMAs). */
+static inline __attribute__((always_inline)) void dot_tile(const float *const *q, int nh, const uint16_t *const *keys,
+                                                           int64_t d, v8 *scores) {
+    v8 acc[HB][TILE];
+    for (int g = 0; g < nh; g++)
+        for (int k = 0; k < TILE; k++) acc[g][k] = (v8){0};
     const int64_t d8 = d & ~(int64_t)7;
     for (int64_t j = 0; j < d8; j += 8) {
-        const v8 qj = *(const v8 *)(q + j);
-        for (int k = 0; k < TILE; k++) acc[k] += qj * *(const v8 *)(keys[k] + j);
-    }
-    v8 s = sum8_lanes(acc);
-    if (d8 < d)
+        v8 qj[HB];
+        for (int g = 0; g < nh; g++) qj[g] = *(const v8 *)(q[g] + j);
         for (int k = 0; k < TILE; k++) {
-            float tail = 0.0f;
-            for (int64_t j = d8; j < d; j++) tail += q[j] * keys[k][j];
-            s[k] += tail;
+            const v8 key = widen8(keys[k] + j);
+            for (int g = 0; g < nh; g++) acc[g][k] += qj[g] * key;
         }
-    return s;
+    }
+    for (int g = 0; g < nh; g++) {
+        scores[g] = sum8_lanes(acc[g]);
+        if (d8 < d)
+            for (int k = 0; k < TILE; k++) {
+                float tail = 0.0f;
+                for (int64_t j = d8; j < d; j++) tail += q[g][j] * float_of_bf16(keys[k][j]);
+                scores[g][k] += tail;
+            }
+    }
 }
 
-/* out [d] += p[k] * values[k] [d] for k < n, in that order for every value; 64 values of out at
- * a time stay in 8 registers over the keys (8 independent chains of FMAs). */
-static inline void add_scaled_tile(float *restrict out, const float *p, const float *const *values, int n,
-                                   int64_t d) {
+/* out[g] [d] += p[g][c] * values[c] [d] for c < n, in that order for every value, g < nh (<= HB):
+ * 64 values of each head's output stay in registers over the keys, each value row widened once
+ * for the nh heads. */
+static inline __attribute__((always_inline)) void add_scaled_tile(float *const *out, int nh, const float *const *p,
+                                                                  const uint16_t *const *values, int n, int64_t d) {
     int64_t j = 0;
     for (; j + 64 <= d; j += 64) {
-        v8 o[8];
-        for (int c = 0; c < 8; c++) o[c] = *(v8 *)(out + j + 8 * c);
-        for (int k = 0; k < n; k++) {
-            const float *v = values[k] + j;
-            for (int c = 0; c < 8; c++) o[c] += p[k] * *(const v8 *)(v + 8 * c);
+        v8 o[HB][8];
+        for (int g = 0; g < nh; g++)
+            for (int c = 0; c < 8; c++) o[g][c] = *(v8 *)(out[g] + j + 8 * c);
+        for (int k = 0; k < n; k++)
+            for (int c = 0; c < 8; c++) {
+                const v8 v = widen8(values[k] + j + 8 * c);
+                for (int g = 0; g < nh; g++) o[g][c] += p[g][k] * v;
+            }
+        for (int g = 0; g < nh; g++)
+            for (int c = 0; c < 8; c++) *(v8 *)(out[g] + j + 8 * c) = o[g][c];
+    }
+    for (; j + 8 <= d; j += 8)
+        for (int g = 0; g < nh; g++) {
+            v8 o = *(v8 *)(out[g] + j);
+            for (int k = 0; k < n; k++) o += p[g][k] * widen8(values[k] + j);
+            *(v8 *)(out[g] + j) = o;
         }
-        for (int c = 0; c < 8; c++) *(v8 *)(out + j + 8 * c) = o[c];
-    }
-    for (; j + 8 <= d; j += 8) {
-        v8 o = *(v8 *)(out + j);
-        for (int k = 0; k < n; k++) o += p[k] * *(const v8 *)(values[k] + j);
-        *(v8 *)(out + j) = o;
-    }
     for (; j < d; j++)
-        for (int k = 0; k < n; k++) out[j] += p[k] * values[k][j];
+        for (int g = 0; g < nh; g++)
+            for (int k = 0; k < n; k++) out[g][j] += p[g][k] * float_of_bf16(values[k][j]);
 }
 
-/* Rows of tile [t0, t0 + TILE) of K or V (base: the half's start) widened into buf, this
- * task's KV heads' values [span0, span0 + span) of each slot; keys past n point at zeros.
- * rows[k] + (g * d - span0) is KV head g's row. The next keys' lines are prefetched. */
-static inline void tile_rows(const float **rows, const uint16_t *base, const int64_t *slots, int64_t t0, int64_t n,
-                             int64_t span0, int64_t span, float *buf, const float *zeros) {
-    for (int k = 0; k < TILE; k++) {
-        if (t0 + k + AHEAD < n) prefetch_span(base + slots[t0 + k + AHEAD] + span0, span * 2);
-        if (t0 + k < n) {
-            widen(buf + k * span, base + slots[t0 + k] + span0, span);
-            rows[k] = buf + k * span;
-        } else {
-            rows[k] = zeros;
-        }
-    }
-}
-
-/* The bf16 pool's loop: as attend_seq, TILE keys at a time.
- * probs: [num_rows, heads, num_keys] scratch, slots: [num_keys], cursor: [num_rows],
- * buf: [TILE, span] and zeros: [span] (span: this task's KV heads' values of a slot).
+/* The bf16 pool's loop: as attend_seq, TILE keys at a time, the query heads of a KV head HB at a
+ * time. probs: [num_rows, heads, num_keys] scratch, slots: [num_keys], cursor: [num_rows],
+ * zeros: [head_dim] (the rows of keys past the last, in the last tile).
  *
  *   pass 1: for each tile of TILE keys (in order), for each row: its scores per head for the
  *           tile (one vector), those of the keys the row sees packed in key order
  *   pass 2: each (row, head) softmax over its visible keys
  *   pass 3: for each tile of keys (in order), for each row: out += p * V[t] for the keys it
  *           sees, in key order
- * A row's bits depend on its visible keys only, not on where the tiles fall. */
+ * A row's bits depend on its visible keys only, not on where the tiles fall or which heads
+ * share a pass. */
 static inline __attribute__((always_inline)) int attend_tiles(
         const struct Shape *sh, int64_t a, int64_t h0, int64_t h1, const float *q, const uint16_t *kv,
         const int64_t *tables, const uint8_t *mask, int64_t num_keys, int64_t num_rows, float *out,
-        float *probs, int64_t *slots, int64_t *cursor, float *buf, const float *zeros, int64_t fixed_d) {
+        float *probs, int64_t *slots, int64_t *cursor, const uint16_t *zeros, int64_t fixed_d) {
     /* fixed_d: head_dim as a constant where it is a common one (the compiler unrolls over it) */
     const int64_t group = sh->heads / sh->kv_heads, d = fixed_d ? fixed_d : sh->head_dim;
     const int64_t slot_size = sh->kv_heads * d;
@@ -269,27 +284,37 @@ static inline __attribute__((always_inline)) int attend_tiles(
             slots[t] = (block_id * sh->block_size + i) * slot_size;
     }
     memset(cursor, 0, sizeof(int64_t) * num_rows);
-    const int64_t span0 = (h0 / group) * d, span = ((h1 - 1) / group + 1) * d - span0;
-    const float *rows[TILE], *head_rows[TILE];
-    for (int k = 0; k < AHEAD && k < num_keys; k++) prefetch_span(kv + slots[k] + span0, span * 2);
+    const int64_t g0 = h0 / group, g1 = (h1 - 1) / group + 1;  /* this task's KV heads */
+    const int64_t span0 = g0 * d, span_bytes = (g1 - g0) * d * 2;
+    for (int k = 0; k < TILE_AHEAD && k < num_keys; k++) prefetch_span(kv + slots[k] + span0, span_bytes);
     for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
-        tile_rows(rows, kv, slots, t0, num_keys, span0, span, buf, zeros);
+        for (int k = 0; k < TILE && t0 + k + TILE_AHEAD < num_keys; k++)
+            prefetch_span(kv + slots[t0 + k + TILE_AHEAD] + span0, span_bytes);
         for (int64_t i = 0; i < num_rows; i++) {
             const uint8_t *sees = seq_mask + i * mask_keys + t0;
             int64_t seen = 0;
             for (int k = 0; k < TILE && t0 + k < num_keys; k++) seen += sees[k] != 0;
             if (!seen) continue;
             const float *qi = q + (a * sh->q_max + i) * sh->heads * d;
-            for (int k = 0; k < TILE; k++) head_rows[k] = rows[k] + ((h0 / group) * d - span0);
-            for (int64_t h = h0; h < h1; h++) {
-                if (h > h0 && h % group == 0)  /* the next KV head (a division per group, not per head) */
-                    for (int k = 0; k < TILE; k++) head_rows[k] += d;
-                const v8 scores = dot_tile(qi + h * d, head_rows, d);
-                float *pi = probs + (i * sh->heads + h) * num_keys + cursor[i];
-                for (int k = 0, c = 0; k < TILE && t0 + k < num_keys; k++) {
-                    if (!sees[k]) continue;
-                    const float s = scores[k] * sh->scale;
-                    pi[c++] = sh->softcap > 0.0f ? sh->softcap * tanhf(s / sh->softcap) : s;
+            for (int64_t g = g0; g < g1; g++) {
+                const uint16_t *keys[TILE];
+                for (int k = 0; k < TILE; k++) keys[k] = t0 + k < num_keys ? kv + slots[t0 + k] + g * d : zeros;
+                const int64_t last = h1 < (g + 1) * group ? h1 : (g + 1) * group;
+                for (int64_t h = h0 > g * group ? h0 : g * group; h < last; h += HB) {
+                    const int nh = last - h < HB ? (int)(last - h) : HB;
+                    const float *qh[HB];
+                    v8 scores[HB];
+                    for (int j = 0; j < nh; j++) qh[j] = qi + (h + j) * d;
+                    if (nh == HB) dot_tile(qh, HB, keys, d, scores);  /* (a constant count: registers) */
+                    else dot_tile(qh, nh, keys, d, scores);
+                    for (int j = 0; j < nh; j++) {
+                        float *pi = probs + (i * sh->heads + h + j) * num_keys + cursor[i];
+                        for (int k = 0, c = 0; k < TILE && t0 + k < num_keys; k++) {
+                            if (!sees[k]) continue;
+                            const float s = scores[j][k] * sh->scale;
+                            pi[c++] = sh->softcap > 0.0f ? sh->softcap * tanhf(s / sh->softcap) : s;
+                        }
+                    }
                 }
             }
             cursor[i] += seen;
@@ -302,23 +327,33 @@ static inline __attribute__((always_inline)) int attend_tiles(
             if (cursor[i] > 0) softmax(probs + (i * sh->heads + h) * num_keys, cursor[i]);
         cursor[i] = 0;
     }
-    for (int k = 0; k < AHEAD && k < num_keys; k++) prefetch_span(values + slots[k] + span0, span * 2);
+    for (int k = 0; k < TILE_AHEAD && k < num_keys; k++) prefetch_span(values + slots[k] + span0, span_bytes);
     for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
-        tile_rows(rows, values, slots, t0, num_keys, span0, span, buf, zeros);
+        for (int k = 0; k < TILE && t0 + k + TILE_AHEAD < num_keys; k++)
+            prefetch_span(values + slots[t0 + k + TILE_AHEAD] + span0, span_bytes);
         for (int64_t i = 0; i < num_rows; i++) {
             const uint8_t *sees = seq_mask + i * mask_keys + t0;
             int n = 0;
-            const float *seen_rows[TILE];
             int seen_keys[TILE];
             for (int k = 0; k < TILE && t0 + k < num_keys; k++)
                 if (sees[k]) seen_keys[n++] = k;
             if (!n) continue;
             float *oi = out + (a * sh->q_max + i) * sh->heads * d;
-            for (int c = 0; c < n; c++) seen_rows[c] = rows[seen_keys[c]] + ((h0 / group) * d - span0);
-            for (int64_t h = h0; h < h1; h++) {
-                if (h > h0 && h % group == 0)
-                    for (int c = 0; c < n; c++) seen_rows[c] += d;
-                add_scaled_tile(oi + h * d, probs + (i * sh->heads + h) * num_keys + cursor[i], seen_rows, n, d);
+            for (int64_t g = g0; g < g1; g++) {
+                const uint16_t *rows[TILE];
+                for (int c = 0; c < n; c++) rows[c] = values + slots[t0 + seen_keys[c]] + g * d;
+                const int64_t last = h1 < (g + 1) * group ? h1 : (g + 1) * group;
+                for (int64_t h = h0 > g * group ? h0 : g * group; h < last; h += HB) {
+                    const int nh = last - h < HB ? (int)(last - h) : HB;
+                    float *oh[HB];
+                    const float *ph[HB];
+                    for (int j = 0; j < nh; j++) {
+                        oh[j] = oi + (h + j) * d;
+                        ph[j] = probs + (i * sh->heads + h + j) * num_keys + cursor[i];
+                    }
+                    if (nh == HB) add_scaled_tile(oh, HB, ph, rows, n, d);
+                    else add_scaled_tile(oh, nh, ph, rows, n, d);
+                }
             }
             cursor[i] += n;
         }
@@ -330,10 +365,10 @@ static __attribute__((noinline)) int attend_bf16(
         const struct Shape *sh, int64_t a, int64_t h0, int64_t h1, const float *q, const uint16_t *kv,
         const int64_t *tables, const uint8_t *mask, int64_t keys, int64_t rows, float *out, float *probs,
         int64_t *slots) {
-    float *buf = probs + rows * sh->heads * keys, *zeros = buf + TILE * sh->kv_heads * sh->head_dim;
-    memset(zeros, 0, sizeof(float) * sh->kv_heads * sh->head_dim);
+    uint16_t *zeros = (uint16_t *)(probs + rows * sh->heads * keys);
+    memset(zeros, 0, sizeof(uint16_t) * sh->head_dim);
 #define TILES(D) attend_tiles(sh, a, h0, h1, q, kv, tables, mask, keys, rows, out, probs, slots, slots + keys, \
-                              buf, zeros, D)
+                              zeros, D)
     return sh->head_dim == 64 ? TILES(64) : sh->head_dim == 128 ? TILES(128) : TILES(0);
 #undef TILES
 }
@@ -352,7 +387,7 @@ static int attend_short(const float *q, const void *kv, const int64_t *tables, c
     /* fewer sequences than threads: split each by KV head so every thread has work */
     const int64_t splits = sh.num_seqs < num_threads ? sh.kv_heads : 1;
     const int64_t heads_per_split = sh.heads / splits;
-    const int64_t tile_floats = bf16 ? (TILE + 1) * sh.kv_heads * sh.head_dim : 0;  /* buf, zeros */
+    const int64_t tile_floats = bf16 ? sh.head_dim : 0;  /* zeros (bf16: half of it) */
     int status = 0;
     #pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(min:status)
     for (int64_t task = 0; task < sh.num_seqs * splits; task++) {
