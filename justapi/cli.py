@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from justapi.config.sections import WEIGHT_MODES
+from justapi.config.sections import KV_CACHE_DTYPES, WEIGHT_MODES
 from justapi.sampling import SamplingParams
 
 
@@ -41,9 +41,11 @@ def main() -> None:
                    "AVX2 and on GPUs; see docs/quantization.md), dequantize at load (fp32, or "
                    "bf16 matmuls on CPUs that have them) or keep 4-bit planes for the int4 "
                    "kernels (q4).")
+@click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(list(KV_CACHE_DTYPES)),
+              help="As justapi serve's: auto (bfloat16) or float32 (the exact cache, CPU only).")
 def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p: float,
              top_k: int, seed: int | None, chat: bool, as_json: bool, device: str,
-             ignore_eos: bool, weights: str) -> None:
+             ignore_eos: bool, weights: str, kv_cache_dtype: str) -> None:
     """Generate a continuation of PROMPT with the in-process engine."""
     try:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -51,7 +53,7 @@ def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p
         from workers.engine import LLMEngine  # the one place the CLI reaches the data plane
 
         engine = LLMEngine(model, device=device, max_seqs=1, seed=seed, progress=not as_json,
-                           weights=weights)
+                           weights=weights, kv_cache_dtype=kv_cache_dtype)
         text = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
         output = engine.generate([text], sampling)[0]
         engine.close()

@@ -72,9 +72,14 @@ class LLMEngine:
                  max_batched_tokens: int = 2048, max_context: int = 0,
                  seed: int | None = None, progress: bool = True, weights: str = "fp32",
                  speculative: SpecConfig | None = None, cuda_graphs: bool = True,
-                 kv_cache_dtype: str = "auto") -> None:
-        """kv_cache_dtype: as `justapi serve --kv-cache-dtype` (auto, float32, bfloat16)."""
+                 kv_cache_dtype: str | None = None) -> None:
+        """kv_cache_dtype: as `justapi serve --kv-cache-dtype` (auto = bfloat16, float32,
+        bfloat16). None: the compute dtype (fp32 on CPU, bf16 on GPUs). Like `weights`, the
+        default is not serve's: the model tests compare this engine's logits with independent
+        implementations, and fp32 is the exact reference there."""
         kind = torch.device(device).type
+        if kv_cache_dtype is None:
+            kv_cache_dtype = "float32" if kind == "cpu" else "bfloat16"
         cache = CacheConfig(kv_cache_dtype=kv_cache_dtype)  # an unknown name: ConfigError (a ValueError)
         if kind == "cuda" and kv_cache_dtype == "float32":
             raise ValueError("kv_cache_dtype float32 is CPU only (GPU engines attend in bf16)")

@@ -40,16 +40,15 @@ class CacheConfig:
         True, "Share the cached KV blocks of identical prompt prefixes between requests "
               "(radix tree).", decls=("--prefix-cache/--no-prefix-cache",))
     kv_cache_dtype: str = option(
-        "auto", "KV cache element type. auto: float32 on CPU, bfloat16 on CUDA (the compute "
-                "dtype). bfloat16 on CPU halves the pool's memory (twice the blocks) and the "
-                "bytes attention reads; K/V are rounded to bf16 as they are stored "
-                "(docs/runtime.md). float32 is CPU only.", choices=KV_CACHE_DTYPES)
+        "auto", "KV cache element type. auto: bfloat16 (as llama-server's f16 cache and vLLM's "
+                "bf16 default). A bf16 CPU pool holds twice the blocks of an fp32 one in the same "
+                "memory and its attention reads half the bytes; K/V are rounded to bf16 as they "
+                "are stored (docs/runtime.md). float32: the exact cache, CPU only.",
+        choices=KV_CACHE_DTYPES)
 
     def pool_dtype(self, device: str) -> str:
         """The pool's dtype name (workers/kv/pool.py) for workers on `device` ("cpu", "cuda")."""
-        if self.kv_cache_dtype == "auto":
-            return "float32" if device == "cpu" else "bfloat16"
-        return self.kv_cache_dtype
+        return "bfloat16" if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def __post_init__(self) -> None:
         check_number(self.block_size, "block-size", low=1, integer=True)

@@ -19,6 +19,7 @@ from justapi.config.serve import API_KEY_ENV, ServeConfig, build_config, load_to
 from justapi.launch import discovery
 from justapi.launch.child import StopFlag
 from justapi.launch.launcher import Deployment, Launcher, LaunchError
+from justapi.launch.shm_pool import DTYPE_BYTES
 from justapi.model.check import check_draft_model, check_model_file
 from justapi.model.gguf_file import GGUFError, GGUFFile
 from justapi.model.info import ModelInfo, model_sampling_defaults, resolve_model
@@ -108,8 +109,10 @@ def banner(config: ServeConfig, deployment: Deployment,
     if pool.get("kind") == "hosts":  # --launcher ray: a pool per host
         pool_text = "; ".join(_host_text(row) for row in pool["hosts"])
     elif pool:
+        dtype = pool.get("dtype", "float32")
+        per_token = m.kv_bytes_per_token(DTYPE_BYTES[dtype])
         pool_text = (f"{pool['num_blocks']} blocks x {pool['block_size']} tokens, "
-                     f"{pool['num_blocks'] * m.kv_bytes_per_token() * pool['block_size'] / 2**20:.0f} MiB"
+                     f"{pool['num_blocks'] * per_token * pool['block_size'] / 2**20:.0f} MiB {dtype}"
                      " shared by the CPU workers")
     else:
         pool_text = "one pool per GPU worker (sized on the device)"

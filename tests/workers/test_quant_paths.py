@@ -150,7 +150,8 @@ def test_served_worker_runs_the_weights_it_was_given(tiny_gguf, mode):
     prompt = [10, 11, 12, 13, 14, 15]
     expected = {}
     for mode_run in ("fp32", mode):
-        engine = LLMEngine(path, weights=mode_run, progress=False, num_blocks=32)
+        engine = LLMEngine(path, weights=mode_run, progress=False, num_blocks=32,
+                           kv_cache_dtype="auto")  # serve's default cache (bf16)
         plan = StepPlan.build(1, [("a", 0, prompt, list(range(4)), True)],
                               [NewRequest("a", GREEDY, len(prompt), np.asarray(prompt, np.int32))])
         expected[mode_run] = torch.log_softmax(engine.runner.forward_logits(plan)[0], -1).max().item()

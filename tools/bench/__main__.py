@@ -26,6 +26,7 @@ SCENARIOS = {
     "soak": "many requests with disconnects and aborts; nothing may leak",
     "tokenizer": "tokenizer, detokenizer and chat template speed",
     "step-parts": "where an in-process decode step's time goes, part by part (matmuls, attention, ...)",
+    "attention": "the CPU decode attention kernel over an fp32 and a bf16 KV pool, in turns",
     "timeline": "where a served step's time goes (per-process timelines); serving vs offline",
     "structured": "structured outputs: constrained vs free decoding, grammar compile times",
 }

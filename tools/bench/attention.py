@@ -1,0 +1,77 @@
+"""The CPU decode attention kernel over an fp32 and a bf16 KV pool, in turns.
+
+    python -m tools.bench attention --shapes 16x600,1x1000,64x100 --layers 30
+
+Per shape (sequences x keys, SmolLM2's heads by default) each pool dtype gets `--layers` pools
+of its own, filled at random and with the sequences' blocks scattered as a running server's
+would be, and one call per layer is timed, the dtypes taking turns round by round: so the K/V
+come from memory as inside a step (a layer's pool is out of the caches by the time it is read
+again), not from a cache that one repeated call would warm. Prints the median ms per layer
+call per dtype and their ratio. Owns: the harness. Does not own: the kernel
+(workers/model/csrc/paged_attention.c).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from workers.model.attention import AttentionBatch, TorchCpuBackend
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def layer_times(seqs: int, keys: int, dtypes: list[str], layers: int, rounds: int, heads: int, kv_heads: int,
+                head_dim: int, block_size: int = 16, seed: int = 0) -> dict[str, float]:
+    """Median seconds of one layer's decode attention call per pool dtype."""
+    rng = np.random.default_rng(seed)
+    blocks = -(-(keys + 1) // block_size)
+    num_blocks = seqs * blocks + 4
+    block_ids = rng.permutation(num_blocks)[:seqs * blocks]
+    batch = AttentionBatch(np.full(seqs, keys), np.ones(seqs, dtype=np.int64), np.full(seqs, blocks), block_ids,
+                           block_size)
+    backend = TorchCpuBackend(block_size)
+    if backend.kernel is None:
+        raise SystemExit("the CPU attention kernel did not build here (see the warning above)")
+    meta = backend.prepare(batch)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(seqs, heads, head_dim, generator=gen)
+    pools = {name: [torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(DTYPES[name])
+                    for _ in range(layers)] for name in dtypes}
+    times: dict[str, list[float]] = {name: [] for name in dtypes}
+    with torch.inference_mode():
+        for _ in range(rounds + 1):  # the first round warms up
+            for name in dtypes:
+                start = time.perf_counter()
+                for kv in pools[name]:
+                    backend.attend(kv, q, meta)
+                times[name].append((time.perf_counter() - start) / layers)
+    return {name: statistics.median(values[1:]) for name, values in times.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench attention", description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="1x1000,4x300,16x200,16x600,64x100",
+                        help="sequences x keys, comma-separated")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--heads", default="9,3,64", help="query heads, KV heads, head_dim (SmolLM2's)")
+    args = parser.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    heads, kv_heads, head_dim = (int(v) for v in args.heads.split(","))
+    print(f"torch threads {torch.get_num_threads()}; heads {heads}, KV heads {kv_heads}, head_dim {head_dim}; "
+          f"median ms per layer call over {args.rounds} rounds of {args.layers} layers, dtypes in turns")
+    for shape in args.shapes.split(","):
+        seqs, keys = (int(v) for v in shape.split("x"))
+        median = layer_times(seqs, keys, dtypes, args.layers, args.rounds, heads, kv_heads, head_dim)
+        figures = "  ".join(f"{name} {median[name] * 1e3:7.3f}" for name in dtypes)
+        ratio = f"  {dtypes[0]}/{dtypes[-1]} {median[dtypes[0]] / median[dtypes[-1]]:.2f}x" if len(dtypes) > 1 else ""
+        print(f"{shape:>9}: {figures}{ratio}")
+
+
+if __name__ == "__main__":
+    main()
