@@ -10,8 +10,8 @@
  *   - bf16 pool, TILE keys at a time (attend_tiles): each 8 values of a K or V row are widened
  *     in registers once for up to HB query heads of their KV head, 8 dot products are summed
  *     across lanes together (sum8_lanes) and 64 values of each head's output stay in registers
- *     over the tile's keys. Half the bytes and ~1.5x less arithmetic a (key, head): at 16 x
- *     600 keys 0.51 ms a layer against the fp32 pool's 0.72 (Zen 4, 2 threads). The tiled
+ *     over the tile's keys. Half the bytes and ~1.5x less arithmetic a (key, head): 1.1-1.5x
+ *     less time a layer than the fp32 pool's (`python -m tools.bench attention`). The tiled
  *     loop over an fp32 pool read memory 30-40% slower than the key-by-key one, so fp32 keeps
  *     it.
  * Compiled on first use by workers/model/cpu_kernels.py; layout in its docstring.
