@@ -107,7 +107,8 @@ def test_over_a_bf16_pool_the_chain_gives_the_loops_bits(tiny_gguf, monkeypatch)
         assert pool.tensor.dtype == dtype and pool.tensor[:, :, :12].abs().sum() > 0  # K/V were stored
         pool.close()
     assert runs == [3, 6, 6, 3, 6] * 2
-    (hidden_chain, tokens_chain), (hidden_loop, tokens_loop) = results[True, torch.bfloat16], results[False, torch.bfloat16]
+    hidden_chain, tokens_chain = results[True, torch.bfloat16]
+    hidden_loop, tokens_loop = results[False, torch.bfloat16]
     assert tokens_chain == tokens_loop
     for got, want in zip(hidden_chain, hidden_loop):
         assert torch.equal(got, want)

@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
                        progress=False, weights=args.weights, kv_cache_dtype=args.kv_cache_dtype)
     timers = Timers()
     instrument(engine, timers)
-    print(f"weights {args.weights}, KV {engine.pool.tensor.dtype}, torch threads {torch.get_num_threads()}, prompts of {args.prompt_tokens} "
+    print(f"weights {args.weights}, KV {engine.pool.tensor.dtype}, torch threads {torch.get_num_threads()}, "
+          f"prompts of {args.prompt_tokens} "
           f"tokens, median of {args.steps - 2} decode steps; ms per step (calls per step)")
     with torch.inference_mode():
         for batch in batches:

@@ -337,11 +337,11 @@ def gather_blocks(kv: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 class TorchCpuBackend(TorchPagedBackend):
     """The CPU backend: fp32 arithmetic over an fp32 or bf16 pool (`--kv-cache-dtype`; K/V are
-    rounded to bf16 as they are stored and widened as they are read). Short chunks (decode, verification) go to the native paged-
-    attention kernel (workers/model/csrc/paged_attention.c), which reads K/V in place and computes
-    a row alike in any batch; long chunks, and short ones where the kernel cannot be built,
-    to torch's CPU SDPA over gathered blocks. SmolLM2 decoded 1.1-1.8x faster with the kernel
-    (more at longer contexts: docs/runtime.md)."""
+    rounded to bf16 as they are stored and widened as they are read). Short chunks (decode,
+    verification) go to the native paged-attention kernel (workers/model/csrc/paged_attention.c),
+    which reads K/V in place and computes a row alike in any batch; long chunks, and short ones
+    where the kernel cannot be built, to torch's CPU SDPA over gathered blocks. SmolLM2 decoded
+    1.1-1.8x faster with the kernel (more at longer contexts: docs/runtime.md)."""
 
     def __init__(self, block_size: int, chunk_bytes: int | None = CPU_CHUNK_BYTES,
                  use_kernel: bool = True) -> None:

@@ -119,8 +119,9 @@ class PagedAttentionKernel:
                  num_keys: torch.Tensor, num_rows: torch.Tensor, scale: float | None = None,
                  softcap: float = 0.0) -> torch.Tensor:
         """q [A, Qmax, heads, head_dim] fp32; kv [2, num_blocks, block_size, kv_heads, head_dim]
-        fp32 or bf16 (widened as read: the bits the fp32 call gives on kv.float()); tables [A, Bmax] int64; mask [A, Qmax, Bmax * block_size] bool; num_keys,
-        num_rows [A] int64 -> out like q (rows past num_rows[a] undefined). Scores are
+        fp32 or bf16 (widened exactly as it is read; the bf16 loop sums in its own fixed order);
+        tables [A, Bmax] int64; mask [A, Qmax, Bmax * block_size] bool; num_keys, num_rows [A]
+        int64 -> out like q (rows past num_rows[a] undefined). Scores are
         q . k * scale (default 1 / sqrt(head_dim)), soft-capped when softcap > 0."""
         num_seqs, q_max, heads, head_dim = q.shape
         _, num_blocks, block_size, kv_heads, kv_dim = kv.shape

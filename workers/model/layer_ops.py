@@ -100,7 +100,8 @@ class LayerOps:
         written) for a layout it does not read. A bf16 pool gets each value rounded to nearest
         (ties to even, as .to(torch.bfloat16)). A slot outside the pool is a ValueError."""
         f32 = torch.float32
-        if kv.dtype not in self._store or k.dtype != f32 or v.dtype != f32 or slots.dtype != torch.int64 or k.dim() != 3:
+        if kv.dtype not in self._store or k.dtype != f32 or v.dtype != f32 or slots.dtype != torch.int64 \
+                or k.dim() != 3:
             return False
         _, num_blocks, block_size, kv_heads, head_dim = kv.shape
         rows = k.shape[0]
