@@ -257,6 +257,13 @@ static inline __attribute__((always_inline)) void add_scaled_tile(float *const *
             for (int k = 0; k < n; k++) out[g][j] += p[g][k] * float_of_bf16(values[k][j]);
 }
 
+/* Keys [t, t + count) (those below num_keys) of a pool half, this task's bytes of each slot
+ * [span0, span0 + span_bytes / 2), ahead of their use. */
+static inline void prefetch_keys(const uint16_t *half, const int64_t *slots, int64_t t, int64_t count,
+                                 int64_t num_keys, int64_t span0, int64_t span_bytes) {
+    for (int64_t k = t; k < t + count && k < num_keys; k++) prefetch_span(half + slots[k] + span0, span_bytes);
+}
+
 /* The bf16 pool's loop: as attend_seq, TILE keys at a time, the query heads of a KV head HB at a
  * time. probs: [num_rows, heads, num_keys] scratch, slots: [num_keys], cursor: [num_rows],
  * zeros: [head_dim] (the rows of keys past the last, in the last tile).
@@ -287,10 +294,9 @@ static inline __attribute__((always_inline)) int attend_tiles(
     memset(cursor, 0, sizeof(int64_t) * num_rows);
     const int64_t g0 = h0 / group, g1 = (h1 - 1) / group + 1;  /* this task's KV heads */
     const int64_t span0 = g0 * d, span_bytes = (g1 - g0) * d * 2;
-    for (int k = 0; k < TILE_AHEAD && k < num_keys; k++) prefetch_span(kv + slots[k] + span0, span_bytes);
+    prefetch_keys(kv, slots, 0, TILE_AHEAD, num_keys, span0, span_bytes);
     for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
-        for (int k = 0; k < TILE && t0 + k + TILE_AHEAD < num_keys; k++)
-            prefetch_span(kv + slots[t0 + k + TILE_AHEAD] + span0, span_bytes);
+        prefetch_keys(kv, slots, t0 + TILE_AHEAD, TILE, num_keys, span0, span_bytes);
         for (int64_t i = 0; i < num_rows; i++) {
             const uint8_t *sees = seq_mask + i * mask_keys + t0;
             int64_t seen = 0;
@@ -328,10 +334,9 @@ static inline __attribute__((always_inline)) int attend_tiles(
             if (cursor[i] > 0) softmax(probs + (i * sh->heads + h) * num_keys, cursor[i]);
         cursor[i] = 0;
     }
-    for (int k = 0; k < TILE_AHEAD && k < num_keys; k++) prefetch_span(values + slots[k] + span0, span_bytes);
+    prefetch_keys(values, slots, 0, TILE_AHEAD, num_keys, span0, span_bytes);
     for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
-        for (int k = 0; k < TILE && t0 + k + TILE_AHEAD < num_keys; k++)
-            prefetch_span(values + slots[t0 + k + TILE_AHEAD] + span0, span_bytes);
+        prefetch_keys(values, slots, t0 + TILE_AHEAD, TILE, num_keys, span0, span_bytes);
         for (int64_t i = 0; i < num_rows; i++) {
             const uint8_t *sees = seq_mask + i * mask_keys + t0;
             int n = 0;
