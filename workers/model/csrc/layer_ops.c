@@ -104,10 +104,15 @@ void act_mul_rows(const float *x, float *out, int64_t rows, int64_t f, int act, 
 /* The step's new K and V into their pool slots: kv [2, num_slots, slot_values] (K half, then
  * V half); k, v rows of slot_values values, ldk / ldv apart. Returns 0, or -1 (nothing
  * written) where a slot is outside the pool. */
+static int slots_in_pool(const int64_t *slots, int64_t rows, int64_t num_slots) {
+    for (int64_t r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= num_slots) return 0;
+    return 1;
+}
+
 int store_kv_rows(const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots,
                   int64_t rows, int64_t slot_values, int64_t num_slots, float *kv) {
-    for (int64_t r = 0; r < rows; r++)
-        if (slots[r] < 0 || slots[r] >= num_slots) return -1;
+    if (!slots_in_pool(slots, rows, num_slots)) return -1;
     float *values = kv + num_slots * slot_values;
     for (int64_t r = 0; r < rows; r++) {
         memcpy(kv + slots[r] * slot_values, k + r * ldk, sizeof(float) * slot_values);
@@ -120,8 +125,7 @@ int store_kv_rows(const float *k, int64_t ldk, const float *v, int64_t ldv, cons
  * nearest, ties to even, as torch's .to(torch.bfloat16). */
 int store_kv_rows_bf16(const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots,
                        int64_t rows, int64_t slot_values, int64_t num_slots, uint16_t *kv) {
-    for (int64_t r = 0; r < rows; r++)
-        if (slots[r] < 0 || slots[r] >= num_slots) return -1;
+    if (!slots_in_pool(slots, rows, num_slots)) return -1;
     uint16_t *values = kv + num_slots * slot_values;
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *restrict kd = kv + slots[r] * slot_values, *restrict vd = values + slots[r] * slot_values;

@@ -93,6 +93,33 @@ struct Shape {
     float softcap;  /* > 0: scores s become softcap * tanh(s / softcap) (Gemma 2) */
 };
 
+/* slots[t]: where key t of sequence a lies in a pool half (in values), t < num_keys; BAD_BLOCK
+ * (nothing read) where its table names a block outside the pool. */
+static int seq_slots(const struct Shape *sh, int64_t a, const int64_t *tables, int64_t num_keys, int64_t *slots) {
+    const int64_t slot_size = sh->kv_heads * sh->head_dim;
+    for (int64_t b = 0, t = 0; t < num_keys; b++) {
+        const int64_t block_id = tables[a * sh->max_blocks + b];
+        if (block_id < 0 || block_id >= sh->num_blocks) return BAD_BLOCK;
+        for (int64_t i = 0; i < sh->block_size && t < num_keys; i++, t++)
+            slots[t] = (block_id * sh->block_size + i) * slot_size;
+    }
+    return 0;
+}
+
+/* Pass 2 of both loops: heads [h0, h1) of each row's output zeroed, each (row, head)'s packed
+ * scores turned into probabilities, the rows' cursors back to 0 for pass 3. */
+static void softmax_rows(const struct Shape *sh, int64_t a, int64_t h0, int64_t h1, int64_t num_rows,
+                         int64_t num_keys, float *out, float *probs, int64_t *cursor) {
+    const int64_t d = sh->head_dim;
+    for (int64_t i = 0; i < num_rows; i++) {
+        float *oi = out + (a * sh->q_max + i) * sh->heads * d;
+        memset(oi + h0 * d, 0, sizeof(float) * (h1 - h0) * d);
+        for (int64_t h = h0; h < h1; h++)
+            if (cursor[i] > 0) softmax(probs + (i * sh->heads + h) * num_keys, cursor[i]);
+        cursor[i] = 0;
+    }
+}
+
 /* The fp32 pool's loop. One sequence, query heads [h0, h1): rows [0, num_rows) of q/out, keys [0, num_keys).
  * probs: [num_rows, heads, num_keys] scratch, slots: [num_keys], cursor: [num_rows].
  *
@@ -109,11 +136,7 @@ static __attribute__((noinline)) int attend_seq(const struct Shape *sh, int64_t 
     const float *values = kv + sh->num_blocks * sh->block_size * slot_size;
     const int64_t mask_keys = sh->max_blocks * sh->block_size;
     const uint8_t *seq_mask = mask + a * sh->q_max * mask_keys;  /* [q_max, mask_keys] */
-    for (int64_t t = 0; t < num_keys; t++) {
-        const int64_t block_id = tables[a * sh->max_blocks + t / sh->block_size];
-        if (block_id < 0 || block_id >= sh->num_blocks) return BAD_BLOCK;
-        slots[t] = (block_id * sh->block_size + t % sh->block_size) * slot_size;
-    }
+    if (seq_slots(sh, a, tables, num_keys, slots)) return BAD_BLOCK;
     memset(cursor, 0, sizeof(int64_t) * num_rows);
     /* this task's KV heads' bytes of a slot: [span0, span0 + span) floats */
     const int64_t span0 = (h0 / group) * d, span = ((h1 - 1) / group + 1) * d - span0;
@@ -130,13 +153,7 @@ static __attribute__((noinline)) int attend_seq(const struct Shape *sh, int64_t 
             }
         }
     }
-    for (int64_t i = 0; i < num_rows; i++) {
-        float *oi = out + (a * sh->q_max + i) * sh->heads * d;
-        memset(oi + h0 * d, 0, sizeof(float) * (h1 - h0) * d);
-        for (int64_t h = h0; h < h1; h++)
-            if (cursor[i] > 0) softmax(probs + (i * sh->heads + h) * num_keys, cursor[i]);
-        cursor[i] = 0;
-    }
+    softmax_rows(sh, a, h0, h1, num_rows, num_keys, out, probs, cursor);
     for (int64_t t = 0; t < num_keys; t++) {
         const float *restrict v = values + slots[t];
         if (t + AHEAD < num_keys) prefetch_span(values + slots[t + AHEAD] + span0, span * 4);
@@ -285,12 +302,7 @@ static inline __attribute__((always_inline)) int attend_tiles(
     const uint16_t *values = kv + sh->num_blocks * sh->block_size * slot_size;
     const int64_t mask_keys = sh->max_blocks * sh->block_size;
     const uint8_t *seq_mask = mask + a * sh->q_max * mask_keys;  /* [q_max, mask_keys] */
-    for (int64_t b = 0, t = 0; t < num_keys; b++) {
-        const int64_t block_id = tables[a * sh->max_blocks + b];
-        if (block_id < 0 || block_id >= sh->num_blocks) return BAD_BLOCK;
-        for (int64_t i = 0; i < sh->block_size && t < num_keys; i++, t++)
-            slots[t] = (block_id * sh->block_size + i) * slot_size;
-    }
+    if (seq_slots(sh, a, tables, num_keys, slots)) return BAD_BLOCK;
     memset(cursor, 0, sizeof(int64_t) * num_rows);
     const int64_t g0 = h0 / group, g1 = (h1 - 1) / group + 1;  /* this task's KV heads */
     const int64_t span0 = g0 * d, span_bytes = (g1 - g0) * d * 2;
@@ -327,13 +339,7 @@ static inline __attribute__((always_inline)) int attend_tiles(
             cursor[i] += seen;
         }
     }
-    for (int64_t i = 0; i < num_rows; i++) {
-        float *oi = out + (a * sh->q_max + i) * sh->heads * d;
-        memset(oi + h0 * d, 0, sizeof(float) * (h1 - h0) * d);
-        for (int64_t h = h0; h < h1; h++)
-            if (cursor[i] > 0) softmax(probs + (i * sh->heads + h) * num_keys, cursor[i]);
-        cursor[i] = 0;
-    }
+    softmax_rows(sh, a, h0, h1, num_rows, num_keys, out, probs, cursor);
     prefetch_keys(values, slots, 0, TILE_AHEAD, num_keys, span0, span_bytes);
     for (int64_t t0 = 0; t0 < num_keys; t0 += TILE) {
         prefetch_keys(values, slots, t0 + TILE_AHEAD, TILE, num_keys, span0, span_bytes);
