@@ -80,10 +80,8 @@ class LLMEngine:
         kind = torch.device(device).type
         if kv_cache_dtype is None:
             kv_cache_dtype = "float32" if kind == "cpu" else "bfloat16"
-        cache = CacheConfig(kv_cache_dtype=kv_cache_dtype)  # an unknown name: ConfigError (a ValueError)
-        if kind == "cuda" and kv_cache_dtype == "float32":
-            raise ValueError("kv_cache_dtype float32 is CPU only (GPU engines attend in bf16)")
-        kv_dtype = dtype_of(cache.pool_dtype(kind))
+        # an unknown name, or float32 on a GPU: ConfigError (a ValueError)
+        kv_dtype = dtype_of(CacheConfig(kv_cache_dtype=kv_cache_dtype).pool_dtype(kind))
         if kind == "cuda":
             require_cuda(device)  # fail before the slow parts
         else:

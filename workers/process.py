@@ -41,7 +41,7 @@ from justapi.wire.protocol import (
     StepResult,
     WriteBlocks,
 )
-from workers.kv.pool import KVPool, PoolShape
+from workers.kv.pool import KVPool, PoolShape, dtype_of
 from workers.kv.transfer import BlockCopier
 from workers.link import LocalLink, WorkerLink
 from workers.model.attention import AttentionBackend, require_cuda
@@ -72,13 +72,14 @@ def open_pool(spec: ChildSpec, model: DecoderModel, device: str) -> KVPool:
         return KVPool.attach(info)
     require_cuda(device)
     cache = spec.config.cache
+    dtype = dtype_of(cache.pool_dtype("cuda"))
     one = PoolShape(p.num_layers, 1, cache.block_size, p.num_kv_heads, p.head_dim)
     num_blocks = cache.pool_blocks
     if num_blocks == 0:
         free_bytes, _ = torch.cuda.mem_get_info(torch.device(device))
-        num_blocks = max(4, int(free_bytes * cache.kv_memory_fraction) // one.num_bytes(torch.bfloat16))
+        num_blocks = max(4, int(free_bytes * cache.kv_memory_fraction) // one.num_bytes(dtype))
     shape = PoolShape(p.num_layers, num_blocks, cache.block_size, p.num_kv_heads, p.head_dim)
-    return KVPool.create(shape, "cuda_ipc", torch.bfloat16, device, pool_id=spec.index)
+    return KVPool.create(shape, "cuda_ipc", dtype, device, pool_id=spec.index)
 
 
 class Worker:

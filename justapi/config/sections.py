@@ -47,7 +47,10 @@ class CacheConfig:
         choices=KV_CACHE_DTYPES)
 
     def pool_dtype(self, device: str) -> str:
-        """The pool's dtype name (workers/kv/pool.py) for workers on `device` ("cpu", "cuda")."""
+        """The pool's dtype name (workers/kv/pool.py) for workers on `device` ("cpu", "cuda");
+        ConfigError for float32 on a GPU."""
+        require(device == "cpu" or self.kv_cache_dtype != "float32",
+                "kv-cache-dtype float32 is CPU only (GPU workers attend in bf16): use auto or bfloat16")
         return "bfloat16" if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def __post_init__(self) -> None:

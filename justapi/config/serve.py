@@ -142,8 +142,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Serv
     except TypeError as exc:
         raise ConfigError(f"bad config value: {exc}") from None
     _check_spec(config)
-    require(config.model.device == "cpu" or config.cache.kv_cache_dtype != "float32",
-            "kv-cache-dtype float32 is CPU only (GPU workers attend in bf16): use auto or bfloat16")
+    config.cache.pool_dtype(config.model.device)  # float32 on GPUs: a ConfigError now
     return config
 
 

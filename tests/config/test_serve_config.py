@@ -120,3 +120,12 @@ def test_the_kv_cache_dtype_sizes_the_cpu_pool(monkeypatch):
         assert segment.describe()["dtype"] == "bfloat16" and segment.shm.size >= plans["auto"].num_bytes
     finally:
         segment.unlink()
+
+
+def test_the_engine_refuses_an_fp32_cache_on_a_gpu_before_looking_for_one():
+    """The same rule as serve's (CacheConfig.pool_dtype), checked before the GPU and the model."""
+    from workers.engine import LLMEngine
+    with pytest.raises(ConfigError, match="kv-cache-dtype float32 is CPU only"):
+        LLMEngine("no-such.gguf", device="cuda", kv_cache_dtype="float32")
+    with pytest.raises(ConfigError, match="kv-cache-dtype"):
+        LLMEngine("no-such.gguf", kv_cache_dtype="fp8")

@@ -133,7 +133,7 @@ class LayerChain:
         if blocks is None or ops is None or attention is None or library is None:
             return None
         by_dtype = {}
-        for dtype, store in ((torch.float32, "store_kv_rows"), (torch.bfloat16, "store_kv_rows_bf16")):
+        for dtype, store in ops.STORE_SYMBOLS.items():  # the pool's dtype picks the store and attention
             kernels = by_dtype[dtype] = _Kernels()
             for name, slot in (("quant_matmul_i8", 0), ("quant_matmul_i8_panels", 1), ("quant_matmul", 2)):
                 kernels.matmul[slot] = _address(blocks.library, name)

@@ -30,6 +30,9 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 class LayerOps:
+    STORE_SYMBOLS = {torch.float32: "store_kv_rows", torch.bfloat16: "store_kv_rows_bf16"}
+    """The KV store per pool dtype (the layer chain takes their addresses)."""
+
     def __init__(self, library: ctypes.CDLL) -> None:
         ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
         library.rms_norm_rows.argtypes = [ptr, i64, ptr, ptr, i64, i64, f32, i32]
@@ -38,10 +41,10 @@ class LayerOps:
         library.act_mul_rows.argtypes = [ptr, ptr, i64, i64, i32, i32]
         for fn in (library.rms_norm_rows, library.add_rms_norm_rows, library.rotary_rows, library.act_mul_rows):
             fn.restype = None
-        for fn in (library.store_kv_rows, library.store_kv_rows_bf16):
+        self._store = {dtype: getattr(library, name) for dtype, name in self.STORE_SYMBOLS.items()}
+        for fn in self._store.values():
             fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, ptr]
             fn.restype = i32
-        self._store = {torch.float32: library.store_kv_rows, torch.bfloat16: library.store_kv_rows_bf16}
         self.library = library
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -111,7 +114,7 @@ class LayerOps:
             return False
         num_slots = num_blocks * block_size
         if self._store[kv.dtype](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(),
-                                      rows, kv_heads * head_dim, num_slots, kv.data_ptr()):
+                                 rows, kv_heads * head_dim, num_slots, kv.data_ptr()):
             raise ValueError(f"a KV slot is outside the pool's {num_slots}")
         return True
 
