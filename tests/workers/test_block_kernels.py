@@ -132,15 +132,46 @@ NO_VNNI = ("-mno-avx512f", "-mno-avxvnni", "-mno-avx512vnni")
 
 
 @pytest.mark.skipif("vnni" not in cpu_id(), reason="this CPU has no VNNI: its build is already the fallback")
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.Q4_K], ids=["Q4_1", "Q8_0", "Q6_K", "Q4_K"])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.Q4_K], ids=["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q4_K"])
 def test_int8_panels_give_the_same_bits_without_vnni(qtype):
     """The panels' integer sums are exact with dpbusd (Q8_0's codes shifted by 128, the shift
     taken back exactly) and with maddubs + madd (AVX2 CPUs, Q8_0 by signs): a build for a CPU
     without VNNI or AVX-512 gives the same bits, so both paths are checked on this machine."""
     fallback = BlockKernels(ctypes.CDLL(str(build("quant_matmul", NO_VNNI))))
-    matrix, _ = weights(qtype, 21, cols_for(qtype), seed=7)
-    x = torch.randn(19, matrix.in_features, generator=torch.Generator().manual_seed(8))
+    matrix, _ = weights(qtype, 21, 2048 + 8 * 32 + 32 * (qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0)), seed=7)
+    x = torch.randn(19, matrix.in_features, generator=torch.Generator().manual_seed(8))  # AVX-512: panels of 16
     assert torch.equal(fallback.matmul(matrix, x, panels=True), block_kernels().matmul(matrix, x, panels=True))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.Q2_K], ids=["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q2_K"])
+def test_panels_of_16_rows_give_the_bits_of_panels_of_8(qtype):
+    """With AVX-512 VNNI, calls of more than 8 rows take panels of 16 rows (x + 128 unsigned,
+    the codes signed, each sum started at -128 times its codes' sum); up to 8 rows, panels of 8.
+    Each row's bits are the same either way: every row of a 45-row call (three panels of 16,
+    the last partial; 13 weight rows, a partial tile of 8) equals it in calls of 8, 3 and 1.
+    Q8_0's codes include -128, the signed operand's edge."""
+    skip_without_panels("int8_panels")
+    cols = cols_for(qtype) + (0 if qtype.name.endswith("_K") else 2048)  # past one piece, a short last one
+    rng = np.random.default_rng(13)
+    w = rng.standard_normal((13, cols)) * np.exp(rng.standard_normal((13, cols // 32)).repeat(32, 1))
+    blocks = quantize(w.astype(np.float32), qtype)
+    if qtype == Q.Q8_0:  # d | 32 int8: every fifth code of each block -> -128
+        codes = blocks.reshape(-1, 34)[:, 2:]
+        codes[:, ::5] = 0x80
+        assert (codes.view(np.int8) == -128).any()
+    matrix = block_matrix(blocks, qtype, (13, cols))
+    x = torch.randn(45, cols, generator=torch.Generator().manual_seed(14))
+    x[4] *= 1e4
+    x[9] = 0.0
+    kernels = block_kernels()
+    y = kernels.matmul(matrix, x, panels=True)
+    for rows in (8, 3, 1):
+        for start in range(0, 45, rows):
+            assert torch.equal(kernels.matmul(matrix, x[start:start + rows], panels=True), y[start:start + rows]), (rows, start)
+    assert bool((y[9] == 0).all())
+    values = torch.from_numpy(dequantize(blocks, qtype, (13, cols)))
+    error = (y.double() - x.double() @ values.double().T).abs()
+    assert bool((error <= int8_bound(x, values)).all())
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=[t.name for t in BLOCK_TYPES])

@@ -223,10 +223,48 @@ typedef struct {  /* one weight row's piece: value = sc * c + off per 16 values 
     float sc[PIECE / 16], off[PIECE / 16 + 8];  /* entries past the piece's are zero */
 } coded;
 
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__F16C__)
+#define HAS_CODE8 1
+/* codes_chunk for 8 blocks of Q4_0, Q4_1 or Q8_0 at once: the 8 headers' half floats converted
+ * together and written as the pairs per 16 values, each block's codes in one 32-byte store.
+ * The same values as codes_chunk (cvtph is exact; -8 * d and -(8 * d) are the same float), at
+ * about half its cost, which at 16 rows of x was a third of a panels matmul. */
+INLINE void code_blocks8(int type, const uint8_t *b, uint8_t *c, float *sc, float *off) {
+    const int bytes = layout_of(type).bytes;
+    int32_t head[8];  /* d, and Q4_1's m above it (Q4_0 / Q8_0: the 2 bytes after d, unused) */
+    for (int i = 0; i < 8; i++) memcpy(head + i, b + i * bytes, 4);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)head);
+    const __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(h));
+    const __m256 o = type == Q4_1 ? _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(h, 16)))
+                     : type == Q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
+    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    _mm512_storeu_ps(sc, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(d)));
+    _mm512_storeu_ps(off, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(o)));
+    for (int i = 0; i < 8; i++, b += bytes, c += 32) {
+        if (type == Q8_0) {
+            _mm256_storeu_si256((__m256i *)c, _mm256_loadu_si256((const __m256i *)(b + 2)));
+            continue;
+        }  /* Q4: byte j holds value j (low nibble) and j + 16 (high) */
+        const __m256i qs = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 4 : 2))));
+        _mm256_storeu_si256((__m256i *)c, _mm256_and_si256(_mm256_srlv_epi32(qs, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                                           _mm256_set1_epi8(15)));
+    }
+}
+#endif
+
 /* Values [k0, k0 + piece) of a row, a chunk at a time (piece: whole chunks). */
 INLINE void code_piece(int type, const uint8_t *row, int64_t k0, int piece, int chunk, coded *out) {
     float mn[CHUNK / 16];
-    for (int j = 0; j < piece; j += chunk)
+    int j = 0;
+#if defined(HAS_CODE8)
+    if (type == Q4_0 || type == Q4_1 || type == Q8_0) {
+        const int bytes = layout_of(type).bytes;
+        for (; j + 256 <= piece; j += 256)
+            code_blocks8(type, row + (k0 + j) / 32 * bytes, out->c + j, out->sc + j / 16, out->off + j / 16);
+        chunk = 32;  /* the rest block by block */
+    }
+#endif
+    for (; j < piece; j += chunk)
         codes_chunk(type, row, k0 + j, chunk, out->c + j, out->sc + j / 16, mn, out->off + j / 16);
     memset(out->off + piece / 16, 0, 8 * sizeof(float));  /* the dot product's last vector of halves */
 }
@@ -766,6 +804,192 @@ INLINE void tile_panels(int type, int chunk, const uint8_t *w, int64_t row_bytes
 }
 #endif
 
+/* ---- AVX-512 VNNI: panels of 16 rows of x in one 512-bit vector, 8 weight rows a tile ----
+ * The 8-row panels above broadcast a weight row's 4 codes into a register and read x's vector
+ * for every dpbusd (two loads per 32 multiply-adds: the loads, not the multiplies, set the
+ * pace). Here the codes are dpbusd's signed operand, so each 4 of them come from memory as an
+ * embedded broadcast, and x's vector, its unsigned operand (x + 128), is loaded once per 4
+ * values for all 8 weight rows. The + 128 adds 128 * (the group's code sum) to each exact sum;
+ * the accumulator starts at minus that (from the weight row, exact), so every sum, and with it
+ * every float operation and its order, is the 8-row panels', and the bits are theirs. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAS_ZPANELS 1
+#define ZPANEL 16      /* rows of x per panel: the int32 lanes of a 512-bit vector */
+#define ZROWS 8        /* weight rows per tile: 8 chains of dpbusd in flight */
+#define MAX_ZPANELS 8  /* panels per pass (128 rows of x, as MAX_PANELS) */
+#ifndef ZPANEL_FROM
+#define ZPANEL_FROM 8  /* more rows of x than this take the 16-row panels */
+#endif
+
+typedef struct {  /* x by panels of 16: p = row / 16, lane = row % 16 */
+    uint8_t *q;   /* [panels][k / 4][16][4]: the quantized values + 128 (rows past m: 128, i.e. 0) */
+    float *d;     /* [panels][k / 32][16] */
+    float *sums;  /* [panels][k / 16][16]: d * (sum of the 16 q) */
+} qx_zpanels;
+
+typedef struct {  /* a coded weight row and, per 16 values, -128 * (the sum of its codes) */
+    coded w;
+    int32_t bias[PIECE / 16];
+} zcoded;
+
+static void interleave_zpanel(const qx *x, int64_t m, int64_t k, int64_t p, qx_zpanels *out) {
+    const int64_t groups = k / 32;
+    uint32_t *q = (uint32_t *)(out->q + p * k * ZPANEL);
+    float *d = out->d + p * groups * ZPANEL, *sums = out->sums + p * groups * 2 * ZPANEL;
+    for (int lane = 0; lane < ZPANEL; lane++) {
+        const int64_t row = p * ZPANEL + lane;
+        const int valid = row < m;
+        const uint32_t *src = (const uint32_t *)(x->q + row * k);
+        for (int64_t j = 0; j < k / 4; j++) q[j * ZPANEL + lane] = valid ? src[j] ^ 0x80808080u : 0x80808080u;
+        for (int64_t g = 0; g < groups; g++) d[g * ZPANEL + lane] = valid ? x->d[row * groups + g] : 0.0f;
+        for (int64_t h = 0; h < 2 * groups; h++) sums[h * ZPANEL + lane] = valid ? x->sums[row * 2 * groups + h] : 0.0f;
+    }
+}
+
+/* bias[h] = -128 * (sum of codes [16h, 16h + 16)), the codes read as dpbusd's signed bytes:
+ * sums of 8 bytes as unsigned (c ^ 0x80 = c + 128) by vpsadbw, paired, less 16 * 128, all in
+ * registers (storing the 8 sums to add them as scalars stalled on the store each time). */
+INLINE void code_bias(int piece, zcoded *row) {
+    for (int j = 0; j < piece; j += 64) {
+        const __m512i c = _mm512_loadu_si512(row->w.c + j);  /* a last partial vector reads the rest of c[] */
+        const __m256i eights = _mm512_cvtepi64_epi32(_mm512_sad_epu8(_mm512_xor_si512(c, _mm512_set1_epi8((char)0x80)),
+                                                                     _mm512_setzero_si512()));
+        const __m256i pairs = _mm256_permute4x64_epi64(_mm256_hadd_epi32(eights, eights), 0x08);  /* 4 sums of 16 */
+        const __m128i bias = _mm_slli_epi32(_mm_sub_epi32(_mm_set1_epi32(16 * 128), _mm256_castsi256_si128(pairs)), 7);
+        if (piece - j >= 64) _mm_storeu_si128((__m128i *)(row->bias + j / 16), bias);
+        else _mm_mask_storeu_epi32(row->bias + j / 16, (__mmask8)((1u << ((piece - j) / 16)) - 1), bias);
+    }
+}
+
+typedef int32_t int32_alias __attribute__((may_alias));
+
+/* acc + each lane's 4 unsigned bytes of xv times the 4 signed codes at c: vpdpbusd with the
+ * codes as an embedded broadcast from memory, which GCC does not form from _mm512_set1_epi32
+ * (it broadcast into a register before each dpbusd: the matmul 5-10% slower on Zen 4). */
+INLINE __m512i dot_broadcast(__m512i acc, __m512i xv, const uint8_t *c) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(xv), "m"(*(const int32_alias *)c));
+    return acc;
+}
+
+/* One panel's state for the tile's 8 weight rows over values [k0, k0 + piece): panels_dot's
+ * operations per (weight row, x row), in its order. */
+INLINE void zpanel_dot(int type, const zcoded *w, int piece, const qx_zpanels *x, int64_t k, int64_t k0,
+                       int64_t panel, __m512 tot[ZROWS], __m512 off[ZROWS][OFF_CHAINS]) {
+    const int sub16 = scales_per_16(type), group = sub16 ? 16 : 32;
+    const uint8_t *xq = x->q + panel * k * ZPANEL + k0 * ZPANEL;
+    const float *xd = x->d + (panel * k + k0) / 32 * ZPANEL, *xs = x->sums + (panel * k + k0) / 16 * ZPANEL;
+    __m512 t[ZROWS];
+    for (int r = 0; r < ZROWS; r++) t[r] = tot[r];
+    for (int v0 = 0; v0 < piece; v0 += group) {
+        __m512i acc[ZROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < ZROWS; r++)
+            acc[r] = _mm512_set1_epi32(sub16 ? w[r].bias[v0 / 16] : w[r].bias[v0 / 16] + w[r].bias[v0 / 16 + 1]);
+#pragma GCC unroll 8
+        for (int j = 0; j < group; j += 4) {
+            const __m512i xv = _mm512_loadu_si512(xq + (v0 + j) * ZPANEL);
+#pragma GCC unroll 8
+            for (int r = 0; r < ZROWS; r++) {
+                acc[r] = dot_broadcast(acc[r], xv, w[r].w.c + v0 + j);
+            }
+        }
+        const __m512 xdv = _mm512_loadu_ps(xd + v0 / 32 * ZPANEL);
+#pragma GCC unroll 8
+        for (int r = 0; r < ZROWS; r++)
+            t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(w[r].w.sc[v0 / 16]), xdv), t[r]);
+    }
+    for (int r = 0; r < ZROWS; r++) tot[r] = t[r];
+    for (int r = 0; r < ZROWS; r += 2) {  /* the offsets, two weight rows at a time: 8 chains */
+        __m512 o[2][OFF_CHAINS];
+        for (int i = 0; i < 2; i++)
+            for (int j = 0; j < OFF_CHAINS; j++) o[i][j] = off[r + i][j];
+        int h = 0;
+        for (; h + OFF_CHAINS <= piece / 16; h += OFF_CHAINS)
+#pragma GCC unroll 4
+            for (int j = 0; j < OFF_CHAINS; j++) {
+                const __m512 sv = _mm512_loadu_ps(xs + (h + j) * ZPANEL);
+                o[0][j] = _mm512_fmadd_ps(_mm512_set1_ps(w[r].w.off[h + j]), sv, o[0][j]);
+                o[1][j] = _mm512_fmadd_ps(_mm512_set1_ps(w[r + 1].w.off[h + j]), sv, o[1][j]);
+            }
+        for (int j = 0; h + j < piece / 16; j++) {
+            const __m512 sv = _mm512_loadu_ps(xs + (h + j) * ZPANEL);
+            o[0][j] = _mm512_fmadd_ps(_mm512_set1_ps(w[r].w.off[h + j]), sv, o[0][j]);
+            o[1][j] = _mm512_fmadd_ps(_mm512_set1_ps(w[r + 1].w.off[h + j]), sv, o[1][j]);
+        }
+        for (int i = 0; i < 2; i++)
+            for (int j = 0; j < OFF_CHAINS; j++) off[r + i][j] = o[i][j];
+    }
+}
+
+INLINE void tile_zpanels(int type, int chunk, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n0,
+                         int num_rows, const qx_zpanels *x, int64_t p0, int num_panels, int64_t m,
+                         float *y, int64_t n) {
+    zcoded rows[ZROWS] __attribute__((aligned(64)));
+    __m512 tot[MAX_ZPANELS][ZROWS], off[MAX_ZPANELS][ZROWS][OFF_CHAINS];
+    if (num_rows < ZROWS) memset(rows, 0, sizeof rows);  /* rows past num_rows: zero */
+    for (int p = 0; p < num_panels; p++)
+        for (int r = 0; r < ZROWS; r++) {
+            tot[p][r] = _mm512_setzero_ps();
+            for (int j = 0; j < OFF_CHAINS; j++) off[p][r][j] = _mm512_setzero_ps();
+        }
+    const int most = PIECE / chunk * chunk;
+    for (int64_t k0 = 0; k0 < k; k0 += most) {
+        const int piece = k - k0 < most ? (int)(k - k0) : most;
+        for (int r = 0; r < num_rows; r++) {
+            code_piece(type, w + (n0 + r) * row_bytes, k0, piece, chunk, &rows[r].w);
+            code_bias(piece, rows + r);
+        }
+        for (int p = 0; p < num_panels; p++) zpanel_dot(type, rows, piece, x, k, k0, p0 + p, tot[p], off[p]);
+    }
+    for (int p = 0; p < num_panels; p++) {
+        float out[ZROWS][ZPANEL] __attribute__((aligned(64)));
+        for (int r = 0; r < ZROWS; r++)
+            _mm512_store_ps(out[r], _mm512_add_ps(tot[p][r], _mm512_add_ps(_mm512_add_ps(off[p][r][0], off[p][r][1]),
+                                                                           _mm512_add_ps(off[p][r][2], off[p][r][3]))));
+        for (int lane = 0; lane < ZPANEL; lane++) {
+            const int64_t row = (p0 + p) * ZPANEL + lane;
+            if (row >= m) break;
+            for (int r = 0; r < num_rows; r++) y[row * n + n0 + r] = out[r][lane];
+        }
+    }
+}
+
+/* quant_matmul_i8_panels by panels of 16 rows (its bits). */
+static int matmul_zpanels(int type, int chunk, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
+                          float *y, int num_threads) {
+    const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
+    const int64_t num_tiles = (n + ZROWS - 1) / ZROWS, panels = (m + ZPANEL - 1) / ZPANEL;
+    const int64_t grain = tile_grain(num_tiles, num_threads);
+    qx xq = qx_new(m, k, 0);
+    qx_zpanels xp = {malloc((size_t)(panels * ZPANEL * k)), malloc((size_t)(panels * ZPANEL * k / 32) * sizeof(float)),
+                     malloc((size_t)(panels * ZPANEL * k / 16) * sizeof(float))};
+    if (!qx_ok(&xq, 0) || !xp.q || !xp.d || !xp.sums) {
+        qx_free(&xq), free(xp.q), free(xp.d), free(xp.sums);
+        return NO_MEMORY;
+    }
+    #pragma omp parallel num_threads(num_threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) quantize_x_row(x, k, r, &xq);
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) interleave_zpanel(&xq, m, k, p, &xp);
+        for (int64_t p0 = 0; p0 < panels; p0 += MAX_ZPANELS) {  /* passes: as quant_matmul_i8_panels */
+            const int num_panels = panels - p0 < MAX_ZPANELS ? (int)(panels - p0) : MAX_ZPANELS;
+            #pragma omp for schedule(dynamic, grain)
+            for (int64_t t = 0; t < num_tiles; t++) {
+                const int64_t n0 = t * ZROWS;
+                const int rows = n - n0 < ZROWS ? (int)(n - n0) : ZROWS;
+#define TILE(T) tile_zpanels(T, chunk, w, row_bytes, k, n0, rows, &xp, p0, num_panels, m, y, n)
+                SWITCH_TYPE(type, TILE)
+#undef TILE
+            }
+        }
+    }
+    qx_free(&xq), free(xp.q), free(xp.d), free(xp.sums);
+    return OK;
+}
+#endif
+
 /* Whether quant_matmul_i8_panels runs on this build (it needs AVX2). */
 int quant_has_panels(void) {
 #if defined(__AVX2__)
@@ -781,6 +1005,9 @@ int quant_matmul_i8_panels(int type, const uint8_t *w, int64_t n, int64_t k, con
 #if defined(__AVX2__)
     const int chunk = chunk_of(type, k);
     if (chunk < 0) return chunk;
+#if defined(HAS_ZPANELS)
+    if (m > ZPANEL_FROM) return matmul_zpanels(type, chunk, w, n, k, x, m, y, num_threads);
+#endif
     const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
     const int64_t num_tiles = (n + ROWS - 1) / ROWS, panels = (m + PANEL - 1) / PANEL;
     const int64_t grain = tile_grain(num_tiles, num_threads);
