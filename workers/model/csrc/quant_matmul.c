@@ -716,6 +716,11 @@ INLINE void panels_dot(int type, const coded *w, int piece, const qx_panels *x, 
                                           _mm256_mul_ps(_mm256_set1_ps(w[r].sc[v0 / 16]), xdv), t[p][r]);
         }
     }
+    if (type == Q8_0) {  /* offsets 0: the chains stay +0, as the other paths' */
+        for (int p = 0; p < np; p++)
+            for (int r = 0; r < ROWS; r++) tot[p][r] = t[p][r];
+        return;
+    }
     for (int p = 0; p < np; p++) {  /* the offsets: a panel's 4 rows x 4 chains (h % 4) */
         __m256 o[ROWS][OFF_CHAINS];
         for (int r = 0; r < ROWS; r++) {
@@ -899,6 +904,7 @@ INLINE void zpanel_dot(int type, const zcoded *w, int piece, const qx_zpanels *x
             t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(w[r].w.sc[v0 / 16]), xdv), t[r]);
     }
     for (int r = 0; r < ZROWS; r++) tot[r] = t[r];
+    if (type == Q8_0) return;  /* offsets 0: the chains stay +0, as the other paths' */
     for (int r = 0; r < ZROWS; r += 2) {  /* the offsets, two weight rows at a time: 8 chains */
         __m512 o[2][OFF_CHAINS];
         for (int i = 0; i < 2; i++)
