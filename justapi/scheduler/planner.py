@@ -7,7 +7,9 @@ Continuous (`scheduled=True`), decode-first like vLLM's "running before waiting"
   3. admissions from the pool's waiting queue in policy order, head-of-line, while
      max_seqs, max_prefill, the token budget and the pool's blocks allow, and while this
      worker runs fewer than its fair share of the pool's requests (running + waiting over
-     the pool's healthy workers, rounded up).
+     the pool's healthy workers, rounded up). A request whose next uncached block a running
+     request of the pool is still prefilling (the same tokens up to there) waits for it to
+     be cached, so requests sharing a prompt that arrive together compute it once.
 With overlap (overlap.py) the worker's current step is still in flight: its requests join the
 next step when can_plan_ahead allows (a sampled one with a placeholder token), and one that
 cannot get blocks waits for its step to land instead of being preempted.
@@ -271,7 +273,35 @@ class StepPlanner:
         for req in self.order.candidates(queue, worker.pool_id, self.state.step_id):
             if (len(worker.running) >= min(max_seqs, share) or not batch.has_prefill_room):
                 return
+            if self._joins_a_prefill(req):
+                continue  # not taken: a ranked order offers the next, queue order stops here
             yield req
+
+    def _joins_a_prefill(self, req: Request) -> bool:
+        """Is req's next uncached block part of a prompt that a running request of its pool is
+        still computing (same tokens up to there, same salt)? Then req waits until that block
+        lands in the prefix cache, and hits it, instead of computing the same KV beside it.
+        Requests sharing a system prompt that arrive together otherwise each prefill it, as
+        many in one step as its token budget holds."""
+        kv = self.kv
+        if not kv.enable_prefix_cache:
+            return False
+        bs = self.state.block_size
+        cached = kv.probe(req.pool_id, req.token_bytes(), req.cache_salt, req.num_tokens)
+        if cached >= (req.num_tokens - 1) // bs:
+            return False  # no full block left to share
+        end = (cached + 1) * bs
+        head = None
+        for other in self.state.pool_running[req.pool_id].values():
+            # blocks < num_cached_blocks are in the tree; the prompt is computed before any
+            # output, so a block inside it is cached within the prompt's prefill
+            if other.num_cached_blocks > cached or other.num_prompt_tokens < end or \
+                    other.cache_salt != req.cache_salt or other.is_finishing:
+                continue
+            head = req.token_ids[:end] if head is None else head
+            if other.token_ids[:end] == head:
+                return True
+        return False
 
     def _admit_one(self, req: Request, worker: WorkerState, batch: StepBatch) -> bool:
         """Admit req with its first chunk; False (nothing held) when its blocks do not fit."""

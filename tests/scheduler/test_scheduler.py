@@ -150,18 +150,82 @@ def test_full_prompt_hit_still_computes_the_last_block():
 
 
 def test_concurrent_requests_share_blocks_as_soon_as_they_are_full():
+    """b's prompt is a's prompt and a's first outputs: a computes block 1 by decoding, so b
+    does not wait for it (only blocks inside a running prompt are waited for) and computes
+    it too; whichever caches it second swaps its copy for the cached one."""
     h = Harness(build_scheduler(block_size=4, chunk_size=4))
-    p = prompt(16)
-    h.submit("a", p, max_tokens=1, ignore_eos=True)
-    h.step()  # a computed block 0 and cached it
-    h.submit("b", p, max_tokens=1, ignore_eos=True)
+    p = prompt(6)
+    continued = expected(p, 6, frozenset())[0]
+    h.submit("a", p, max_tokens=6, ignore_eos=True)
+    h.step()  # a's first chunk: block 0, cached
+    h.submit("b", p + continued[:3], max_tokens=4, ignore_eos=True)
+    h.step()  # b: block 0 from the cache, computes block 1 and caches it; a the rest of its prompt
     h.step()
+    h.step()  # a's second output fills its block 1: b's copy is cached
     a, b = h.scheduler.request("a"), h.scheduler.request("b")
+    assert h.cached_tokens["b"] == 4
     assert a.block_ids[0] == b.block_ids[0]  # b started from a's cached block
-    assert a.block_ids[1] == b.block_ids[1]  # b's duplicate of block 1 was swapped for a's
+    assert a.block_ids[1] == b.block_ids[1]  # a's duplicate of block 1 was swapped for b's
     assert h.scheduler.state.pool.ref_count(a.block_ids[1]) == 2
     h.run()
-    assert h.outputs["a"] == h.outputs["b"]
+    assert h.outputs["a"] == continued
+    assert h.outputs["b"] == expected(p + continued[:3], 4, frozenset())[0]
+
+
+def test_requests_arriving_with_a_shared_prompt_compute_it_once():
+    """Submitted together, b and c would each prefill the 12 tokens they share with a in the
+    same step. They wait for a's blocks instead and hit them; d, whose first block differs,
+    joins a's step. Greedy outputs are unchanged."""
+    h = Harness(build_scheduler(block_size=4))
+    shared = prompt(12)
+    h.submit("a", shared + [5], max_tokens=3, ignore_eos=True)
+    h.submit("b", shared + [9, 9], max_tokens=3, ignore_eos=True)
+    h.submit("d", prompt(12, base=20) + [5], max_tokens=3, ignore_eos=True)
+    h.submit("c", shared + [7], max_tokens=3, ignore_eos=True)
+    (_, plan), = h.schedule()
+    assert sorted(plan.request_ids) == ["a", "d"]
+    h.complete(0, plan)
+    (_, plan), = h.schedule()
+    assert {"b", "c"} <= set(plan.request_ids)
+    h.complete(0, plan)
+    h.run()
+    assert h.cached_tokens["b"] == 12 and h.cached_tokens["c"] == 12 and h.cached_tokens["d"] == 0
+    for rid, p in (("a", shared + [5]), ("b", shared + [9, 9]), ("c", shared + [7])):
+        assert h.outputs[rid] == expected(p, 3, frozenset())[0]
+
+
+def test_a_waiting_request_follows_a_shared_prefill_chunk_by_chunk():
+    """With chunks of one block, b waits while a computes each block b shares, then computes
+    only its own last block; a different salt never waits."""
+    h = Harness(build_scheduler(block_size=4, chunk_size=4))
+    shared = prompt(12)
+    h.submit("a", shared + [5], max_tokens=1, ignore_eos=True)
+    h.submit("b", shared + [9], max_tokens=1, ignore_eos=True)
+    h.submit("s", shared + [9], max_tokens=1, ignore_eos=True, cache_salt="other")
+    steps = []
+    while not steps or "b" not in steps[-1]:
+        (_, plan), = h.schedule()
+        steps.append(sorted(plan.request_ids))
+        h.complete(0, plan)
+    assert steps == [["a", "s"]] * 3 + [["a", "b", "s"]]  # a's blocks 0-2 land first
+    h.run()
+    assert h.cached_tokens["b"] == 12 and h.cached_tokens["s"] == 0
+
+
+def test_an_aborted_prefill_no_longer_holds_back_a_waiting_request():
+    h = Harness(build_scheduler(block_size=4, chunk_size=4))
+    shared = prompt(12)
+    h.submit("a", shared + [5], max_tokens=1, ignore_eos=True)
+    h.submit("b", shared + [9], max_tokens=1, ignore_eos=True)
+    (_, plan), = h.schedule()
+    assert list(plan.request_ids) == ["a"]
+    h.complete(0, plan)
+    h.scheduler.abort_request("a")
+    (_, plan), = h.schedule()
+    assert list(plan.request_ids) == ["b"] and int(plan.start_positions[0]) == 4  # a's block 0
+    h.complete(0, plan)
+    h.run()
+    assert h.outputs["b"] == expected(shared + [9], 1, frozenset())[0]
 
 
 def test_salts_and_sampling_params():

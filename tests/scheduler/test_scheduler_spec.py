@@ -68,7 +68,7 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_output_there():
 def test_drafts_are_capped_by_the_context_and_max_tokens():
     h = Harness(build_scheduler(block_size=4, max_context=10))
     h.submit("a", PROMPT, max_tokens=30, ignore_eos=True)
-    h.submit("b", PROMPT, max_tokens=2, ignore_eos=True)
+    h.submit("b", PROMPT, max_tokens=2, ignore_eos=True, cache_salt="b")  # does not wait for a's prompt
     h.step()
     assert h.scheduler.set_draft_tokens("a", [3] * 8) == 2  # positions up to 9 only
     assert h.scheduler.set_draft_tokens("b", [3] * 8) == 1  # 2 outputs at most

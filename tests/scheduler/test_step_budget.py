@@ -215,8 +215,8 @@ def test_before_the_fit_a_step_that_decodes_carries_one_chunk(itl_target_ms, cap
     harness = Harness(sched, step_cost=COST)
     harness.submit("s", list(range(3, 19)), max_tokens=200)
     one_plan(harness)  # its prompt: one measured step, no estimate yet
-    for name in ("long-a", "long-b", "long-c", "long-d"):
-        harness.submit(name, [5] * 1500, max_tokens=2)
+    for i, name in enumerate(("long-a", "long-b", "long-c", "long-d")):
+        harness.submit(name, [5 + i] * 1500, max_tokens=2)  # distinct: none waits for another's
     plan = one_plan(harness)
     assert chunk_of(plan, "s") == 1
     assert np.sum(plan.num_tokens) - 1 == cap
