@@ -223,7 +223,7 @@ typedef struct {  /* one weight row's piece: value = sc * c + off per 16 values 
     float sc[PIECE / 16], off[PIECE / 16 + 8];  /* entries past the piece's are zero */
 } coded;
 
-#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__F16C__)
+#if defined(__AVX2__) && defined(__F16C__)
 #define HAS_CODE8 1
 /* codes_chunk for 8 blocks of Q4_0, Q4_1 or Q8_0 at once: the 8 headers' half floats converted
  * together and written as the pairs per 16 values, each block's codes in one 32-byte store.
@@ -233,13 +233,19 @@ INLINE void code_blocks8(int type, const uint8_t *b, uint8_t *c, float *sc, floa
     const int bytes = layout_of(type).bytes;
     int32_t head[8];  /* d, and Q4_1's m above it (Q4_0 / Q8_0: the 2 bytes after d, unused) */
     for (int i = 0; i < 8; i++) memcpy(head + i, b + i * bytes, 4);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)head);
-    const __m256 d = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(h));
-    const __m256 o = type == Q4_1 ? _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(h, 16)))
+    /* per 128-bit lane: its 4 d, then its 4 m; then d (blocks 0-7) | m (blocks 0-7) */
+    const __m256i dm = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)head),
+                                           _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                                            0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+    const __m256i sorted = _mm256_permute4x64_epi64(dm, 0xd8);
+    const __m256 d = _mm256_cvtph_ps(_mm256_castsi256_si128(sorted));
+    const __m256 o = type == Q4_1 ? _mm256_cvtph_ps(_mm256_extracti128_si256(sorted, 1))
                      : type == Q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
-    const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    _mm512_storeu_ps(sc, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(d)));
-    _mm512_storeu_ps(off, _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(o)));
+    const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    _mm256_storeu_ps(sc, _mm256_permutevar8x32_ps(d, first));
+    _mm256_storeu_ps(sc + 8, _mm256_permutevar8x32_ps(d, second));
+    _mm256_storeu_ps(off, _mm256_permutevar8x32_ps(o, first));
+    _mm256_storeu_ps(off + 8, _mm256_permutevar8x32_ps(o, second));
     for (int i = 0; i < 8; i++, b += bytes, c += 32) {
         if (type == Q8_0) {
             _mm256_storeu_si256((__m256i *)c, _mm256_loadu_si256((const __m256i *)(b + 2)));
