@@ -8,7 +8,7 @@ Continuous (`scheduled=True`), decode-first like vLLM's "running before waiting"
      max_seqs, max_prefill, the token budget and the pool's blocks allow, and while this
      worker runs fewer than its fair share of the pool's requests (running + waiting over
      the pool's healthy workers, rounded up). A request whose next uncached block a running
-     request of the pool is still prefilling (the same tokens up to there) waits for it to
+     request of this worker is still prefilling (the same tokens up to there) waits for it to
      be cached, so requests sharing a prompt that arrive together compute it once.
 With overlap (overlap.py) the worker's current step is still in flight: its requests join the
 next step when can_plan_ahead allows (a sampled one with a placeholder token), and one that
@@ -29,7 +29,7 @@ Owns: those choices. Does not own: the state they change (SchedulerState), budge
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from justapi.scheduler.batch import StepBatch
 from justapi.scheduler.overlap import can_plan_ahead
@@ -270,33 +270,42 @@ class StepPlanner:
         # requests, so the other workers (planned next, or back from their step) get theirs.
         num_peers = len(self.state.accepting_workers(worker.pool_id))
         share = -(-(len(self.state.pool_running[worker.pool_id]) + len(queue)) // num_peers)
+        # only this worker's prefills: another worker's step would compute req beside them
+        # on its own cores, and a hung one must not hold req back until it is fenced
+        prefilling = self._prefilling(worker.running.values())
         for req in self.order.candidates(queue, worker.pool_id, self.state.step_id):
             if (len(worker.running) >= min(max_seqs, share) or not batch.has_prefill_room):
                 return
-            if self._joins_a_prefill(req):
+            if prefilling and self._joins_a_prefill(req, prefilling):
                 continue  # not taken: a ranked order offers the next, queue order stops here
             yield req
+            if req.status is RUNNING:  # admitted: later candidates may wait for its prompt
+                prefilling.extend(self._prefilling((req,)))
 
-    def _joins_a_prefill(self, req: Request) -> bool:
-        """Is req's next uncached block part of a prompt that a running request of its pool is
-        still computing (same tokens up to there, same salt)? Then req waits until that block
-        lands in the prefix cache, and hits it, instead of computing the same KV beside it.
-        Requests sharing a system prompt that arrive together otherwise each prefill it, as
-        many in one step as its token budget holds."""
-        kv = self.kv
-        if not kv.enable_prefix_cache:
-            return False
+    def _prefilling(self, running: Iterable[Request]) -> list[Request]:
+        """Those of `running` whose prompt has full blocks not cached yet (none without the
+        prefix cache). Blocks below num_cached_blocks are in the tree, and a prompt is computed
+        before any output, so each such block is cached within its prompt's prefill."""
+        if not self.kv.enable_prefix_cache:
+            return []
         bs = self.state.block_size
-        cached = kv.probe(req.pool_id, req.token_bytes(), req.cache_salt, req.num_tokens)
+        return [r for r in running if r.num_cached_blocks < r.num_prompt_tokens // bs and not r.is_finishing]
+
+    def _joins_a_prefill(self, req: Request, prefilling: list[Request]) -> bool:
+        """Is req's next uncached block inside a prompt one of `prefilling` is still computing
+        (same tokens up to there, same salt)? Then req waits until that block lands in the
+        prefix cache, and hits it, instead of computing the same KV beside it. Requests sharing
+        a system prompt that arrive together otherwise each prefill it, as many in one step as
+        its token budget holds."""
+        bs = self.state.block_size
+        cached = self.kv.probe(req.pool_id, req.token_bytes(), req.cache_salt, req.num_tokens)
         if cached >= (req.num_tokens - 1) // bs:
             return False  # no full block left to share
         end = (cached + 1) * bs
         head = None
-        for other in self.state.pool_running[req.pool_id].values():
-            # blocks < num_cached_blocks are in the tree; the prompt is computed before any
-            # output, so a block inside it is cached within the prompt's prefill
+        for other in prefilling:
             if other.num_cached_blocks > cached or other.num_prompt_tokens < end or \
-                    other.cache_salt != req.cache_salt or other.is_finishing:
+                    other.cache_salt != req.cache_salt or other.status is not RUNNING:
                 continue
             head = req.token_ids[:end] if head is None else head
             if other.token_ids[:end] == head:

@@ -125,40 +125,25 @@ def test_a_lost_worker_with_two_steps_in_flight_recomputes_elsewhere():
 
 
 def test_a_duplicate_block_given_up_under_a_step_in_flight_is_released_when_it_lands():
-    """Two workers share a pool. b's prompt is a's and a's first three outputs: b waits for a's
-    block 0 (inside a's prompt), then computes block 1 in its prefill while a computes its own
-    copy by decoding. When a's copy is full, b's is already cached: a adopts it, but a's next
-    step (in flight) still reads its copy, so that stays held until the step lands."""
+    """Two workers share a pool; the same prompt prefilled on both: the second to land adopts
+    the first's cached blocks, but its next step (in flight) still reads its own, so they stay
+    held until that step lands."""
     h = overlapped(pool_blocks=32, num_workers=2, block_size=4)
-    p = prompt(5)
-    continued = reference(p, 8)
-    h.submit("a", p, max_tokens=8, ignore_eos=True)
-    h.submit("b", p + continued[:3], max_tokens=4, ignore_eos=True)
-    in_flight: dict[int, list[StepPlan]] = {0: [], 1: []}
-
-    def advance() -> None:  # plan, then land each worker's oldest step in flight
-        for w, plan in plans_of(h.schedule()):
-            in_flight[w].append(plan)
-        for w in (0, 1):
-            if in_flight[w]:
-                h.complete(w, in_flight[w].pop(0))
-
-    advance()  # a's prompt lands: block 0 cached
-    assert h.scheduler.request("b").status is RequestStatus.WAITING
-    advance()  # b: block 0 from the cache, block 1 computed and cached
-    advance()
-    a, b = h.scheduler.request("a"), h.scheduler.request("b")
-    own = a.block_ids[1]
-    assert b.block_ids[1] != own and h.cached_tokens["b"] == 4
-    advance()  # a's position 7 lands: a adopts b's block 1
-    later = h.scheduler.state.workers[0].in_flight[0]
-    assert later.deferred_blocks == [(own, "a")] and a.block_ids[1] == b.block_ids[1]
-    assert h.scheduler.state.pool.ref_count(own) == 1
-    h.complete(0, in_flight[0].pop(0))  # the step that read it lands: it goes
-    assert h.scheduler.state.pool.ref_count(own) == 0 and not later.deferred_blocks
-    for w in (0, 1):
-        for plan in in_flight[w]:
-            h.complete(w, plan)
+    same = prompt(9)
+    h.submit("a", same, max_tokens=4, ignore_eos=True)
+    h.submit("b", same, max_tokens=4, ignore_eos=True)
+    out = h.schedule()
+    step = {w: [p for v, p in out if v == w] for w in (0, 1)}
+    assert all(len(s) == 2 and s[0].start_positions.tolist() == [0] for s in step.values())
+    h.complete(0, step[0][0])  # a's prompt lands first: its two full blocks are cached
+    h.complete(1, step[1][0])  # b's prompt: duplicates of them
+    b = h.scheduler.request("b")
+    later = h.scheduler.state.workers[1].in_flight[0]
+    assert len(later.deferred_blocks) == 2 and all(holder == "b" for _, holder in later.deferred_blocks)
+    assert list(b.block_ids[:2]) == list(h.scheduler.request("a").block_ids[:2])
+    held = in_use(h)
+    h.complete(1, step[1][1])  # the step that read them lands: they go
+    assert in_use(h) == held - 2 and not later.deferred_blocks
+    h.complete(0, step[0][1])
     h.run()
-    assert h.outputs["a"] == continued and h.outputs["b"] == reference(p + continued[:3], 4)
-    assert in_use(h) == 0
+    assert h.outputs["a"] == h.outputs["b"] == reference(same, 4) and in_use(h) == 0
