@@ -823,7 +823,7 @@ INLINE void tile_panels(int type, int chunk, const uint8_t *w, int64_t row_bytes
  * values for all 8 weight rows. The + 128 adds 128 * (the group's code sum) to each exact sum;
  * the accumulator starts at minus that (from the weight row, exact), so every sum, and with it
  * every float operation and its order, is the 8-row panels', and the bits are theirs. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HAS_ZPANELS 1
 #define ZPANEL 16      /* rows of x per panel: the int32 lanes of a 512-bit vector */
 #define ZROWS 8        /* weight rows per tile: 8 chains of dpbusd in flight */
