@@ -722,17 +722,13 @@ INLINE void panels_dot(int type, const coded *w, int piece, const qx_panels *x, 
                                           _mm256_mul_ps(_mm256_set1_ps(w[r].sc[v0 / 16]), xdv), t[p][r]);
         }
     }
-    if (type == Q8_0) {  /* offsets 0: the chains stay +0, as the other paths' */
-        for (int p = 0; p < np; p++)
-            for (int r = 0; r < ROWS; r++) tot[p][r] = t[p][r];
-        return;
-    }
+    for (int p = 0; p < np; p++)
+        for (int r = 0; r < ROWS; r++) tot[p][r] = t[p][r];
+    if (type == Q8_0) return;  /* offsets 0: the chains stay +0, as the other paths' */
     for (int p = 0; p < np; p++) {  /* the offsets: a panel's 4 rows x 4 chains (h % 4) */
         __m256 o[ROWS][OFF_CHAINS];
-        for (int r = 0; r < ROWS; r++) {
-            tot[p][r] = t[p][r];
+        for (int r = 0; r < ROWS; r++)
             for (int j = 0; j < OFF_CHAINS; j++) o[r][j] = off[p][r][j];
-        }
         int h = 0;
         for (; h + OFF_CHAINS <= piece / 16; h += OFF_CHAINS)
             for (int j = 0; j < OFF_CHAINS; j++) {
@@ -828,9 +824,6 @@ INLINE void tile_panels(int type, int chunk, const uint8_t *w, int64_t row_bytes
 #define ZPANEL 16      /* rows of x per panel: the int32 lanes of a 512-bit vector */
 #define ZROWS 8        /* weight rows per tile: 8 chains of dpbusd in flight */
 #define MAX_ZPANELS 8  /* panels per pass (128 rows of x, as MAX_PANELS) */
-#ifndef ZPANEL_FROM
-#define ZPANEL_FROM 8  /* more rows of x than this take the 16-row panels */
-#endif
 
 typedef struct {  /* x by panels of 16: p = row / 16, lane = row % 16 */
     uint8_t *q;   /* [panels][k / 4][16][4]: the quantized values + 128 (rows past m: 128, i.e. 0) */
@@ -1018,7 +1011,7 @@ int quant_matmul_i8_panels(int type, const uint8_t *w, int64_t n, int64_t k, con
     const int chunk = chunk_of(type, k);
     if (chunk < 0) return chunk;
 #if defined(HAS_ZPANELS)
-    if (m > ZPANEL_FROM) return matmul_zpanels(type, chunk, w, n, k, x, m, y, num_threads);
+    if (m > PANEL) return matmul_zpanels(type, chunk, w, n, k, x, m, y, num_threads);  /* up to 8 rows: one 8-row panel */
 #endif
     const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
     const int64_t num_tiles = (n + ROWS - 1) / ROWS, panels = (m + PANEL - 1) / PANEL;
