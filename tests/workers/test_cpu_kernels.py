@@ -282,19 +282,69 @@ def test_long_chunks_attend_causally_with_or_without_a_mask(window, softcap):
 
 
 @pytest.mark.skipif("avx512f" not in cpu_id(), reason="this CPU has no AVX-512: its build is already the AVX2 one")
-def test_the_bf16_loop_gives_the_same_bits_on_avx2_cpus():
-    """With AVX-512 three query heads share each widened key (their sums in 32 registers); with
-    AVX2's 16 registers one head at a time: the same operations per (key, head) in the same
-    order, so a build for AVX2 CPUs (checked here) gives this machine's bits. Decodes, a
-    verification chunk, head_dim 64 and 24, KV groups of 3, 4 (3 + 1 heads a pass) and 4."""
+def test_the_tiled_bf16_loop_gives_the_same_bits_on_avx2_cpus():
+    """The tiled loop (head_dim not a multiple of 32 on AVX-512; every head_dim on AVX2): with
+    AVX-512 three query heads share each widened key (their sums in 32 registers), with AVX2's 16
+    registers one head at a time: the same operations per (key, head) in the same order, so a
+    build for AVX2 CPUs (checked here) gives this machine's bits. A decode, a verification chunk,
+    KV groups of 4 (3 + 1 heads a pass)."""
     other = cpu_kernels.PagedAttentionKernel(ctypes.CDLL(str(cpu_kernels.build("paged_attention", ("-mno-avx512f",)))))
-    for heads, kv_heads, head_dim in ((9, 3, 64), (8, 2, 24), (4, 1, 64)):
+    for heads, kv_heads, head_dim in ((8, 2, 24), (8, 2, 48)):
         batch, kv, q = random_step([0, 37, 100, 9], [1, 4, 1, 16], heads, kv_heads, head_dim, seed=6)
         kv16 = kv.bfloat16()
         backend = TorchCpuBackend(batch.block_size)
         want = backend.attend(kv16, q, backend.prepare(batch))
         backend.kernel = other
         assert torch.equal(backend.attend(kv16, q, backend.prepare(batch)), want), (heads, kv_heads, head_dim)
+
+
+@pytest.mark.skipif("avx512f" not in cpu_id(), reason="this CPU has no AVX-512: its build is already the AVX2 one")
+def test_the_avx2_build_agrees_with_the_keys_in_lanes_loop():
+    """head_dim 64 and 128 on AVX-512 take the keys-in-lanes loop (another summation order);
+    the AVX2 build's tiled loop gives the same values."""
+    other = cpu_kernels.PagedAttentionKernel(ctypes.CDLL(str(cpu_kernels.build("paged_attention", ("-mno-avx512f",)))))
+    for heads, kv_heads, head_dim in ((9, 3, 64), (4, 1, 128)):
+        batch, kv, q = random_step([0, 37, 100, 9], [1, 4, 1, 16], heads, kv_heads, head_dim, seed=6)
+        kv16 = kv.bfloat16()
+        backend = TorchCpuBackend(batch.block_size)
+        want = backend.attend(kv16, q, backend.prepare(batch))
+        backend.kernel = other
+        torch.testing.assert_close(backend.attend(kv16, q, backend.prepare(batch)), want, atol=2e-6, rtol=0)
+
+
+def shared_prefix_step(prefix_blocks, lengths, rows, block_size=16, heads=9, kv_heads=3, head_dim=64, seed=7):
+    """Sequences whose block tables start with the same `prefix_blocks` blocks (a cached prompt),
+    then blocks of their own; lengths: keys before each sequence's rows."""
+    rng = np.random.default_rng(seed)
+    lengths, rows = np.asarray(lengths), np.asarray(rows)
+    blocks = -(-(lengths + rows) // block_size)
+    own = int((blocks - np.minimum(blocks, prefix_blocks)).sum())
+    ids = rng.permutation(prefix_blocks + own + 3)
+    shared, rest, tables = ids[:prefix_blocks], list(ids[prefix_blocks:]), []
+    for n in blocks:
+        tables.append(np.concatenate([shared[:n], [rest.pop() for _ in range(max(0, n - prefix_blocks))]]))
+    batch = AttentionBatch(lengths, rows, blocks, np.concatenate(tables).astype(np.int64), block_size)
+    gen = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, len(ids), block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    return batch, kv, torch.randn(int(rows.sum()), heads, head_dim, generator=gen)
+
+
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (64, 8), (128, 32)])
+def test_sequences_sharing_a_prompt_give_the_bits_each_gives_alone(head_dim, block_size):
+    """A bf16 pool whose sequences share their first blocks: their rows are scored against each
+    shared key tile together (up to 8 sequences a task). Each row's output equals the torch path's
+    and, to the last bit, what its sequence gives alone: decodes, verification chunks, a sequence
+    shorter than the shared blocks, and more sharers than one task holds."""
+    lengths = [300, 310, 299, 420, 305, 333, 301, 302, 303, 40, 350, 300]
+    rows = [1, 1, 4, 1, 1, 3, 1, 1, 1, 1, 2, 1]
+    batch, kv, q = shared_prefix_step(300 // block_size, lengths, rows, block_size, 8, 2, head_dim)
+    step = attend(batch, kv, q)
+    torch.testing.assert_close(step, attend(batch, kv, q, use_kernel=False), atol=2e-6, rtol=0)
+    tokens, blocks = batch.token_offsets(), batch.block_offsets()
+    for a in range(batch.num_seqs):
+        alone = AttentionBatch(batch.start_positions[a:a + 1], batch.num_tokens[a:a + 1], batch.num_blocks[a:a + 1],
+                               batch.block_ids[blocks[a]:blocks[a + 1]], block_size)
+        assert torch.equal(attend(alone, kv, q[tokens[a]:tokens[a + 1]]), step[tokens[a]:tokens[a + 1]]), a
 
 
 def test_the_bf16_loop_without_avx2_agrees_with_the_torch_path():
