@@ -282,34 +282,27 @@ def test_long_chunks_attend_causally_with_or_without_a_mask(window, softcap):
 
 
 @pytest.mark.skipif("avx512f" not in cpu_id(), reason="this CPU has no AVX-512: its build is already the AVX2 one")
-def test_the_tiled_bf16_loop_gives_the_same_bits_on_avx2_cpus():
-    """The tiled loop (head_dim not a multiple of 32 on AVX-512; every head_dim on AVX2): with
-    AVX-512 three query heads share each widened key (their sums in 32 registers), with AVX2's 16
-    registers one head at a time: the same operations per (key, head) in the same order, so a
-    build for AVX2 CPUs (checked here) gives this machine's bits. A decode, a verification chunk,
-    KV groups of 4 (3 + 1 heads a pass)."""
+@pytest.mark.parametrize("heads,kv_heads,head_dim,same_bits", [(8, 2, 24, True), (8, 2, 48, True),
+                                                               (9, 3, 64, False), (4, 1, 128, False)])
+def test_an_avx2_build_of_the_bf16_loops(heads, kv_heads, head_dim, same_bits):
+    """A build for AVX2 CPUs (checked here) runs the tiled loop at every head_dim. Where this
+    machine runs it too (head_dim not a multiple of 32), the bits are the same: with AVX-512
+    three query heads share each widened key (their sums in 32 registers), with AVX2's 16
+    registers one head at a time, the same operations per (key, head) in the same order (KV
+    groups of 4 here: 3 + 1 heads a pass). At 64 and 128 this machine runs the keys-in-lanes
+    loop, another summation order: the same values. A decode and a verification chunk."""
     other = cpu_kernels.PagedAttentionKernel(ctypes.CDLL(str(cpu_kernels.build("paged_attention", ("-mno-avx512f",)))))
-    for heads, kv_heads, head_dim in ((8, 2, 24), (8, 2, 48)):
-        batch, kv, q = random_step([0, 37, 100, 9], [1, 4, 1, 16], heads, kv_heads, head_dim, seed=6)
-        kv16 = kv.bfloat16()
-        backend = TorchCpuBackend(batch.block_size)
-        want = backend.attend(kv16, q, backend.prepare(batch))
-        backend.kernel = other
-        assert torch.equal(backend.attend(kv16, q, backend.prepare(batch)), want), (heads, kv_heads, head_dim)
-
-
-@pytest.mark.skipif("avx512f" not in cpu_id(), reason="this CPU has no AVX-512: its build is already the AVX2 one")
-def test_the_avx2_build_agrees_with_the_keys_in_lanes_loop():
-    """head_dim 64 and 128 on AVX-512 take the keys-in-lanes loop (another summation order);
-    the AVX2 build's tiled loop gives the same values."""
-    other = cpu_kernels.PagedAttentionKernel(ctypes.CDLL(str(cpu_kernels.build("paged_attention", ("-mno-avx512f",)))))
-    for heads, kv_heads, head_dim in ((9, 3, 64), (4, 1, 128)):
-        batch, kv, q = random_step([0, 37, 100, 9], [1, 4, 1, 16], heads, kv_heads, head_dim, seed=6)
-        kv16 = kv.bfloat16()
-        backend = TorchCpuBackend(batch.block_size)
-        want = backend.attend(kv16, q, backend.prepare(batch))
-        backend.kernel = other
-        torch.testing.assert_close(backend.attend(kv16, q, backend.prepare(batch)), want, atol=2e-6, rtol=0)
+    batch, kv, q = random_step([0, 37, 100, 9], [1, 4, 1, 16], heads, kv_heads, head_dim, seed=6)
+    kv16 = kv.bfloat16()
+    backend = TorchCpuBackend(batch.block_size)
+    want = backend.attend(kv16, q, backend.prepare(batch))
+    backend.kernel = other
+    got = backend.attend(kv16, q, backend.prepare(batch))
+    if same_bits:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+        assert not torch.equal(got, want)  # the keys-in-lanes loop did run here
 
 
 def shared_prefix_step(prefix_blocks, lengths, rows, block_size=16, heads=9, kv_heads=3, head_dim=64, seed=7):

@@ -395,7 +395,7 @@ static __attribute__((noinline)) int attend_bf16(
 
 /* ------------------------------------------- the bf16 pool's loop on AVX-512: keys in lanes */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define LANES_LOOP 1
 #define KEYS 16       /* keys a tile: one lane each */
 #define MAX_LANES_D 256
