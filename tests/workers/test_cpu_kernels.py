@@ -322,12 +322,13 @@ def shared_prefix_step(prefix_blocks, lengths, rows, block_size=16, heads=9, kv_
     return batch, kv, torch.randn(int(rows.sum()), heads, head_dim, generator=gen)
 
 
-@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (64, 8), (128, 32)])
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (64, 8), (128, 32), (256, 16)])
 def test_sequences_sharing_a_prompt_give_the_bits_each_gives_alone(head_dim, block_size):
     """A bf16 pool whose sequences share their first blocks: their rows are scored against each
     shared key tile together (up to 8 sequences a task). Each row's output equals the torch path's
     and, to the last bit, what its sequence gives alone: decodes, verification chunks, a sequence
-    shorter than the shared blocks, and more sharers than one task holds."""
+    shorter than the shared blocks, and more sharers than one task holds; head_dim 256 (Gemma 3)
+    takes the loop's generic width."""
     lengths = [300, 310, 299, 420, 305, 333, 301, 302, 303, 40, 350, 300]
     rows = [1, 1, 4, 1, 1, 3, 1, 1, 1, 1, 2, 1]
     batch, kv, q = shared_prefix_step(300 // block_size, lengths, rows, block_size, 8, 2, head_dim)
