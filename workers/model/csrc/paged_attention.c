@@ -403,13 +403,13 @@ static __attribute__((noinline)) int attend_bf16(
 #define MEMBERS 8     /* sequences sharing a prefix in one task: their rows share each key tile */
 
 /* One (row, head) of a task: its query, scores/probabilities [ceil16(keys)] (key t in lane t mod
- * 16 of its tile), mask row, output, and its sequence's visible key count and index. */
+ * 16 of its tile), mask row, output, and its sequence's key count. */
 struct LaneRow {
     const float *q;
     float *p;
     const uint8_t *mask;
     float *out;
-    int64_t keys, member;
+    int64_t keys;
 };
 
 /* The index vectors of the tile transposition (vpermt2w): three rounds of zips, then one that
@@ -654,7 +654,7 @@ static inline __attribute__((always_inline)) int attend_lanes_task(
             for (int64_t h = g * group; h < (g + 1) * group; h++, r++) {
                 const int64_t at = (a * sh->q_max + row) * sh->heads + h;
                 rows[r] = (struct LaneRow){q + at * d, p + f, mask + (a * sh->q_max + row) * mask_keys, out + at * d,
-                                           keys, i};
+                                           keys};
                 f += (keys + 15) & ~(int64_t)15;
             }
         starts[i + 1] = r;
