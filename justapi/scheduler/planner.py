@@ -245,23 +245,25 @@ class StepPlanner:
                 self._schedule_prefill(prefills[i], worker, batch)
                 i += 1
 
-    def _next_candidate(self, admissions: Iterator[Request]) -> tuple[Request | None, float]:
-        req = next(admissions, None)
+    def _next_candidate(self, admissions: Iterator[tuple[Request, int | None]]) -> tuple[Request | None, float]:
+        req, cached = next(admissions, (None, None))
         if req is None:
             return None, 0.0
-        cached = self.kv.probe(req.pool_id, req.token_bytes(), req.cache_salt, req.num_tokens)
+        if cached is None:
+            cached = self._cached_blocks(req)
         remaining = req.num_tokens - cached * self.state.block_size
         return req, prefill_rank(remaining, self.state.step_id - req.enqueued_step)
 
     # ------------------------------------------------------------------ admissions
     def _admit(self, worker: WorkerState, batch: StepBatch) -> None:
-        for req in self._admissions(worker, batch):
+        for req, _ in self._admissions(worker, batch):
             if not self._admit_one(req, worker, batch):
                 return
 
-    def _admissions(self, worker: WorkerState, batch: StepBatch) -> Iterator[Request]:
-        """Waiting requests in policy order while the worker may take more; the caller admits
-        each (or stops: a candidate not taken ends the order)."""
+    def _admissions(self, worker: WorkerState, batch: StepBatch) -> Iterator[tuple[Request, int | None]]:
+        """Waiting requests in policy order while the worker may take more, each with its cached
+        blocks where they were probed (else None); the caller admits each (or stops: a candidate
+        not taken ends the order)."""
         queue = self.state.queues[worker.pool_id]
         max_seqs = self.config.max_seqs
         if not len(queue) or len(worker.running) >= max_seqs or not batch.has_prefill_room:
@@ -276,9 +278,12 @@ class StepPlanner:
         for req in self.order.candidates(queue, worker.pool_id, self.state.step_id):
             if (len(worker.running) >= min(max_seqs, share) or not batch.has_prefill_room):
                 return
-            if prefilling and self._joins_a_prefill(req, prefilling):
-                continue  # not taken: a ranked order offers the next, queue order stops here
-            yield req
+            cached = None
+            if prefilling:
+                cached = self._cached_blocks(req)  # probed once: a ranked order reuses it
+                if self._joins_a_prefill(req, cached, prefilling):
+                    continue  # not taken: a ranked order offers the next, queue order stops here
+            yield req, cached
             if req.status is RUNNING:  # admitted: later candidates may wait for its prompt
                 prefilling.extend(self._prefilling((req,)))
 
@@ -291,14 +296,17 @@ class StepPlanner:
         bs = self.state.block_size
         return [r for r in running if r.num_cached_blocks < r.num_prompt_tokens // bs and not r.is_finishing]
 
-    def _joins_a_prefill(self, req: Request, prefilling: list[Request]) -> bool:
+    def _cached_blocks(self, req: Request) -> int:
+        """Full blocks of req's tokens in the prefix cache (a read-only probe)."""
+        return self.kv.probe(req.pool_id, req.token_bytes(), req.cache_salt, req.num_tokens)
+
+    def _joins_a_prefill(self, req: Request, cached: int, prefilling: list[Request]) -> bool:
         """Is req's next uncached block inside a prompt one of `prefilling` is still computing
         (same tokens up to there, same salt)? Then req waits until that block lands in the
         prefix cache, and hits it, instead of computing the same KV beside it. Requests sharing
         a system prompt that arrive together otherwise each prefill it, as many in one step as
         its token budget holds."""
         bs = self.state.block_size
-        cached = self.kv.probe(req.pool_id, req.token_bytes(), req.cache_salt, req.num_tokens)
         if cached >= (req.num_tokens - 1) // bs:
             return False  # no full block left to share
         end = (cached + 1) * bs
