@@ -49,6 +49,24 @@ def attend(batch, kv, q, use_kernel=True, params=AttentionParams()):
 
 KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
+PAIRS_ATOL = 2.5e-2
+"""Kernel against fp32 attention over the same bf16 pool where the build multiplies bf16 pairs
+(AVX512-BF16): the query and the probabilities rounded to bf16 (a relative 2^-9 each) moved
+these outputs (values ~N(0, 1)) by up to ~1e-2; a wrong key or mask moves them by ~1."""
+
+
+def native_kernel() -> cpu_kernels.PagedAttentionKernel:
+    kernel = cpu_kernels.paged_attention()
+    assert kernel is not None, "the CPU kernel did not build (see the warning)"
+    return kernel
+
+
+def atol(kv_dtype, head_dim, fp32_atol=2e-6, kernel=None):
+    """The bound a kernel row keeps to the fp32 torch path: fp32_atol, or PAIRS_ATOL where the
+    kernel (default: this machine's build) multiplies bf16 pairs for this pool and head_dim."""
+    pairs = (kernel or native_kernel()).bf16_products and kv_dtype == torch.bfloat16
+    return PAIRS_ATOL if pairs and head_dim % 32 == 0 and head_dim <= 256 else fp32_atol
+
 
 SHAPES = [  # heads, kv_heads, head_dim, block_size
     (9, 3, 64, 16),   # SmolLM2-135M
@@ -69,18 +87,18 @@ def test_kernel_equals_the_gathered_torch_path(heads, kv_heads, head_dim, block_
     kv = kv.to(kv_dtype)
     got, want = attend(batch, kv, q), attend(batch, kv, q, use_kernel=False)
     assert got.shape == want.shape == q.shape
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+    torch.testing.assert_close(got, want, atol=atol(kv_dtype, head_dim), rtol=0)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
 def test_over_a_bf16_pool_the_kernel_attends_to_the_rounded_values(heads, kv_heads, head_dim, block_size):
     """--kv-cache-dtype bfloat16: K/V widened exactly as they are read, so the result is the fp32
-    kernel's on kv16.float() (to the last bits: the bf16 loop sums in another order), not the
-    fp32 pool's."""
+    kernel's on kv16.float() (to the last bits: the bf16 loop sums in another order; with bf16
+    products, to their rounding), not the fp32 pool's."""
     batch, kv, q = random_step([0, 5, 37, 100, 63], [1, 1, 4, 16, 1], heads, kv_heads, head_dim, block_size)
     kv16 = kv.bfloat16()
     got = attend(batch, kv16, q)
-    torch.testing.assert_close(got, attend(batch, kv16.float(), q), atol=2e-6, rtol=0)
+    torch.testing.assert_close(got, attend(batch, kv16.float(), q), atol=atol(torch.bfloat16, head_dim), rtol=0)
     assert not torch.allclose(got, attend(batch, kv, q), atol=1e-4)
 
 
@@ -94,7 +112,7 @@ def test_kernel_follows_token_tree_masks(kv_dtype):
     batch, kv, q = random_step([7, 20, 40], rows, tree=tree)
     kv = kv.to(kv_dtype)
     got, want = attend(batch, kv, q), attend(batch, kv, q, use_kernel=False)
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+    torch.testing.assert_close(got, want, atol=atol(kv_dtype, q.shape[-1]), rtol=0)
     chain, _, _ = random_step([7, 20, 40], rows)
     plain = attend(chain, kv, q)
     draft_2 = 1 + 1 + 2  # sequence 0's row, the root, drafts 0 and 1
@@ -146,7 +164,7 @@ def test_a_window_on_token_tree_rows_is_alike_on_both_paths(kv_dtype):
     kv = kv.to(kv_dtype)
     params = AttentionParams(window=5)
     got, want = attend(batch, kv, q, True, params), attend(batch, kv, q, False, params)
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+    torch.testing.assert_close(got, want, atol=atol(kv_dtype, q.shape[-1]), rtol=0)
     assert not torch.allclose(got, attend(batch, kv, q), atol=1e-3)
 
 
@@ -290,7 +308,8 @@ def test_an_avx2_build_of_the_bf16_loops(heads, kv_heads, head_dim, same_bits):
     three query heads share each widened key (their sums in 32 registers), with AVX2's 16
     registers one head at a time, the same operations per (key, head) in the same order (KV
     groups of 4 here: 3 + 1 heads a pass). At 64 and 128 this machine runs the keys-in-lanes
-    loop, another summation order: the same values. A decode and a verification chunk."""
+    loop, another summation order (with AVX512-BF16, of bf16 products): the same values (within
+    that rounding). A decode and a verification chunk."""
     other = cpu_kernels.PagedAttentionKernel(ctypes.CDLL(str(cpu_kernels.build("paged_attention", ("-mno-avx512f",)))))
     batch, kv, q = random_step([0, 37, 100, 9], [1, 4, 1, 16], heads, kv_heads, head_dim, seed=6)
     kv16 = kv.bfloat16()
@@ -301,7 +320,7 @@ def test_an_avx2_build_of_the_bf16_loops(heads, kv_heads, head_dim, same_bits):
     if same_bits:
         assert torch.equal(got, want)
     else:
-        torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+        torch.testing.assert_close(got, want, atol=atol(torch.bfloat16, head_dim), rtol=0)
         assert not torch.equal(got, want)  # the keys-in-lanes loop did run here
 
 
@@ -322,23 +341,82 @@ def shared_prefix_step(prefix_blocks, lengths, rows, block_size=16, heads=9, kv_
     return batch, kv, torch.randn(int(rows.sum()), heads, head_dim, generator=gen)
 
 
+def kernel_build(name: str) -> cpu_kernels.PagedAttentionKernel:
+    """This machine's build ("native"), or without AVX512-BF16 ("fp32 products": the keys-in-lanes
+    loop of AVX-512 CPUs without it; skipped where this CPU lacks it anyway)."""
+    if name == "native":
+        return native_kernel()
+    if "avx512_bf16" not in cpu_id():
+        pytest.skip("this CPU has no AVX512-BF16: its own build multiplies in fp32")
+    return cpu_kernels.PagedAttentionKernel(ctypes.CDLL(str(cpu_kernels.build("paged_attention", ("-mno-avx512bf16",)))))
+
+
+def attend_by(kernel, batch, kv, q):
+    backend = TorchCpuBackend(batch.block_size)
+    backend.kernel = kernel
+    return backend.attend(kv, q, backend.prepare(batch))
+
+
+@pytest.mark.parametrize("build", ["native", "fp32 products"])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (64, 8), (128, 32), (256, 16)])
-def test_sequences_sharing_a_prompt_give_the_bits_each_gives_alone(head_dim, block_size):
+def test_sequences_sharing_a_prompt_give_the_bits_each_gives_alone(head_dim, block_size, build):
     """A bf16 pool whose sequences share their first blocks: their rows are scored against each
     shared key tile together (up to 8 sequences a task). Each row's output equals the torch path's
-    and, to the last bit, what its sequence gives alone: decodes, verification chunks, a sequence
-    shorter than the shared blocks, and more sharers than one task holds; head_dim 256 (Gemma 3)
-    takes the loop's generic width."""
+    (within the bf16 products' rounding where the build takes them) and, to the last bit, what its
+    sequence gives alone: decodes, verification chunks, a sequence shorter than the shared blocks,
+    and more sharers than one task holds; head_dim 256 (Gemma 3) takes the loop's generic width."""
+    kernel = kernel_build(build)
+    assert kernel.bf16_products == (build == "native" and "avx512_bf16" in cpu_id())
     lengths = [300, 310, 299, 420, 305, 333, 301, 302, 303, 40, 350, 300]
     rows = [1, 1, 4, 1, 1, 3, 1, 1, 1, 1, 2, 1]
     batch, kv, q = shared_prefix_step(300 // block_size, lengths, rows, block_size, 8, 2, head_dim)
-    step = attend(batch, kv, q)
-    torch.testing.assert_close(step, attend(batch, kv, q, use_kernel=False), atol=2e-6, rtol=0)
+    step = attend_by(kernel, batch, kv, q)
+    torch.testing.assert_close(step, attend(batch, kv, q, use_kernel=False),
+                               atol=atol(torch.bfloat16, head_dim, kernel=kernel), rtol=0)
     tokens, blocks = batch.token_offsets(), batch.block_offsets()
     for a in range(batch.num_seqs):
         alone = AttentionBatch(batch.start_positions[a:a + 1], batch.num_tokens[a:a + 1], batch.num_blocks[a:a + 1],
                                batch.block_ids[blocks[a]:blocks[a + 1]], block_size)
-        assert torch.equal(attend(alone, kv, q[tokens[a]:tokens[a + 1]]), step[tokens[a]:tokens[a + 1]]), a
+        assert torch.equal(attend_by(kernel, alone, kv, q[tokens[a]:tokens[a + 1]]), step[tokens[a]:tokens[a + 1]]), a
+
+
+def rounded_attention(batch, kv, q):
+    """Causal attention row by hand in float64 with the bf16 products' roundings: the query
+    rounded to bf16 before the scores, the probabilities after the softmax."""
+    kv_flat = kv.float().view(2, -1, kv.shape[-2], kv.shape[-1])
+    out, row = torch.empty_like(q), 0
+    group = q.shape[1] // kv.shape[-2]
+    for seq, (start, n) in enumerate(zip(batch.start_positions.tolist(), batch.num_tokens.tolist())):
+        table = batch.padded_tables(np.array([seq]))[0]
+        slots = (torch.from_numpy(table)[:, None] * batch.block_size + torch.arange(batch.block_size)).reshape(-1)
+        k, v = (kv_flat[j, slots[:start + n]].repeat_interleave(group, dim=1).double() for j in (0, 1))
+        for i in range(n):
+            scores = torch.einsum("hd,khd->hk", q[row + i].bfloat16().double(), k) * q.shape[-1] ** -0.5
+            scores[:, start + i + 1:] = float("-inf")
+            probs = scores.softmax(-1).float().bfloat16().double()
+            out[row + i] = torch.einsum("hk,khd->hd", probs, v).float()
+        row += n
+    return out
+
+
+@pytest.mark.parametrize("head_dim,shared", [(64, False), (128, False), (64, True)])
+def test_bf16_products_round_the_query_and_the_probabilities_and_nothing_else(head_dim, shared):
+    """With AVX512-BF16 the bf16 pool's rows are attention with the query and the probabilities
+    rounded to bf16 and every product exact: within float sums' last bits of that computed by
+    hand (a rounding tie may move one probability by its last bit), ~100x closer than to the
+    same attention unrounded. Decodes and verification chunks, shared blocks or not."""
+    if not native_kernel().bf16_products:
+        pytest.skip("this build multiplies in fp32 (no AVX512-BF16)")
+    if shared:
+        batch, kv, q = shared_prefix_step(300 // 16, [300, 310, 299, 420, 305, 40], [1, 1, 4, 1, 3, 1],
+                                          16, 8, 2, head_dim)
+    else:
+        batch, kv, q = random_step([0, 5, 48, 37, 100, 2, 63], [1, 1, 1, 4, 16, 3, 1], 8, 2, head_dim, seed=2)
+        kv = kv.bfloat16()
+    got = attend(batch, kv, q)
+    near = (got - rounded_attention(batch, kv, q)).abs().max().item()
+    exact = (got - reference_attention(batch, kv.float(), q)).abs().max().item()
+    assert near < 2e-4 and near * 20 < exact, (near, exact)
 
 
 def test_the_bf16_loop_without_avx2_agrees_with_the_torch_path():

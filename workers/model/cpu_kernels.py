@@ -114,12 +114,16 @@ class PagedAttentionKernel:
             fn.restype = ctypes.c_int
             self._fns[dtype] = fn
         self.library = library
+        self.bf16_products = bool(library.paged_attention_bf16_products())
+        """Whether rows over a bf16 pool (head_dim a multiple of 32, up to 256) round the query
+        and the probabilities to bf16 and multiply bf16 pairs (AVX512-BF16 builds)."""
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor,
                  num_keys: torch.Tensor, num_rows: torch.Tensor, scale: float | None = None,
                  softcap: float = 0.0) -> torch.Tensor:
         """q [A, Qmax, heads, head_dim] fp32; kv [2, num_blocks, block_size, kv_heads, head_dim]
-        fp32 or bf16 (widened exactly as it is read; the bf16 loop sums in its own fixed order);
+        fp32 or bf16 (widened exactly as it is read; the bf16 loop sums in its own fixed order,
+        and with bf16_products rounds the query and the probabilities to bf16);
         tables [A, Bmax] int64; mask [A, Qmax, Bmax * block_size] bool; num_keys, num_rows [A]
         int64 -> out like q (rows past num_rows[a] undefined). Scores are
         q . k * scale (default 1 / sqrt(head_dim)), soft-capped when softcap > 0."""

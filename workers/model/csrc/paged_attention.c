@@ -1,5 +1,5 @@
 /* Paged attention for short chunks (decode, speculative verification) on CPU: fp32 arithmetic
- * over an fp32 or a bfloat16 pool (--kv-cache-dtype).
+ * over an fp32 or a bfloat16 pool (--kv-cache-dtype; with AVX512-BF16, bf16 products there).
  *
  * Reads each sequence's K/V where they lie in the pool (no gathered copy) and computes
  * every (row, head) in a fixed order that depends only on that row's visible keys, so a
@@ -22,6 +22,11 @@
  *     all their rows. At 16 decodes sharing 512 of 561 keys, 5.0-5.5 ns a (key, head) against
  *     the tiled loop's 9.0-9.7; without sharing 12-14 against 13-15 (memory-bound) (2 threads,
  *     Zen 4).
+ *   - the same with AVX512-BF16 (LANES_BF16): the query and the probabilities are rounded to
+ *     bf16 (as the pool's K and V are) and each vdpbf16ps adds two exact products of pairs: half
+ *     the multiply-adds, the keys transposed as 32-bit pairs, the values zipped two keys at a
+ *     time. The values move by up to ~2^-8 of their scale (as the pool's own rounding moves them);
+ *     shared 512 of 561 keys 4.8-5.0 -> 3.7-3.9 ns, unshared 15-20% less.
  * Compiled on first use by workers/model/cpu_kernels.py; layout in its docstring.
  * Owns: the arithmetic. Does not own: the metadata (workers/model/attention.py) or the pool.
  */
@@ -401,11 +406,17 @@ static __attribute__((noinline)) int attend_bf16(
 #define MAX_LANES_D 256
 #define QK_ROWS 6     /* (row, head)s a pass of the score loop: 4 x 6 chains of FMAs */
 #define MEMBERS 8     /* sequences sharing a prefix in one task: their rows share each key tile */
+#if defined(__AVX512BF16__)
+#define LANES_BF16 1  /* products of bf16 pairs (vdpbf16ps): the query and the probabilities rounded to bf16 */
+#else
+#define LANES_BF16 0  /* fp32 FMAs over the widened keys and values */
+#endif
 
 /* One (row, head) of a task: its query, scores/probabilities [ceil16(keys)] (key t in lane t mod
  * 16 of its tile), mask row, output, and its sequence's key count. */
 struct LaneRow {
     const float *q;
+    const uint32_t *q2;  /* LANES_BF16: q rounded to bf16, value 2i in the low half of pair i */
     float *p;
     const uint8_t *mask;
     float *out;
@@ -414,7 +425,7 @@ struct LaneRow {
 
 /* The index vectors of the tile transposition (vpermt2w): three rounds of zips, then one that
  * leaves key k of a tile's j-th value at the word unpacking with zeros widens into lane k. */
-struct Transpose { __m512i zip_lo, zip_hi, last_lo, last_hi; };
+struct Transpose { __m512i zip_lo, zip_hi, last_lo, last_hi, pair_lo, pair_hi; };
 
 static void transpose_plan(struct Transpose *t) {
     uint16_t lo[32], hi[32], last_lo[32], last_hi[32];
@@ -430,6 +441,13 @@ static void transpose_plan(struct Transpose *t) {
         last_lo[pos] = lo[16 * second + key];
         last_hi[pos] = hi[16 * second + key];
     }
+    uint32_t pair_lo[16], pair_hi[16];  /* the same zips of 32-bit pairs: four rounds transpose 16 x 16 */
+    for (int e = 0; e < 16; e++) {
+        pair_lo[e] = (uint32_t)((e & 1) * 16 + e / 2);
+        pair_hi[e] = pair_lo[e] + 8;
+    }
+    t->pair_lo = _mm512_loadu_si512(pair_lo);
+    t->pair_hi = _mm512_loadu_si512(pair_hi);
     t->zip_lo = _mm512_loadu_si512(lo);
     t->zip_hi = _mm512_loadu_si512(hi);
     t->last_lo = _mm512_loadu_si512(last_lo);
@@ -462,26 +480,53 @@ static inline __attribute__((always_inline)) void transpose_keys(const struct Tr
     }
 }
 
+/* kt [d / 2][16] = the 16 key rows [d] as bf16 pairs, transposed: kt[i][k] = (keys[k][2i],
+ * keys[k][2i + 1]), the bits as stored (LANES_BF16). */
+static inline __attribute__((always_inline)) void transpose_pairs(const struct Transpose *t, const uint16_t *const *keys,
+                                                                  int64_t d, uint32_t *kt) {
+    for (int64_t c = 0; c < d; c += 32) {
+        __m512i r[16], x[16];
+        for (int k = 0; k < 16; k++) r[k] = _mm512_loadu_si512(keys[k] + c);
+        for (int round = 0; round < 4; round++) {
+            for (int m = 0; m < 8; m++) {
+                x[2 * m] = _mm512_permutex2var_epi32(r[m], t->pair_lo, r[m + 8]);
+                x[2 * m + 1] = _mm512_permutex2var_epi32(r[m], t->pair_hi, r[m + 8]);
+            }
+            memcpy(r, x, sizeof r);
+        }
+        for (int i = 0; i < 16; i++) _mm512_store_si512(kt + (c / 2 + i) * 16, r[i]);
+    }
+}
+
 /* Scores of rows [0, n) (n <= QK_ROWS) against a tile: lane k of s[r] = sum over j of
  * q[r][j] * kt[j][k], summed in 4 chains (j mod 4, each in order of j) added as (0 + 1) + (2 + 3).
  * The same operations whatever n is and whichever rows share the pass. */
-static inline __attribute__((always_inline)) void tile_scores(const float *kt, int64_t d, const struct LaneRow *rows,
+static inline __attribute__((always_inline)) void tile_scores(const void *kt, int64_t d, const struct LaneRow *rows,
                                                               int n, __m512 *s) {
     __m512 acc[QK_ROWS][4];
     for (int r = 0; r < n; r++)
         for (int u = 0; u < 4; u++) acc[r][u] = _mm512_setzero_ps();
+#if LANES_BF16  /* the pairs of query values: 4 chains by pair mod 4, exact products */
+    for (int64_t i = 0; i < d / 2; i += 4)
+        for (int u = 0; u < 4; u++) {
+            const __m512bh k = (__m512bh)_mm512_load_si512((const uint32_t *)kt + (i + u) * 16);
+            for (int r = 0; r < n; r++)
+                acc[r][u] = _mm512_dpbf16_ps(acc[r][u], k, (__m512bh)_mm512_set1_epi32((int)rows[r].q2[i + u]));
+        }
+#else
     for (int64_t j = 0; j < d; j += 4)
         for (int u = 0; u < 4; u++) {
-            const __m512 k = _mm512_load_ps(kt + (j + u) * 16);
+            const __m512 k = _mm512_load_ps((const float *)kt + (j + u) * 16);
             for (int r = 0; r < n; r++) acc[r][u] = _mm512_fmadd_ps(_mm512_set1_ps(rows[r].q[j + u]), k, acc[r][u]);
         }
+#endif
     for (int r = 0; r < n; r++)
         s[r] = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
 }
 
 /* Rows [0, n): scores of the tile at key t0 scaled, soft-capped, -inf where the row does not see
  * the key (its mask, or past its sequence's keys), stored in lanes t0..t0 + 15 of their p. */
-static inline __attribute__((always_inline)) void score_rows(const struct Shape *sh, const float *kt, int64_t d,
+static inline __attribute__((always_inline)) void score_rows(const struct Shape *sh, const void *kt, int64_t d,
                                                              const struct LaneRow *rows, int n, int64_t t0) {
     __m512 s[QK_ROWS];
     tile_scores(kt, d, rows, n, s);
@@ -536,7 +581,13 @@ static void softmax_lanes(float *p, int64_t n16) {
         total = _mm512_add_ps(total, e);
     }
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+#if LANES_BF16  /* rounded to bf16 in place: probability t at bf16 t of the same memory (behind the reads) */
+    uint16_t *p16 = (uint16_t *)p;
+    for (int64_t t = 0; t < n16; t += 16)
+        _mm256_storeu_si256((__m256i *)(p16 + t), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(p + t), inv)));
+#else
     for (int64_t t = 0; t < n16; t += 16) _mm512_store_ps(p + t, _mm512_mul_ps(_mm512_load_ps(p + t), inv));
+#endif
 }
 
 static inline __m512 widen16(const uint16_t *p) {
@@ -563,6 +614,47 @@ static inline __attribute__((always_inline)) void add_values(const struct LaneRo
         for (int64_t c = 0; c < c16; c++) _mm512_storeu_ps(rows[r].out + 16 * c, o[r * c16 + c]);
 }
 
+#if LANES_BF16
+/* add_values with products of bf16 pairs: keys t0 + k and t0 + k + 1 (k even; past count: zeros)
+ * zipped per value (unpacklo/hi: the outputs' lanes in that permuted order until unpermute_out)
+ * times their two probabilities, in order of the pairs. */
+static inline __attribute__((always_inline)) void add_values_pairs(const struct LaneRow *rows, int n,
+                                                                   const uint16_t *const *values, int64_t t0, int count,
+                                                                   int64_t d, const uint16_t *zeros) {
+    __m512 o[24];
+    const int64_t c16 = d / 16;
+    if (n * c16 > 24) __builtin_unreachable();  /* value_range's row blocks */
+    for (int r = 0; r < n; r++)
+        for (int64_t c = 0; c < c16; c++) o[r * c16 + c] = _mm512_loadu_ps(rows[r].out + 16 * c);
+    for (int k = 0; k < count; k += 2) {
+        const uint16_t *v0 = values[k], *v1 = k + 1 < count ? values[k + 1] : zeros;
+        for (int64_t c = 0; c < c16; c += 2) {
+            const __m512i a = _mm512_loadu_si512(v0 + 16 * c), b = _mm512_loadu_si512(v1 + 16 * c);
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int r = 0; r < n; r++) {
+                const __m512bh pp = (__m512bh)_mm512_set1_epi32(((const int32_t *)rows[r].p)[(t0 + k) / 2]);
+                o[r * c16 + c] = _mm512_dpbf16_ps(o[r * c16 + c], lo, pp);
+                o[r * c16 + c + 1] = _mm512_dpbf16_ps(o[r * c16 + c + 1], hi, pp);
+            }
+        }
+    }
+    for (int r = 0; r < n; r++)
+        for (int64_t c = 0; c < c16; c++) _mm512_storeu_ps(rows[r].out + 16 * c, o[r * c16 + c]);
+}
+
+/* A row's output from add_values_pairs' lane order back to value order: of each 32 values,
+ * unpacklo's lane 4L + i held value 8L + i, unpackhi's value 8L + 4 + i. */
+static void unpermute_out(float *out, int64_t d) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int64_t c = 0; c < d; c += 32) {
+        const __m512 lo = _mm512_loadu_ps(out + c), hi = _mm512_loadu_ps(out + c + 16);
+        _mm512_storeu_ps(out + c, _mm512_permutex2var_ps(lo, first, hi));
+        _mm512_storeu_ps(out + c + 16, _mm512_permutex2var_ps(lo, second, hi));
+    }
+}
+#endif
+
 /* Where key t of KV head g lies in a pool half (its sequence's block table). Per key, not
  * seq_slots' array: with the slots computed ahead (or a tile's incrementally) the loop read an
  * unshared pool 10-30% slower in the C driver (16 x 561 keys: 11.7 -> 15 ns a (key, head)). */
@@ -582,7 +674,11 @@ static inline __attribute__((always_inline)) void score_range(
         for (int k = 0; k < KEYS; k++) keys[k] = t0 + k < to ? slot_of(sh, kv, table, t0 + k, g) : zeros;
         for (int k = 0; k < KEYS && t0 + KEYS + k < to; k++)  /* the next tile's lines */
             prefetch_span(slot_of(sh, kv, table, t0 + KEYS + k, g), d * 2);
+#if LANES_BF16
+        transpose_pairs(tp, keys, d, (uint32_t *)kt);
+#else
         transpose_keys(tp, keys, d, kt);
+#endif
         int64_t r = 0;
         for (; r + QK_ROWS <= n; r += QK_ROWS) score_rows(sh, kt, d, rows + r, QK_ROWS, t0);
         switch (n - r) {  /* constant row counts: the sums in registers */
@@ -599,7 +695,7 @@ static inline __attribute__((always_inline)) void score_range(
 /* out of rows [0, n) += their probabilities times the values of keys [from, to). */
 static inline __attribute__((always_inline)) void value_range(
         const struct Shape *sh, const uint16_t *values, const int64_t *table, int64_t g, int64_t from, int64_t to,
-        const struct LaneRow *rows, int64_t n, int64_t d) {
+        const struct LaneRow *rows, int64_t n, const uint16_t *zeros, int64_t d) {
     const int block_rows = (int)(24 / (d / 16)) < 6 ? (int)(24 / (d / 16)) : 6;
     for (int64_t t0 = from; t0 < to; t0 += KEYS) {
         const int count = to - t0 < KEYS ? (int)(to - t0) : KEYS;
@@ -609,14 +705,20 @@ static inline __attribute__((always_inline)) void value_range(
             prefetch_span(slot_of(sh, values, table, t0 + KEYS + k, g), d * 2);
         for (int64_t r = 0; r < n;) {  /* constant row counts: the outputs in registers */
             const int64_t left = n - r < block_rows ? n - r : block_rows;
+#if LANES_BF16
+#define ADD(N) add_values_pairs(rows + r, N, rows_v, t0, count, d, zeros)
+#else
+#define ADD(N) add_values(rows + r, N, rows_v, t0, count, d)
+#endif
             switch (left) {
-                case 6: add_values(rows + r, 6, rows_v, t0, count, d); break;
-                case 5: add_values(rows + r, 5, rows_v, t0, count, d); break;
-                case 4: add_values(rows + r, 4, rows_v, t0, count, d); break;
-                case 3: add_values(rows + r, 3, rows_v, t0, count, d); break;
-                case 2: add_values(rows + r, 2, rows_v, t0, count, d); break;
-                default: add_values(rows + r, 1, rows_v, t0, count, d); break;
+                case 6: ADD(6); break;
+                case 5: ADD(5); break;
+                case 4: ADD(4); break;
+                case 3: ADD(3); break;
+                case 2: ADD(2); break;
+                default: ADD(1); break;
             }
+#undef ADD
             r += left;
         }
     }
@@ -642,7 +744,8 @@ static inline __attribute__((always_inline)) int attend_lanes_task(
     struct LaneRow *rows = malloc(sizeof(struct LaneRow) * n);
     float *p = aligned_alloc(64, sizeof(float) * (floats + 16));
     float *kt = aligned_alloc(64, sizeof(float) * d * KEYS);
-    int status = rows && p && kt ? 0 : OUT_OF_MEMORY;
+    uint32_t *q2 = LANES_BF16 ? aligned_alloc(64, sizeof(uint32_t) * (n * d / 2 + 16)) : NULL;
+    int status = rows && p && kt && (q2 || !LANES_BF16) ? 0 : OUT_OF_MEMORY;
     int64_t *starts = malloc(sizeof(int64_t) * (m + 1));  /* member i's rows: [starts[i], starts[i + 1]) */
     if (!starts) status = OUT_OF_MEMORY;
     for (int64_t i = 0, r = 0, f = 0; i < m && !status; i++) {
@@ -655,8 +758,13 @@ static inline __attribute__((always_inline)) int attend_lanes_task(
         for (int64_t row = 0; row < num_rows[a]; row++)
             for (int64_t h = g * group; h < (g + 1) * group; h++, r++) {
                 const int64_t at = (a * sh->q_max + row) * sh->heads + h;
-                rows[r] = (struct LaneRow){q + at * d, p + f, mask + (a * sh->q_max + row) * mask_keys, out + at * d,
-                                           keys};
+                rows[r] = (struct LaneRow){q + at * d, q2 ? q2 + r * d / 2 : NULL, p + f,
+                                           mask + (a * sh->q_max + row) * mask_keys, out + at * d, keys};
+#if LANES_BF16
+                for (int64_t j = 0; j < d; j += 16)  /* round to nearest even */
+                    _mm256_store_si256((__m256i *)(q2 + r * d / 2 + j / 2),
+                                       (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(q + at * d + j)));
+#endif
                 f += (keys + 15) & ~(int64_t)15;
             }
         starts[i + 1] = r;
@@ -671,14 +779,18 @@ static inline __attribute__((always_inline)) int attend_lanes_task(
             softmax_lanes(rows[r].p, (rows[r].keys + 15) & ~(int64_t)15);
             memset(rows[r].out, 0, sizeof(float) * d);
         }
-        value_range(sh, values, first, g, 0, shared, rows, n, d);
+        value_range(sh, values, first, g, 0, shared, rows, n, zeros, d);
         for (int64_t i = 0; i < m; i++)
             value_range(sh, values, tables + members[i] * sh->max_blocks, g, shared, num_keys[members[i]],
-                        rows + starts[i], starts[i + 1] - starts[i], d);
+                        rows + starts[i], starts[i + 1] - starts[i], zeros, d);
+#if LANES_BF16
+        for (int64_t r = 0; r < n; r++) unpermute_out(rows[r].out, d);
+#endif
     }
     free(rows);
     free(p);
     free(kt);
+    free(q2);
     free(starts);
     return status;
 }
@@ -789,6 +901,16 @@ static int attend_short(const float *q, const void *kv, const int64_t *tables, c
         free(slots);
     }
     return status;
+}
+
+/* 1 where a bf16 pool's rows take products of bf16 pairs (head_dim a multiple of 32 up to 256:
+ * the query and the probabilities rounded to bf16), 0 where every product is fp32. */
+int paged_attention_bf16_products(void) {
+#if defined(LANES_LOOP) && LANES_BF16
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 int paged_attention_short(const float *q, const float *kv, const int64_t *tables, const uint8_t *mask,
