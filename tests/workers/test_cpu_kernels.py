@@ -430,3 +430,34 @@ def test_the_bf16_loop_without_avx2_agrees_with_the_torch_path():
     backend.kernel = other
     torch.testing.assert_close(backend.attend(kv16, q, backend.prepare(batch)),
                                attend(batch, kv16, q, use_kernel=False), atol=2e-6, rtol=0)
+
+
+def test_chunks_up_to_the_kernels_limit_take_the_kernel_over_a_bf16_pool():
+    """Over a bf16 pool the keys-in-lanes loop takes, chunks of 17..KERNEL_CHUNK_TOKENS tokens (a
+    prompt's rest after a cached prefix, a budgeted prompt chunk) are the kernel's second padded
+    batch: each of their rows is, to the last bit, that token decoded alone at its position. Longer
+    chunks keep SDPA; over an fp32 pool the medium chunks do too, as long chunks."""
+    kernel = native_kernel()
+    if not kernel.lanes_loop(64):
+        pytest.skip("this build has no keys-in-lanes loop (AVX-512)")
+    from workers.model.attention import KERNEL_CHUNK_TOKENS, SHORT_CHUNK_TOKENS
+    starts, rows = [300, 0, 40, 7, 0], [1, 40, 17, KERNEL_CHUNK_TOKENS, KERNEL_CHUNK_TOKENS + 1]
+    batch, kv, q = random_step(starts, rows, 9, 3, 64, seed=8)
+    backend = TorchCpuBackend(batch.block_size)
+    meta = backend.prepare(batch)
+    assert meta.medium is not None and meta.medium.num_rows.tolist() == rows[1:4]
+    assert [c.num_tokens for c in meta.longs] == [KERNEL_CHUNK_TOKENS + 1]
+    kv16 = kv.bfloat16()
+    got = backend.attend(kv16, q, meta)
+    torch.testing.assert_close(got, attend(batch, kv16, q, use_kernel=False), atol=atol(torch.bfloat16, 64), rtol=0)
+    tokens, blocks = batch.token_offsets(), batch.block_offsets()
+    for a in (1, 2, 3):
+        table = batch.block_ids[blocks[a]:blocks[a + 1]]
+        for i in (0, rows[a] // 2, rows[a] - 1):
+            position = starts[a] + i
+            need = position // batch.block_size + 1
+            alone = AttentionBatch(np.array([position]), np.array([1]), np.array([need]), table[:need], batch.block_size)
+            row = tokens[a] + i
+            assert torch.equal(attend(alone, kv16, q[row:row + 1]), got[row:row + 1]), (a, i)
+    assert rows[1] > SHORT_CHUNK_TOKENS
+    torch.testing.assert_close(backend.attend(kv, q, meta), attend(batch, kv, q, use_kernel=False), atol=2e-6, rtol=0)

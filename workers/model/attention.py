@@ -30,6 +30,13 @@ from workers.spec.tree import TreeLayout
 
 SHORT_CHUNK_TOKENS = 16
 """Chunks of at most this many tokens (decodes, speculative verification) share one padded batch."""
+KERNEL_CHUNK_TOKENS = 256
+"""On the CPU kernel's keys-in-lanes loop (a bf16 pool, AVX-512), longer chunks up to this many
+tokens (prefill after a cached prefix, a budgeted prompt chunk) are a second padded batch for the
+kernel instead of one gathered SDPA each: it reads K/V in place, where SDPA widens a gathered copy
+first. One layer, 2 threads, Zen 4 (`kernel/sdpa`): 32 tokens after 512 cached 0.41, 256 after 512
+0.63, 256 alone 0.80, 512 alone 0.94; 1,024 alone 1.5 (the kernel scores every key of the chunk,
+masked or not, where causal SDPA skips the masked half)."""
 CPU_CHUNK_BYTES = 2 << 20
 """The padded batch is attended a few sequences at a time, ~2 MiB of gathered K/V each: at 64
 sequences x 176 positions this cut attention CPU time from 10.3 to 4.4 ms per layer."""
@@ -140,6 +147,11 @@ class AttentionMetadata:
     longs: list[LongChunk]
     batch: AttentionBatch | None = None  # what windowed masks are built from
     windowed: dict[int, AttentionMetadata] = field(default_factory=dict)  # by window, built once
+    medium: ShortGroup | None = None
+    """Chunks of SHORT_CHUNK_TOKENS < n <= KERNEL_CHUNK_TOKENS as a padded batch, where the
+    backend has a kernel for them (TorchCpuBackend); `attend` takes it or medium_longs."""
+    medium_longs: list[LongChunk] = field(default_factory=list)
+    """The same chunks one by one, for SDPA (a pool or head size the kernel's loop does not take)."""
 
 
 class AttentionBackend(ABC):
@@ -165,6 +177,10 @@ class TorchPagedBackend(AttentionBackend):
 
     Works on any device; TorchCpuBackend and CudaBackend below pick the device."""
 
+    medium_chunk_tokens = 0
+    """Above SHORT_CHUNK_TOKENS, chunks up to this many tokens also get a padded batch
+    (AttentionMetadata.medium); 0: none (every longer chunk is a LongChunk)."""
+
     def __init__(self, block_size: int, device: torch.device | str = "cpu",
                  chunk_bytes: int | None = CPU_CHUNK_BYTES) -> None:
         self.block_size = block_size
@@ -178,12 +194,16 @@ class TorchPagedBackend(AttentionBackend):
         if batch.tree:  # token-tree rows: rotary position = root + depth, slots stay in order
             positions = batch.tree.rotary_positions(batch.token_offsets(), positions)
         short_seqs = np.flatnonzero(batch.num_tokens <= SHORT_CHUNK_TOKENS)
-        long_seqs = np.flatnonzero(batch.num_tokens > SHORT_CHUNK_TOKENS)
+        is_medium = (batch.num_tokens > SHORT_CHUNK_TOKENS) & (batch.num_tokens <= self.medium_chunk_tokens)
+        medium_seqs = np.flatnonzero(is_medium)
+        long_seqs = np.flatnonzero((batch.num_tokens > SHORT_CHUNK_TOKENS) & ~is_medium)
         masks = _Masks(positions, window)
         return AttentionMetadata(
             positions=self._tensor(positions), slots=self._tensor(slots),
             short=self._short_group(batch, short_seqs, masks) if len(short_seqs) else None,
-            longs=[self._long_chunk(batch, int(s), masks) for s in long_seqs], batch=batch)
+            longs=[self._long_chunk(batch, int(s), masks) for s in long_seqs], batch=batch,
+            medium=self._short_group(batch, medium_seqs, masks) if len(medium_seqs) else None,
+            medium_longs=[self._long_chunk(batch, int(s), masks) for s in medium_seqs])
 
     def with_window(self, meta: AttentionMetadata, window: int) -> AttentionMetadata:
         """`meta` with keys older than `window` masked (built on first use in a step)."""
@@ -243,15 +263,24 @@ class TorchPagedBackend(AttentionBackend):
     def attend(self, kv: torch.Tensor, q: torch.Tensor, meta: AttentionMetadata,
                params: AttentionParams = DEFAULT_PARAMS) -> torch.Tensor:
         meta = self.with_window(meta, params.window)
-        if meta.short is not None and meta.short.is_identity and not meta.longs:
+        if meta.short is not None and meta.short.is_identity and not meta.longs and meta.medium is None:
             return self._attend_short(kv, q, meta.short, params)  # pure decode step: no scatter
         out = torch.empty_like(q)
         if meta.short is not None:
             out[meta.short.out_rows] = self._attend_short(kv, q, meta.short, params)
-        for chunk in meta.longs:
+        longs = meta.longs
+        if meta.medium is not None and self._takes_medium(kv, q):
+            out[meta.medium.out_rows] = self._attend_short(kv, q, meta.medium, params)
+        else:
+            longs = longs + meta.medium_longs
+        for chunk in longs:
             rows = slice(chunk.first_row, chunk.first_row + chunk.num_tokens)
             out[rows] = self._attend_long(kv, q[rows], chunk, params)
         return out
+
+    def _takes_medium(self, kv: torch.Tensor, q: torch.Tensor) -> bool:
+        """Whether a medium group is attended as one (else its chunks as long ones)."""
+        return False
 
     def _attend_short(self, kv: torch.Tensor, q: torch.Tensor, group: ShortGroup,
                       params: AttentionParams = DEFAULT_PARAMS) -> torch.Tensor:
@@ -339,14 +368,24 @@ class TorchCpuBackend(TorchPagedBackend):
     """The CPU backend: fp32 arithmetic over an fp32 or bf16 pool (`--kv-cache-dtype`; K/V are
     rounded to bf16 as they are stored and widened as they are read). Short chunks (decode,
     verification) go to the native paged-attention kernel (workers/model/csrc/paged_attention.c),
-    which reads K/V in place and computes a row alike in any batch; long chunks, and short ones
-    where the kernel cannot be built, to torch's CPU SDPA over gathered blocks. SmolLM2 decoded
-    1.1-1.8x faster with the kernel (more at longer contexts: docs/runtime.md)."""
+    which reads K/V in place and computes a row alike in any batch; over a bf16 pool that its
+    keys-in-lanes loop takes, so do chunks up to KERNEL_CHUNK_TOKENS (a second padded batch);
+    longer chunks, and any where the kernel cannot be built, to torch's CPU SDPA over gathered
+    blocks. SmolLM2 decoded 1.1-1.8x faster with the kernel (more at longer contexts:
+    docs/runtime.md)."""
 
     def __init__(self, block_size: int, chunk_bytes: int | None = CPU_CHUNK_BYTES,
                  use_kernel: bool = True) -> None:
         super().__init__(block_size, "cpu", chunk_bytes)
         self.kernel = cpu_kernels.paged_attention() if use_kernel else None
+        if self.kernel is not None and self.kernel.lanes_loop(32):
+            self.medium_chunk_tokens = KERNEL_CHUNK_TOKENS
+
+    def _takes_medium(self, kv: torch.Tensor, q: torch.Tensor) -> bool:
+        """The keys-in-lanes loop's pools only: over an fp32 pool (key by key) the kernel took
+        2-4x SDPA's time for such chunks."""
+        return (self.kernel is not None and kv.dtype == torch.bfloat16 and q.dtype == torch.float32
+                and self.kernel.lanes_loop(q.shape[-1]))
 
     def write_kv(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> None:

@@ -114,9 +114,16 @@ class PagedAttentionKernel:
             fn.restype = ctypes.c_int
             self._fns[dtype] = fn
         self.library = library
+        library.paged_attention_lanes.argtypes = [ctypes.c_int64]
+        self._lanes = library.paged_attention_lanes
         self.bf16_products = bool(library.paged_attention_bf16_products())
         """Whether rows over a bf16 pool (head_dim a multiple of 32, up to 256) round the query
         and the probabilities to bf16 and multiply bf16 pairs (AVX512-BF16 builds)."""
+
+    def lanes_loop(self, head_dim: int) -> bool:
+        """Whether rows over a bf16 pool of this head_dim take the keys-in-lanes loop (AVX-512
+        builds: head_dim a multiple of 32, up to 256)."""
+        return bool(self._lanes(head_dim))
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor,
                  num_keys: torch.Tensor, num_rows: torch.Tensor, scale: float | None = None,

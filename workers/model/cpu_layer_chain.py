@@ -147,7 +147,7 @@ class LayerChain:
         """Whether this step is one the chain computes: short chunks only (decode, speculative
         verification) on the CPU kernel, every matrix on a C path at this row count."""
         short = meta.short
-        if short is None or meta.longs or not isinstance(backend, TorchCpuBackend):
+        if short is None or meta.longs or meta.medium is not None or not isinstance(backend, TorchCpuBackend):
             return False
         if backend.kernel is not paged_attention():
             return False

@@ -864,6 +864,16 @@ static int attend_lanes(const struct Shape *sh, const float *q, const uint16_t *
 }
 #endif
 
+/* Whether rows over a bf16 pool of this head_dim take the keys-in-lanes loop (AVX-512). */
+int paged_attention_lanes(int64_t head_dim) {
+#if defined(LANES_LOOP)
+    return head_dim % 32 == 0 && head_dim <= MAX_LANES_D;
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
+
 /* q, out: [num_seqs, q_max, heads, head_dim]; kv: [2, num_blocks, block_size, kv_heads,
  * head_dim], fp32 or (bf16) uint16 bits; tables: [num_seqs, max_blocks]; mask: [num_seqs, q_max,
  * max_blocks * block_size] (nonzero: row sees key; a sliding window is a mask too); num_keys,
@@ -876,7 +886,7 @@ static int attend_short(const float *q, const void *kv, const int64_t *tables, c
     const struct Shape sh = {dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6],
                              dims[7], scale, softcap};
 #if defined(LANES_LOOP)
-    if (bf16 && sh.head_dim % 32 == 0 && sh.head_dim <= MAX_LANES_D)
+    if (bf16 && paged_attention_lanes(sh.head_dim))
         return attend_lanes(&sh, q, kv, tables, mask, num_keys, num_rows, out, num_threads);
 #endif
     /* fewer sequences than threads: split each by KV head so every thread has work */
