@@ -342,13 +342,56 @@ def shared_prefix_step(prefix_blocks, lengths, rows, block_size=16, heads=9, kv_
 
 
 def kernel_build(name: str) -> cpu_kernels.PagedAttentionKernel:
-    """This machine's build ("native"), or without AVX512-BF16 ("fp32 products": the keys-in-lanes
-    loop of AVX-512 CPUs without it; skipped where this CPU lacks it anyway)."""
-    if name == "native":
-        return native_kernel()
-    if "avx512_bf16" not in cpu_id():
-        pytest.skip("this CPU has no AVX512-BF16: its own build multiplies in fp32")
-    return cpu_kernels.PagedAttentionKernel(ctypes.CDLL(str(cpu_kernels.build("paged_attention", ("-mno-avx512bf16",)))))
+    """This machine's build with its bf16 pool's products fixed: "fp32 products" (what CPUs
+    without AVX512-BF16 take, and those with it where they measured faster) or "bf16 products"
+    (skipped where this CPU has no AVX512-BF16)."""
+    native = native_kernel()
+    if name == "bf16 products" and not native.can_pair:
+        pytest.skip("this CPU has no AVX512-BF16: its build multiplies in fp32 only")
+    return cpu_kernels.PagedAttentionKernel(native.library, bf16_products=name == "bf16 products")
+
+
+def test_the_bf16_products_are_what_this_cpu_measured_faster_recorded_beside_the_build():
+    """Where the build has bf16 products, the loaded kernel takes them only if they measured
+    faster here, and says so in a record beside the library that every later process reads; the
+    bf16 pool's entry point (what the layer chain calls) follows the choice."""
+    kernel = native_kernel()
+    records = list(cpu_kernels.cache_dir().glob("paged_attention-*.products"))
+    if not kernel.can_pair:
+        assert not kernel.bf16_products and kernel.symbol(torch.bfloat16) == "paged_attention_short_bf16"
+        return
+    assert len(records) == 1
+    choice, _, fp32, _, _, pairs, _ = records[0].read_text().split()
+    assert kernel.bf16_products == (choice == "bf16") == (float(pairs) <= cpu_kernels.PAIRS_MARGIN * float(fp32))
+    assert kernel.symbol(torch.bfloat16) == ("paged_attention_short_bf16_pairs" if kernel.bf16_products
+                                             else "paged_attention_short_bf16")
+    assert kernel.symbol(torch.float32) == "paged_attention_short"
+
+
+def test_the_products_choice_is_measured_once_a_near_tie_keeps_fp32_and_the_variable_overrides(tmp_path, monkeypatch):
+    kernel = kernel_build("bf16 products")
+    monkeypatch.delenv(cpu_kernels.PRODUCTS_ENV, raising=False)
+    measured = []
+
+    def timings(k, ratio):
+        measured.append(k)
+        return 1.0, ratio
+
+    first, second = tmp_path / "paged_attention-a.so", tmp_path / "paged_attention-b.so"
+    monkeypatch.setattr(cpu_kernels, "_products_timings", lambda k: timings(k, 0.9))
+    assert cpu_kernels.choose_bf16_products(kernel, first)
+    assert (tmp_path / "paged_attention-a.products").read_text().startswith("bf16 ")
+    monkeypatch.setattr(cpu_kernels, "_products_timings", lambda k: timings(k, 0.5 / cpu_kernels.PAIRS_MARGIN))
+    assert cpu_kernels.choose_bf16_products(kernel, first) and len(measured) == 1  # the record, not a measurement
+    monkeypatch.setattr(cpu_kernels, "_products_timings", lambda k: timings(k, 0.97))
+    assert not cpu_kernels.choose_bf16_products(kernel, second) and len(measured) == 2
+    monkeypatch.setenv(cpu_kernels.PRODUCTS_ENV, "bf16")
+    assert cpu_kernels.choose_bf16_products(kernel, second)
+    monkeypatch.setenv(cpu_kernels.PRODUCTS_ENV, "fp32")
+    assert not cpu_kernels.choose_bf16_products(kernel, first) and len(measured) == 2
+    kernel.can_pair = False  # a build without them
+    monkeypatch.setenv(cpu_kernels.PRODUCTS_ENV, "bf16")
+    assert not cpu_kernels.choose_bf16_products(kernel, first)
 
 
 def attend_by(kernel, batch, kv, q):
@@ -357,7 +400,7 @@ def attend_by(kernel, batch, kv, q):
     return backend.attend(kv, q, backend.prepare(batch))
 
 
-@pytest.mark.parametrize("build", ["native", "fp32 products"])
+@pytest.mark.parametrize("build", ["bf16 products", "fp32 products"])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (64, 8), (128, 32), (256, 16)])
 def test_sequences_sharing_a_prompt_give_the_bits_each_gives_alone(head_dim, block_size, build):
     """A bf16 pool whose sequences share their first blocks: their rows are scored against each
@@ -366,7 +409,7 @@ def test_sequences_sharing_a_prompt_give_the_bits_each_gives_alone(head_dim, blo
     sequence gives alone: decodes, verification chunks, a sequence shorter than the shared blocks,
     and more sharers than one task holds; head_dim 256 (Gemma 3) takes the loop's generic width."""
     kernel = kernel_build(build)
-    assert kernel.bf16_products == (build == "native" and "avx512_bf16" in cpu_id())
+    assert kernel.bf16_products == (build == "bf16 products")
     lengths = [300, 310, 299, 420, 305, 333, 301, 302, 303, 40, 350, 300]
     rows = [1, 1, 4, 1, 1, 3, 1, 1, 1, 1, 2, 1]
     batch, kv, q = shared_prefix_step(300 // block_size, lengths, rows, block_size, 8, 2, head_dim)
@@ -405,15 +448,14 @@ def test_bf16_products_round_the_query_and_the_probabilities_and_nothing_else(he
     rounded to bf16 and every product exact: within float sums' last bits of that computed by
     hand (a rounding tie may move one probability by its last bit), ~100x closer than to the
     same attention unrounded. Decodes and verification chunks, shared blocks or not."""
-    if not native_kernel().bf16_products:
-        pytest.skip("this build multiplies in fp32 (no AVX512-BF16)")
+    kernel = kernel_build("bf16 products")
     if shared:
         batch, kv, q = shared_prefix_step(300 // 16, [300, 310, 299, 420, 305, 40], [1, 1, 4, 1, 3, 1],
                                           16, 8, 2, head_dim)
     else:
         batch, kv, q = random_step([0, 5, 48, 37, 100, 2, 63], [1, 1, 1, 4, 16, 3, 1], 8, 2, head_dim, seed=2)
         kv = kv.bfloat16()
-    got = attend(batch, kv, q)
+    got = attend_by(kernel, batch, kv, q)
     near = (got - rounded_attention(batch, kv, q)).abs().max().item()
     exact = (got - reference_attention(batch, kv.float(), q)).abs().max().item()
     assert near < 2e-4 and near * 20 < exact, (near, exact)
@@ -432,32 +474,36 @@ def test_the_bf16_loop_without_avx2_agrees_with_the_torch_path():
                                attend(batch, kv16, q, use_kernel=False), atol=2e-6, rtol=0)
 
 
-def test_chunks_up_to_the_kernels_limit_take_the_kernel_over_a_bf16_pool():
+@pytest.mark.parametrize("build", ["bf16 products", "fp32 products"])
+def test_chunks_up_to_the_kernels_limit_take_the_kernel_over_a_bf16_pool(build):
     """Over a bf16 pool the keys-in-lanes loop takes, chunks of 17..KERNEL_CHUNK_TOKENS tokens (a
     prompt's rest after a cached prefix, a budgeted prompt chunk) are the kernel's second padded
-    batch: each of their rows is, to the last bit, that token decoded alone at its position. Longer
-    chunks keep SDPA; over an fp32 pool the medium chunks do too, as long chunks."""
-    kernel = native_kernel()
+    batch (a lone sequence's in slices of 32 rows, each reading only the keys its rows see): each
+    of their rows is, to the last bit, that token decoded alone at its position. Longer chunks keep
+    SDPA; over an fp32 pool the medium chunks do too, as long chunks."""
+    kernel = kernel_build(build)
     if not kernel.lanes_loop(64):
         pytest.skip("this build has no keys-in-lanes loop (AVX-512)")
     from workers.model.attention import KERNEL_CHUNK_TOKENS, SHORT_CHUNK_TOKENS
     starts, rows = [300, 0, 40, 7, 0], [1, 40, 17, KERNEL_CHUNK_TOKENS, KERNEL_CHUNK_TOKENS + 1]
     batch, kv, q = random_step(starts, rows, 9, 3, 64, seed=8)
     backend = TorchCpuBackend(batch.block_size)
+    backend.kernel = kernel
     meta = backend.prepare(batch)
     assert meta.medium is not None and meta.medium.num_rows.tolist() == rows[1:4]
     assert [c.num_tokens for c in meta.longs] == [KERNEL_CHUNK_TOKENS + 1]
     kv16 = kv.bfloat16()
     got = backend.attend(kv16, q, meta)
-    torch.testing.assert_close(got, attend(batch, kv16, q, use_kernel=False), atol=atol(torch.bfloat16, 64), rtol=0)
+    torch.testing.assert_close(got, attend(batch, kv16, q, use_kernel=False), atol=atol(torch.bfloat16, 64, kernel=kernel),
+                               rtol=0)
     tokens, blocks = batch.token_offsets(), batch.block_offsets()
     for a in (1, 2, 3):
         table = batch.block_ids[blocks[a]:blocks[a + 1]]
-        for i in (0, rows[a] // 2, rows[a] - 1):
+        for i in sorted({0, 31, 32, rows[a] // 2, rows[a] - 1} & set(range(rows[a]))):  # slices' edges
             position = starts[a] + i
             need = position // batch.block_size + 1
             alone = AttentionBatch(np.array([position]), np.array([1]), np.array([need]), table[:need], batch.block_size)
             row = tokens[a] + i
-            assert torch.equal(attend(alone, kv16, q[row:row + 1]), got[row:row + 1]), (a, i)
+            assert torch.equal(attend_by(kernel, alone, kv16, q[row:row + 1]), got[row:row + 1]), (a, i)
     assert rows[1] > SHORT_CHUNK_TOKENS
     torch.testing.assert_close(backend.attend(kv, q, meta), attend(batch, kv, q, use_kernel=False), atol=2e-6, rtol=0)

@@ -34,9 +34,11 @@ KERNEL_CHUNK_TOKENS = 256
 """On the CPU kernel's keys-in-lanes loop (a bf16 pool, AVX-512), longer chunks up to this many
 tokens (prefill after a cached prefix, a budgeted prompt chunk) are a second padded batch for the
 kernel instead of one gathered SDPA each: it reads K/V in place, where SDPA widens a gathered copy
-first. One layer, 2 threads, Zen 4 (`kernel/sdpa`): 32 tokens after 512 cached 0.41, 256 after 512
-0.63, 256 alone 0.80, 512 alone 0.94; 1,024 alone 1.5 (the kernel scores every key of the chunk,
-masked or not, where causal SDPA skips the masked half)."""
+first. One layer, 2 threads (`kernel/sdpa`), Zen 4: 32 tokens after 512 cached 0.41, 256 after 512
+0.63, 256 alone 0.80, 512 alone 0.94, 1,024 alone 1.5 (before a lone chunk was sliced: every row
+scored every key); Xeon with AMX, sliced (32 rows a task, each reading the keys it sees): 32
+after 512 0.77, 256 after 512 0.69-0.96, 16 x 26 after 510 0.49, 256 alone 0.77-0.82, 512 alone
+0.62."""
 CPU_CHUNK_BYTES = 2 << 20
 """The padded batch is attended a few sequences at a time, ~2 MiB of gathered K/V each: at 64
 sequences x 176 positions this cut attention CPU time from 10.3 to 4.4 ms per layer."""

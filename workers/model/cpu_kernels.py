@@ -8,6 +8,7 @@ Does not own: the attention metadata (attention.py) or the pool (kv_pool.py).
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -16,6 +17,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -35,6 +37,12 @@ scalar (the gated activation 3-5x slower than torch's at 16-256 rows); results a
 ENABLE_ENV = "JUSTAPI_CPU_KERNELS"
 BAD_BLOCK = -2  # paged_attention.c's status codes (OUT_OF_MEMORY = -1)
 CACHE_ENV = "JUSTAPI_KERNEL_CACHE"
+PRODUCTS_ENV = "JUSTAPI_CPU_ATTENTION_PRODUCTS"
+"""bf16 | fp32 | auto (unset): the bf16 pool's products in the attention kernel, where the CPU
+has AVX512-BF16 (auto: whichever measured faster on this CPU, see choose_bf16_products)."""
+PAIRS_MARGIN = 0.95
+"""auto takes bf16 products only where they took at most this share of the fp32 products' time
+(a near tie keeps the exact products)."""
 
 
 class KernelBuildError(RuntimeError):
@@ -99,26 +107,35 @@ def build(name: str, extra_flags: tuple[str, ...] = ()) -> Path:
 
 class PagedAttentionKernel:
     """workers/model/csrc/paged_attention.c's paged_attention_short (an fp32 pool) and
-    paged_attention_short_bf16 (a bfloat16 pool), called with torch tensors."""
+    paged_attention_short_bf16[_pairs] (a bfloat16 pool), called with torch tensors."""
 
     SYMBOLS = {torch.float32: "paged_attention_short", torch.bfloat16: "paged_attention_short_bf16"}
-    """The entry point per pool dtype (the layer chain takes their addresses)."""
+    PAIRS_SYMBOL = "paged_attention_short_bf16_pairs"
+    """The entry points per pool dtype, and the bf16 pool's with bf16 products (the layer chain
+    takes their addresses: `symbol`)."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    def __init__(self, library: ctypes.CDLL, bf16_products: bool | None = None) -> None:
         ptr, i64p = ctypes.c_void_p, ctypes.c_void_p
         self._fns = {}
-        for dtype, name in self.SYMBOLS.items():
+        for key, name in [*self.SYMBOLS.items(), ("pairs", self.PAIRS_SYMBOL)]:
             fn = getattr(library, name)
             fn.argtypes = [ptr, ptr, i64p, ptr, i64p, i64p, ptr, i64p, ctypes.c_float, ctypes.c_float,
                            ctypes.c_int]
             fn.restype = ctypes.c_int
-            self._fns[dtype] = fn
+            self._fns[key] = fn
         self.library = library
         library.paged_attention_lanes.argtypes = [ctypes.c_int64]
         self._lanes = library.paged_attention_lanes
-        self.bf16_products = bool(library.paged_attention_bf16_products())
+        self.can_pair = bool(library.paged_attention_bf16_products())
+        """Whether this build has the bf16 products (AVX512-BF16)."""
+        self.bf16_products = self.can_pair if bf16_products is None else bf16_products and self.can_pair
         """Whether rows over a bf16 pool (head_dim a multiple of 32, up to 256) round the query
-        and the probabilities to bf16 and multiply bf16 pairs (AVX512-BF16 builds)."""
+        and the probabilities to bf16 and multiply bf16 pairs (paged_attention() measures which
+        is faster here: choose_bf16_products)."""
+
+    def symbol(self, dtype: torch.dtype) -> str:
+        """The entry point this kernel calls for a pool of `dtype`."""
+        return self.PAIRS_SYMBOL if dtype == torch.bfloat16 and self.bf16_products else self.SYMBOLS[dtype]
 
     def lanes_loop(self, head_dim: int) -> bool:
         """Whether rows over a bf16 pool of this head_dim take the keys-in-lanes loop (AVX-512
@@ -127,23 +144,26 @@ class PagedAttentionKernel:
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor,
                  num_keys: torch.Tensor, num_rows: torch.Tensor, scale: float | None = None,
-                 softcap: float = 0.0) -> torch.Tensor:
+                 softcap: float = 0.0, pairs: bool | None = None) -> torch.Tensor:
         """q [A, Qmax, heads, head_dim] fp32; kv [2, num_blocks, block_size, kv_heads, head_dim]
         fp32 or bf16 (widened exactly as it is read; the bf16 loop sums in its own fixed order,
         and with bf16_products rounds the query and the probabilities to bf16);
         tables [A, Bmax] int64; mask [A, Qmax, Bmax * block_size] bool; num_keys, num_rows [A]
         int64 -> out like q (rows past num_rows[a] undefined). Scores are
-        q . k * scale (default 1 / sqrt(head_dim)), soft-capped when softcap > 0."""
+        q . k * scale (default 1 / sqrt(head_dim)), soft-capped when softcap > 0. `pairs`
+        overrides bf16_products for this call."""
         num_seqs, q_max, heads, head_dim = q.shape
         _, num_blocks, block_size, kv_heads, kv_dim = kv.shape
-        assert kv_dim == head_dim and heads % kv_heads == 0 and q.dtype == torch.float32 and kv.dtype in self._fns
+        assert kv_dim == head_dim and heads % kv_heads == 0 and q.dtype == torch.float32 and kv.dtype in self.SYMBOLS
         assert mask.shape == (num_seqs, q_max, tables.shape[1] * block_size)
         assert kv.is_contiguous(), "a pool layer is contiguous (a copy would cost the whole layer)"
         q, tables, mask, num_keys, num_rows = (t.contiguous() for t in (q, tables, mask, num_keys, num_rows))
         out = torch.empty_like(q)
         dims = np.array([num_seqs, q_max, heads, kv_heads, head_dim, block_size, tables.shape[1],
                          num_blocks], dtype=np.int64)  # (torch.tensor of 8 ints cost ~10 us a call)
-        status = self._fns[kv.dtype](q.data_ptr(), kv.data_ptr(), tables.data_ptr(), mask.data_ptr(),
+        pairs = self.bf16_products if pairs is None else pairs
+        fn = self._fns["pairs" if pairs and kv.dtype == torch.bfloat16 else kv.dtype]
+        status = fn(q.data_ptr(), kv.data_ptr(), tables.data_ptr(), mask.data_ptr(),
                           num_keys.data_ptr(), num_rows.data_ptr(), out.data_ptr(), dims.ctypes.data,
                           head_dim ** -0.5 if scale is None else scale, softcap,
                           torch.get_num_threads())
@@ -171,7 +191,71 @@ def load_kernel(name: str, wrap: Callable[[ctypes.CDLL], K], fallback: str) -> K
         return None
 
 
+def _products_timings(kernel: PagedAttentionKernel, rounds: int = 5) -> tuple[float, float]:
+    """Seconds of (fp32 products, bf16 products) over a bf16 pool: the best of `rounds`, the modes
+    in turns, of one pass over three steps of a small model's layer (8 query heads over 2 KV
+    heads of 64): 16 decodes over 512 keys each, 16 sharing 512 keys plus 32 of their own, and
+    4 chunks of 32 rows after 512 keys."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    steps = []
+    for num_seqs, rows, start, shared in ((16, 1, 511, 0), (16, 1, 543, 32), (4, 32, 512, 0)):
+        blocks = -(-(start + rows) // block_size)
+        own = blocks - shared
+        tables = torch.arange(num_seqs * own).reshape(num_seqs, own) + shared
+        tables = torch.cat([torch.arange(shared).expand(num_seqs, shared), tables], dim=1).contiguous()
+        kv = torch.randn(2, shared + num_seqs * own, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+        q = torch.randn(num_seqs, rows, heads, head_dim, generator=gen)
+        keys = torch.arange(blocks * block_size)
+        mask = (keys[None, None, :] <= start + torch.arange(rows)[None, :, None]).expand(num_seqs, rows, -1)
+        steps.append((q, kv, tables, mask.contiguous(), torch.full((num_seqs,), start + rows),
+                      torch.full((num_seqs,), rows)))
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for mode in (0, 1):
+            began = time.perf_counter()
+            for step in steps:
+                kernel(*step, pairs=bool(mode))
+            best[mode] = min(best[mode], time.perf_counter() - began)
+    return best[0], best[1]
+
+
+def choose_bf16_products(kernel: PagedAttentionKernel, library_path: Path) -> bool:
+    """Whether the bf16 pool's attention takes bf16 products here: JUSTAPI_CPU_ATTENTION_PRODUCTS
+    where set, else measured once per CPU and build (_products_timings: they halve the
+    multiply-adds, but on some CPUs vdpbf16ps issues on fewer ports than fp32 FMAs and the pairs
+    loop was 5-30% slower) and recorded beside the library, so every process on this machine
+    computes the same bits."""
+    if not kernel.can_pair:
+        return False
+    forced = os.environ.get(PRODUCTS_ENV, "auto")
+    if forced in ("bf16", "fp32"):
+        return forced == "bf16"
+    if forced != "auto":
+        log.warning("%s=%r is not bf16, fp32 or auto: measuring", PRODUCTS_ENV, forced)
+    record = library_path.with_suffix(".products")
+    with open(library_path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process measures; the rest read its record
+        try:
+            return record.read_text().split()[0] == "bf16"
+        except (OSError, IndexError):
+            pass
+        fp32, pairs = _products_timings(kernel)
+        choice = "bf16" if pairs <= PAIRS_MARGIN * fp32 else "fp32"
+        record.write_text(f"{choice} fp32 {fp32 * 1e3:.3f} ms bf16 {pairs * 1e3:.3f} ms\n")
+        log.info("CPU attention over a bf16 pool: %s products (fp32 %.3f ms, bf16 %.3f ms)",
+                 choice, fp32 * 1e3, pairs * 1e3)
+        return choice == "bf16"
+
+
+def _paged_attention_kernel(library: ctypes.CDLL) -> PagedAttentionKernel:
+    kernel = PagedAttentionKernel(library)
+    kernel.bf16_products = choose_bf16_products(kernel, Path(library._name))
+    return kernel
+
+
 @functools.cache
 def paged_attention() -> PagedAttentionKernel | None:
-    """The kernel, or None (with one warning) where it cannot be built here."""
-    return load_kernel("paged_attention", PagedAttentionKernel, "using the torch path (slower)")
+    """The kernel, or None (with one warning) where it cannot be built here; over a bf16 pool
+    with the products choose_bf16_products picks."""
+    return load_kernel("paged_attention", _paged_attention_kernel, "using the torch path (slower)")

@@ -140,7 +140,7 @@ class LayerChain:
             for field, name in (("rms_norm", "rms_norm_rows"), ("add_rms_norm", "add_rms_norm_rows"),
                                 ("rotary", "rotary_rows"), ("store_kv", store), ("act_mul", "act_mul_rows")):
                 setattr(kernels, field, _address(ops.library, name))
-            kernels.attention = _address(attention.library, attention.SYMBOLS[dtype])
+            kernels.attention = _address(attention.library, attention.symbol(dtype))
         return cls(model, library, by_dtype)
 
     def covers(self, backend: AttentionBackend, meta: AttentionMetadata, num_rows: int) -> bool:

@@ -1,5 +1,5 @@
 /* Paged attention for short chunks (decode, speculative verification) on CPU: fp32 arithmetic
- * over an fp32 or a bfloat16 pool (--kv-cache-dtype; with AVX512-BF16, bf16 products there).
+ * over an fp32 or a bfloat16 pool (--kv-cache-dtype; with AVX512-BF16, optionally bf16 products there).
  *
  * Reads each sequence's K/V where they lie in the pool (no gathered copy) and computes
  * every (row, head) in a fixed order that depends only on that row's visible keys, so a
@@ -22,11 +22,16 @@
  *     all their rows. At 16 decodes sharing 512 of 561 keys, 5.0-5.5 ns a (key, head) against
  *     the tiled loop's 9.0-9.7; without sharing 12-14 against 13-15 (memory-bound) (2 threads,
  *     Zen 4).
- *   - the same with AVX512-BF16 (LANES_BF16): the query and the probabilities are rounded to
- *     bf16 (as the pool's K and V are) and each vdpbf16ps adds two exact products of pairs: half
- *     the multiply-adds, the keys transposed as 32-bit pairs, the values zipped two keys at a
- *     time. The values move by up to ~2^-8 of their scale (as the pool's own rounding moves them);
- *     shared 512 of 561 keys 4.8-5.0 -> 3.7-3.9 ns, unshared 15-20% less.
+ *     A lone sequence's chunk of more than SLICE_ROWS rows (a prompt's rest after a cached prefix)
+ *     is split into tasks of SLICE_ROWS rows, each reading only the keys its rows can see: the
+ *     threads share one sequence, and a chunk from position 0 reads half the keys.
+ *   - the same with AVX512-BF16, products of bf16 pairs (paged_attention_short_bf16_pairs): the
+ *     query and the probabilities are rounded to bf16 (as the pool's K and V are) and each
+ *     vdpbf16ps adds two exact products of pairs: half the multiply-adds, the keys transposed as
+ *     32-bit pairs, the values zipped two keys at a time. The values move by up to ~2^-8 of their
+ *     scale (as the pool's own rounding moves them). On Zen 4, shared 512 of 561 keys 4.8-5.0 ->
+ *     3.7-3.9 ns, unshared 15-20% less; on a Xeon with AMX 5-30% slower than the fp32 products
+ *     (vdpbf16ps issues on one port there, FMAs on two), so the caller measures both once per CPU.
  * Compiled on first use by workers/model/cpu_kernels.py; layout in its docstring.
  * Owns: the arithmetic. Does not own: the metadata (workers/model/attention.py) or the pool.
  */
@@ -406,17 +411,18 @@ static __attribute__((noinline)) int attend_bf16(
 #define MAX_LANES_D 256
 #define QK_ROWS 6     /* (row, head)s a pass of the score loop: 4 x 6 chains of FMAs */
 #define MEMBERS 8     /* sequences sharing a prefix in one task: their rows share each key tile */
+#define SLICE_ROWS 32 /* a lone sequence's longer chunk is tasks of this many rows (each its own keys) */
 #if defined(__AVX512BF16__)
-#define LANES_BF16 1  /* products of bf16 pairs (vdpbf16ps): the query and the probabilities rounded to bf16 */
+#define CAN_PAIR 1  /* built too: products of bf16 pairs (vdpbf16ps), the query and the probabilities rounded to bf16 */
 #else
-#define LANES_BF16 0  /* fp32 FMAs over the widened keys and values */
+#define CAN_PAIR 0  /* fp32 FMAs over the widened keys and values only */
 #endif
 
 /* One (row, head) of a task: its query, scores/probabilities [ceil16(keys)] (key t in lane t mod
  * 16 of its tile), mask row, output, and its sequence's key count. */
 struct LaneRow {
     const float *q;
-    const uint32_t *q2;  /* LANES_BF16: q rounded to bf16, value 2i in the low half of pair i */
+    const uint32_t *q2;  /* pairs: q rounded to bf16, value 2i in the low half of pair i */
     float *p;
     const uint8_t *mask;
     float *out;
@@ -481,7 +487,7 @@ static inline __attribute__((always_inline)) void transpose_keys(const struct Tr
 }
 
 /* kt [d / 2][16] = the 16 key rows [d] as bf16 pairs, transposed: kt[i][k] = (keys[k][2i],
- * keys[k][2i + 1]), the bits as stored (LANES_BF16). */
+ * keys[k][2i + 1]), the bits as stored (the pairs loop). */
 static inline __attribute__((always_inline)) void transpose_pairs(const struct Transpose *t, const uint16_t *const *keys,
                                                                   int64_t d, uint32_t *kt) {
     for (int64_t c = 0; c < d; c += 32) {
@@ -502,24 +508,28 @@ static inline __attribute__((always_inline)) void transpose_pairs(const struct T
  * q[r][j] * kt[j][k], summed in 4 chains (j mod 4, each in order of j) added as (0 + 1) + (2 + 3).
  * The same operations whatever n is and whichever rows share the pass. */
 static inline __attribute__((always_inline)) void tile_scores(const void *kt, int64_t d, const struct LaneRow *rows,
-                                                              int n, __m512 *s) {
+                                                              int n, __m512 *s, const int pairs) {
     __m512 acc[QK_ROWS][4];
     for (int r = 0; r < n; r++)
         for (int u = 0; u < 4; u++) acc[r][u] = _mm512_setzero_ps();
-#if LANES_BF16  /* the pairs of query values: 4 chains by pair mod 4, exact products */
-    for (int64_t i = 0; i < d / 2; i += 4)
-        for (int u = 0; u < 4; u++) {
-            const __m512bh k = (__m512bh)_mm512_load_si512((const uint32_t *)kt + (i + u) * 16);
-            for (int r = 0; r < n; r++)
-                acc[r][u] = _mm512_dpbf16_ps(acc[r][u], k, (__m512bh)_mm512_set1_epi32((int)rows[r].q2[i + u]));
-        }
-#else
-    for (int64_t j = 0; j < d; j += 4)
-        for (int u = 0; u < 4; u++) {
-            const __m512 k = _mm512_load_ps((const float *)kt + (j + u) * 16);
-            for (int r = 0; r < n; r++) acc[r][u] = _mm512_fmadd_ps(_mm512_set1_ps(rows[r].q[j + u]), k, acc[r][u]);
-        }
+#if CAN_PAIR
+    if (pairs) {  /* the pairs of query values: 4 chains by pair mod 4, exact products */
+        for (int64_t i = 0; i < d / 2; i += 4)
+            for (int u = 0; u < 4; u++) {
+                const __m512bh k = (__m512bh)_mm512_load_si512((const uint32_t *)kt + (i + u) * 16);
+                for (int r = 0; r < n; r++)
+                    acc[r][u] = _mm512_dpbf16_ps(acc[r][u], k, (__m512bh)_mm512_set1_epi32((int)rows[r].q2[i + u]));
+            }
+    } else
 #endif
+    {
+        (void)pairs;
+        for (int64_t j = 0; j < d; j += 4)
+            for (int u = 0; u < 4; u++) {
+                const __m512 k = _mm512_load_ps((const float *)kt + (j + u) * 16);
+                for (int r = 0; r < n; r++) acc[r][u] = _mm512_fmadd_ps(_mm512_set1_ps(rows[r].q[j + u]), k, acc[r][u]);
+            }
+    }
     for (int r = 0; r < n; r++)
         s[r] = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
 }
@@ -527,9 +537,10 @@ static inline __attribute__((always_inline)) void tile_scores(const void *kt, in
 /* Rows [0, n): scores of the tile at key t0 scaled, soft-capped, -inf where the row does not see
  * the key (its mask, or past its sequence's keys), stored in lanes t0..t0 + 15 of their p. */
 static inline __attribute__((always_inline)) void score_rows(const struct Shape *sh, const void *kt, int64_t d,
-                                                             const struct LaneRow *rows, int n, int64_t t0) {
+                                                             const struct LaneRow *rows, int n, int64_t t0,
+                                                             const int pairs) {
     __m512 s[QK_ROWS];
-    tile_scores(kt, d, rows, n, s);
+    tile_scores(kt, d, rows, n, s, pairs);
     for (int r = 0; r < n; r++) {
         const int64_t left = rows[r].keys - t0;
         const __mmask16 inside = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
@@ -564,7 +575,7 @@ static inline __m512 exp16_nonpositive(__m512 x) {
 }
 
 /* A row's scores [n16] -> probabilities, unseen keys (-inf) exactly 0; none seen: all 0. */
-static void softmax_lanes(float *p, int64_t n16) {
+static void softmax_lanes(float *p, int64_t n16, int pairs) {
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < n16; t += 16) top = _mm512_max_ps(top, _mm512_load_ps(p + t));
     const float m = _mm512_reduce_max_ps(top);
@@ -581,13 +592,16 @@ static void softmax_lanes(float *p, int64_t n16) {
         total = _mm512_add_ps(total, e);
     }
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
-#if LANES_BF16  /* rounded to bf16 in place: probability t at bf16 t of the same memory (behind the reads) */
-    uint16_t *p16 = (uint16_t *)p;
-    for (int64_t t = 0; t < n16; t += 16)
-        _mm256_storeu_si256((__m256i *)(p16 + t), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(p + t), inv)));
-#else
-    for (int64_t t = 0; t < n16; t += 16) _mm512_store_ps(p + t, _mm512_mul_ps(_mm512_load_ps(p + t), inv));
+#if CAN_PAIR
+    if (pairs) {  /* rounded to bf16 in place: probability t at bf16 t of the same memory (behind the reads) */
+        uint16_t *p16 = (uint16_t *)p;
+        for (int64_t t = 0; t < n16; t += 16)
+            _mm256_storeu_si256((__m256i *)(p16 + t), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(p + t), inv)));
+        return;
+    }
 #endif
+    (void)pairs;
+    for (int64_t t = 0; t < n16; t += 16) _mm512_store_ps(p + t, _mm512_mul_ps(_mm512_load_ps(p + t), inv));
 }
 
 static inline __m512 widen16(const uint16_t *p) {
@@ -614,7 +628,7 @@ static inline __attribute__((always_inline)) void add_values(const struct LaneRo
         for (int64_t c = 0; c < c16; c++) _mm512_storeu_ps(rows[r].out + 16 * c, o[r * c16 + c]);
 }
 
-#if LANES_BF16
+#if CAN_PAIR
 /* add_values with products of bf16 pairs: keys t0 + k and t0 + k + 1 (k even; past count: zeros)
  * zipped per value (unpacklo/hi: the outputs' lanes in that permuted order until unpermute_out)
  * times their two probabilities, in order of the pairs. */
@@ -668,25 +682,24 @@ static inline const uint16_t *slot_of(const struct Shape *sh, const uint16_t *ha
 static inline __attribute__((always_inline)) void score_range(
         const struct Shape *sh, const struct Transpose *tp, const uint16_t *kv, const int64_t *table, int64_t g,
         int64_t from, int64_t to, const struct LaneRow *rows, int64_t n, const uint16_t *zeros, float *kt,
-        int64_t d) {
+        int64_t d, const int pairs) {
     for (int64_t t0 = from; t0 < to; t0 += KEYS) {
         const uint16_t *keys[KEYS];
         for (int k = 0; k < KEYS; k++) keys[k] = t0 + k < to ? slot_of(sh, kv, table, t0 + k, g) : zeros;
         for (int k = 0; k < KEYS && t0 + KEYS + k < to; k++)  /* the next tile's lines */
             prefetch_span(slot_of(sh, kv, table, t0 + KEYS + k, g), d * 2);
-#if LANES_BF16
-        transpose_pairs(tp, keys, d, (uint32_t *)kt);
-#else
-        transpose_keys(tp, keys, d, kt);
-#endif
+        if (CAN_PAIR && pairs)
+            transpose_pairs(tp, keys, d, (uint32_t *)kt);
+        else
+            transpose_keys(tp, keys, d, kt);
         int64_t r = 0;
-        for (; r + QK_ROWS <= n; r += QK_ROWS) score_rows(sh, kt, d, rows + r, QK_ROWS, t0);
+        for (; r + QK_ROWS <= n; r += QK_ROWS) score_rows(sh, kt, d, rows + r, QK_ROWS, t0, pairs);
         switch (n - r) {  /* constant row counts: the sums in registers */
-            case 1: score_rows(sh, kt, d, rows + r, 1, t0); break;
-            case 2: score_rows(sh, kt, d, rows + r, 2, t0); break;
-            case 3: score_rows(sh, kt, d, rows + r, 3, t0); break;
-            case 4: score_rows(sh, kt, d, rows + r, 4, t0); break;
-            case 5: score_rows(sh, kt, d, rows + r, 5, t0); break;
+            case 1: score_rows(sh, kt, d, rows + r, 1, t0, pairs); break;
+            case 2: score_rows(sh, kt, d, rows + r, 2, t0, pairs); break;
+            case 3: score_rows(sh, kt, d, rows + r, 3, t0, pairs); break;
+            case 4: score_rows(sh, kt, d, rows + r, 4, t0, pairs); break;
+            case 5: score_rows(sh, kt, d, rows + r, 5, t0, pairs); break;
             default: break;
         }
     }
@@ -695,7 +708,8 @@ static inline __attribute__((always_inline)) void score_range(
 /* out of rows [0, n) += their probabilities times the values of keys [from, to). */
 static inline __attribute__((always_inline)) void value_range(
         const struct Shape *sh, const uint16_t *values, const int64_t *table, int64_t g, int64_t from, int64_t to,
-        const struct LaneRow *rows, int64_t n, const uint16_t *zeros, int64_t d) {
+        const struct LaneRow *rows, int64_t n, const uint16_t *zeros, int64_t d, const int pairs) {
+    (void)zeros, (void)pairs;  /* the pairs loop's (builds without it: unused) */
     const int block_rows = (int)(24 / (d / 16)) < 6 ? (int)(24 / (d / 16)) : 6;
     for (int64_t t0 = from; t0 < to; t0 += KEYS) {
         const int count = to - t0 < KEYS ? (int)(to - t0) : KEYS;
@@ -705,8 +719,9 @@ static inline __attribute__((always_inline)) void value_range(
             prefetch_span(slot_of(sh, values, table, t0 + KEYS + k, g), d * 2);
         for (int64_t r = 0; r < n;) {  /* constant row counts: the outputs in registers */
             const int64_t left = n - r < block_rows ? n - r : block_rows;
-#if LANES_BF16
-#define ADD(N) add_values_pairs(rows + r, N, rows_v, t0, count, d, zeros)
+#if CAN_PAIR
+#define ADD(N) (pairs ? add_values_pairs(rows + r, N, rows_v, t0, count, d, zeros) \
+                      : add_values(rows + r, N, rows_v, t0, count, d))
 #else
 #define ADD(N) add_values(rows + r, N, rows_v, t0, count, d)
 #endif
@@ -724,44 +739,58 @@ static inline __attribute__((always_inline)) void value_range(
     }
 }
 
-/* One task: KV head g of sequences members[0, m), which read the same blocks for keys [0, shared)
- * (a multiple of 16). Their rows' scores for those keys are computed a tile at a time for all of
- * them (a key tile transposed once), then each sequence's own keys; softmax per row; the values
- * likewise. Every (row, key) takes the same operations whether shared or not, so a row's bits
- * depend on its visible keys only. */
+/* Rows [row0, row1) of sequence a (clipped to its rows) and the keys they can see: a row sees no
+ * key past its own position. */
+struct Slice { int64_t row0, row1; };
+
+static inline int64_t slice_end(const int64_t *num_rows, int64_t a, struct Slice sl) {
+    return num_rows[a] < sl.row1 ? num_rows[a] : sl.row1;
+}
+
+static inline int64_t slice_keys(const int64_t *num_keys, const int64_t *num_rows, int64_t a, struct Slice sl) {
+    return num_keys[a] - num_rows[a] + slice_end(num_rows, a, sl);
+}
+
+/* One task: KV head g of rows sl of sequences members[0, m), which read the same blocks for keys
+ * [0, shared) (a multiple of 16). Their rows' scores for those keys are computed a tile at a time
+ * for all of them (a key tile transposed once), then each sequence's own keys; softmax per row;
+ * the values likewise. Every (row, key) takes the same operations whether shared or not, and keys
+ * a row cannot see add exact zeros, so a row's bits depend on its visible keys only. */
 static inline __attribute__((always_inline)) int attend_lanes_task(
         const struct Shape *sh, const struct Transpose *tp, const int64_t *members, int64_t m, int64_t shared,
-        int64_t g, const float *q, const uint16_t *kv, const int64_t *tables, const uint8_t *mask,
-        const int64_t *num_keys, const int64_t *num_rows, float *out, const uint16_t *zeros, int64_t fixed_d) {
+        struct Slice sl, int64_t g, const float *q, const uint16_t *kv, const int64_t *tables,
+        const uint8_t *mask, const int64_t *num_keys, const int64_t *num_rows, float *out, const uint16_t *zeros,
+        int64_t fixed_d, const int pairs) {
     const int64_t d = fixed_d ? fixed_d : sh->head_dim, group = sh->heads / sh->kv_heads;
     const int64_t mask_keys = sh->max_blocks * sh->block_size;
     const uint16_t *values = kv + sh->num_blocks * sh->block_size * sh->kv_heads * d;
     int64_t n = 0, floats = 0;
     for (int64_t i = 0; i < m; i++) {
-        n += num_rows[members[i]] * group;
-        floats += num_rows[members[i]] * group * ((num_keys[members[i]] + 15) & ~(int64_t)15);
+        const int64_t a = members[i], count = slice_end(num_rows, a, sl) - sl.row0;
+        n += count * group;
+        floats += count * group * ((slice_keys(num_keys, num_rows, a, sl) + 15) & ~(int64_t)15);
     }
     struct LaneRow *rows = malloc(sizeof(struct LaneRow) * n);
     float *p = aligned_alloc(64, sizeof(float) * (floats + 16));
     float *kt = aligned_alloc(64, sizeof(float) * d * KEYS);
-    uint32_t *q2 = LANES_BF16 ? aligned_alloc(64, sizeof(uint32_t) * (n * d / 2 + 16)) : NULL;
-    int status = rows && p && kt && (q2 || !LANES_BF16) ? 0 : OUT_OF_MEMORY;
+    uint32_t *q2 = CAN_PAIR && pairs ? aligned_alloc(64, sizeof(uint32_t) * (n * d / 2 + 16)) : NULL;
+    int status = rows && p && kt && (q2 || !(CAN_PAIR && pairs)) ? 0 : OUT_OF_MEMORY;
     int64_t *starts = malloc(sizeof(int64_t) * (m + 1));  /* member i's rows: [starts[i], starts[i + 1]) */
     if (!starts) status = OUT_OF_MEMORY;
     for (int64_t i = 0, r = 0, f = 0; i < m && !status; i++) {
-        const int64_t a = members[i], keys = num_keys[a];
+        const int64_t a = members[i], keys = slice_keys(num_keys, num_rows, a, sl);
         for (int64_t b = 0; b * sh->block_size < keys; b++) {  /* seq_slots' check, without its slots */
             const int64_t block = tables[a * sh->max_blocks + b];
             if (block < 0 || block >= sh->num_blocks) status = BAD_BLOCK;
         }
         starts[i] = r;
-        for (int64_t row = 0; row < num_rows[a]; row++)
+        for (int64_t row = sl.row0; row < slice_end(num_rows, a, sl); row++)
             for (int64_t h = g * group; h < (g + 1) * group; h++, r++) {
                 const int64_t at = (a * sh->q_max + row) * sh->heads + h;
                 rows[r] = (struct LaneRow){q + at * d, q2 ? q2 + r * d / 2 : NULL, p + f,
                                            mask + (a * sh->q_max + row) * mask_keys, out + at * d, keys};
-#if LANES_BF16
-                for (int64_t j = 0; j < d; j += 16)  /* round to nearest even */
+#if CAN_PAIR
+                for (int64_t j = 0; q2 && j < d; j += 16)  /* round to nearest even */
                     _mm256_store_si256((__m256i *)(q2 + r * d / 2 + j / 2),
                                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(q + at * d + j)));
 #endif
@@ -771,20 +800,22 @@ static inline __attribute__((always_inline)) int attend_lanes_task(
     }
     if (!status) {
         const int64_t *first = tables + members[0] * sh->max_blocks;
-        score_range(sh, tp, kv, first, g, 0, shared, rows, n, zeros, kt, d);
+        score_range(sh, tp, kv, first, g, 0, shared, rows, n, zeros, kt, d, pairs);
         for (int64_t i = 0; i < m; i++)
-            score_range(sh, tp, kv, tables + members[i] * sh->max_blocks, g, shared, num_keys[members[i]],
-                        rows + starts[i], starts[i + 1] - starts[i], zeros, kt, d);
+            score_range(sh, tp, kv, tables + members[i] * sh->max_blocks, g, shared,
+                        slice_keys(num_keys, num_rows, members[i], sl),
+                        rows + starts[i], starts[i + 1] - starts[i], zeros, kt, d, pairs);
         for (int64_t r = 0; r < n; r++) {
-            softmax_lanes(rows[r].p, (rows[r].keys + 15) & ~(int64_t)15);
+            softmax_lanes(rows[r].p, (rows[r].keys + 15) & ~(int64_t)15, pairs);
             memset(rows[r].out, 0, sizeof(float) * d);
         }
-        value_range(sh, values, first, g, 0, shared, rows, n, zeros, d);
+        value_range(sh, values, first, g, 0, shared, rows, n, zeros, d, pairs);
         for (int64_t i = 0; i < m; i++)
-            value_range(sh, values, tables + members[i] * sh->max_blocks, g, shared, num_keys[members[i]],
-                        rows + starts[i], starts[i + 1] - starts[i], zeros, d);
-#if LANES_BF16
-        for (int64_t r = 0; r < n; r++) unpermute_out(rows[r].out, d);
+            value_range(sh, values, tables + members[i] * sh->max_blocks, g, shared,
+                        slice_keys(num_keys, num_rows, members[i], sl),
+                        rows + starts[i], starts[i + 1] - starts[i], zeros, d, pairs);
+#if CAN_PAIR
+        for (int64_t r = 0; pairs && r < n; r++) unpermute_out(rows[r].out, d);
 #endif
     }
     free(rows);
@@ -797,10 +828,13 @@ static inline __attribute__((always_inline)) int attend_lanes_task(
 
 static __attribute__((noinline)) int attend_lanes_one(
         const struct Shape *sh, const struct Transpose *tp, const int64_t *members, int64_t m, int64_t shared,
-        int64_t g, const float *q, const uint16_t *kv, const int64_t *tables, const uint8_t *mask,
-        const int64_t *num_keys, const int64_t *num_rows, float *out, const uint16_t *zeros) {
-#define TASK(D) attend_lanes_task(sh, tp, members, m, shared, g, q, kv, tables, mask, num_keys, num_rows, out, zeros, D)
-    return sh->head_dim == 64 ? TASK(64) : sh->head_dim == 128 ? TASK(128) : TASK(0);
+        struct Slice sl, int64_t g, const float *q, const uint16_t *kv, const int64_t *tables, const uint8_t *mask,
+        const int64_t *num_keys, const int64_t *num_rows, float *out, const uint16_t *zeros, int pairs) {
+#define TASK(D, P) attend_lanes_task(sh, tp, members, m, shared, sl, g, q, kv, tables, mask, num_keys, num_rows, out, \
+                                     zeros, D, P)
+    if (CAN_PAIR && pairs)
+        return sh->head_dim == 64 ? TASK(64, 1) : sh->head_dim == 128 ? TASK(128, 1) : TASK(0, 1);
+    return sh->head_dim == 64 ? TASK(64, 0) : sh->head_dim == 128 ? TASK(128, 0) : TASK(0, 0);
 #undef TASK
 }
 
@@ -819,7 +853,7 @@ static int64_t shared_keys(const struct Shape *sh, const int64_t *tables, const 
  * MEMBERS a task) with the keys they all share, one task per group and KV head. */
 static int attend_lanes(const struct Shape *sh, const float *q, const uint16_t *kv, const int64_t *tables,
                         const uint8_t *mask, const int64_t *num_keys, const int64_t *num_rows, float *out,
-                        int num_threads) {
+                        int num_threads, int pairs) {
     struct Transpose tp;
     transpose_plan(&tp);
     static const uint16_t zeros[MAX_LANES_D];
@@ -851,15 +885,38 @@ static int attend_lanes(const struct Shape *sh, const float *q, const uint16_t *
         tasks++;
     }
     task_first[tasks] = placed;
-    int status = 0;
+    /* a lone sequence's chunk of more than SLICE_ROWS rows (a prompt's rest): a piece per SLICE_ROWS
+     * rows, each reading the keys its rows see, the last (most keys) first; else a piece a task */
+    int64_t pieces = 0;
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t rows = num_rows[order[task_first[t]]];
+        pieces += task_first[t + 1] - task_first[t] == 1 ? (rows + SLICE_ROWS - 1) / SLICE_ROWS : 1;
+    }
+    int64_t *piece_task = malloc(sizeof(int64_t) * pieces);
+    struct Slice *piece_rows = malloc(sizeof(struct Slice) * pieces);
+    int status = piece_task && piece_rows ? 0 : OUT_OF_MEMORY;
+    for (int64_t t = 0, k = 0; t < tasks && !status; t++) {
+        const int64_t rows = num_rows[order[task_first[t]]];
+        if (task_first[t + 1] - task_first[t] > 1) {
+            piece_task[k] = t;
+            piece_rows[k++] = (struct Slice){0, INT64_MAX};
+            continue;
+        }
+        for (int64_t part = (rows + SLICE_ROWS - 1) / SLICE_ROWS - 1; part >= 0; part--) {
+            piece_task[k] = t;
+            piece_rows[k++] = (struct Slice){part * SLICE_ROWS, (part + 1) * SLICE_ROWS};
+        }
+    }
+    const int64_t jobs = status ? 0 : pieces * sh->kv_heads;
     #pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(min:status)
-    for (int64_t job = 0; job < tasks * sh->kv_heads; job++) {
-        const int64_t t = job / sh->kv_heads, g = job % sh->kv_heads;
+    for (int64_t job = 0; job < jobs; job++) {
+        const int64_t t = piece_task[job / sh->kv_heads], g = job % sh->kv_heads;
         const int done = attend_lanes_one(sh, &tp, order + task_first[t], task_first[t + 1] - task_first[t],
-                                          task_shared[t], g, q, kv, tables, mask, num_keys, num_rows, out, zeros);
+                                          task_shared[t], piece_rows[job / sh->kv_heads], g, q, kv, tables, mask,
+                                          num_keys, num_rows, out, zeros, pairs);
         status = done < status ? done : status;
     }
-    free(order); free(group_of); free(task_first); free(task_shared);
+    free(order); free(group_of); free(task_first); free(task_shared); free(piece_task); free(piece_rows);
     return status;
 }
 #endif
@@ -882,12 +939,14 @@ int paged_attention_lanes(int64_t head_dim) {
  * entry outside the pool: nothing is read from it). */
 static int attend_short(const float *q, const void *kv, const int64_t *tables, const uint8_t *mask,
                         const int64_t *num_keys, const int64_t *num_rows, float *out, const int64_t *dims,
-                        float scale, float softcap, int num_threads, int bf16) {
+                        float scale, float softcap, int num_threads, int bf16, int pairs) {
     const struct Shape sh = {dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6],
                              dims[7], scale, softcap};
 #if defined(LANES_LOOP)
     if (bf16 && paged_attention_lanes(sh.head_dim))
-        return attend_lanes(&sh, q, kv, tables, mask, num_keys, num_rows, out, num_threads);
+        return attend_lanes(&sh, q, kv, tables, mask, num_keys, num_rows, out, num_threads, pairs);
+#else
+    (void)pairs;
 #endif
     /* fewer sequences than threads: split each by KV head so every thread has work */
     const int64_t splits = sh.num_seqs < num_threads ? sh.kv_heads : 1;
@@ -916,7 +975,7 @@ static int attend_short(const float *q, const void *kv, const int64_t *tables, c
 /* 1 where a bf16 pool's rows take products of bf16 pairs (head_dim a multiple of 32 up to 256:
  * the query and the probabilities rounded to bf16), 0 where every product is fp32. */
 int paged_attention_bf16_products(void) {
-#if defined(LANES_LOOP) && LANES_BF16
+#if defined(LANES_LOOP) && CAN_PAIR
     return 1;
 #else
     return 0;
@@ -926,12 +985,21 @@ int paged_attention_bf16_products(void) {
 int paged_attention_short(const float *q, const float *kv, const int64_t *tables, const uint8_t *mask,
                           const int64_t *num_keys, const int64_t *num_rows, float *out, const int64_t *dims,
                           float scale, float softcap, int num_threads) {
-    return attend_short(q, kv, tables, mask, num_keys, num_rows, out, dims, scale, softcap, num_threads, 0);
+    return attend_short(q, kv, tables, mask, num_keys, num_rows, out, dims, scale, softcap, num_threads, 0, 0);
 }
 
 /* The same over a bfloat16 pool (kv as uint16 bits, same layout). */
 int paged_attention_short_bf16(const float *q, const uint16_t *kv, const int64_t *tables, const uint8_t *mask,
                                const int64_t *num_keys, const int64_t *num_rows, float *out, const int64_t *dims,
                                float scale, float softcap, int num_threads) {
-    return attend_short(q, kv, tables, mask, num_keys, num_rows, out, dims, scale, softcap, num_threads, 1);
+    return attend_short(q, kv, tables, mask, num_keys, num_rows, out, dims, scale, softcap, num_threads, 1, 0);
+}
+
+/* The same with products of bf16 pairs where this build has them (paged_attention_bf16_products;
+ * else it is paged_attention_short_bf16): which is faster depends on the CPU (cpu_kernels.py
+ * measures both once per CPU and picks). */
+int paged_attention_short_bf16_pairs(const float *q, const uint16_t *kv, const int64_t *tables, const uint8_t *mask,
+                                     const int64_t *num_keys, const int64_t *num_rows, float *out, const int64_t *dims,
+                                     float scale, float softcap, int num_threads) {
+    return attend_short(q, kv, tables, mask, num_keys, num_rows, out, dims, scale, softcap, num_threads, 1, 1);
 }
