@@ -351,10 +351,11 @@ def kernel_build(name: str) -> cpu_kernels.PagedAttentionKernel:
     return cpu_kernels.PagedAttentionKernel(native.library, bf16_products=name == "bf16 products")
 
 
-def test_the_bf16_products_are_what_this_cpu_measured_faster_recorded_beside_the_build():
+def test_the_bf16_products_are_what_this_cpu_measured_faster_recorded_beside_the_build(monkeypatch):
     """Where the build has bf16 products, the loaded kernel takes them only if they measured
     faster here, and says so in a record beside the library that every later process reads; the
     bf16 pool's entry point (what the layer chain calls) follows the choice."""
+    monkeypatch.delenv(cpu_kernels.PRODUCTS_ENV, raising=False)
     kernel = native_kernel()
     records = list(cpu_kernels.cache_dir().glob("paged_attention-*.products"))
     if not kernel.can_pair:

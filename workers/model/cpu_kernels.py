@@ -250,7 +250,8 @@ def choose_bf16_products(kernel: PagedAttentionKernel, library_path: Path) -> bo
 
 def _paged_attention_kernel(library: ctypes.CDLL) -> PagedAttentionKernel:
     kernel = PagedAttentionKernel(library)
-    kernel.bf16_products = choose_bf16_products(kernel, Path(library._name))
+    if kernel.can_pair:
+        kernel.bf16_products = choose_bf16_products(kernel, build("paged_attention"))  # the path: cached
     return kernel
 
 
