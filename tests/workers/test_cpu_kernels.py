@@ -390,6 +390,13 @@ def test_the_products_choice_is_measured_once_a_near_tie_keeps_fp32_and_the_vari
     assert cpu_kernels.choose_bf16_products(kernel, second)
     monkeypatch.setenv(cpu_kernels.PRODUCTS_ENV, "fp32")
     assert not cpu_kernels.choose_bf16_products(kernel, first) and len(measured) == 2
+    monkeypatch.delenv(cpu_kernels.PRODUCTS_ENV)
+    (tmp_path / "paged_attention-b.products").write_text("bf")  # a torn record is measured again
+    monkeypatch.setattr(cpu_kernels, "_products_timings", lambda k: timings(k, 0.5))
+    assert cpu_kernels.choose_bf16_products(kernel, second) and len(measured) == 3
+    assert (tmp_path / "paged_attention-b.products").read_text().startswith("bf16 fp32 1000.000 ms bf16 500.000 ms")
+    assert cpu_kernels.choose_bf16_products(kernel, tmp_path / "missing" / "paged_attention-c.so")  # no record there
+    assert len(measured) == 4 and not (tmp_path / "missing").exists()
     kernel.can_pair = False  # a build without them
     monkeypatch.setenv(cpu_kernels.PRODUCTS_ENV, "bf16")
     assert not cpu_kernels.choose_bf16_products(kernel, first)

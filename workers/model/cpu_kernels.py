@@ -234,18 +234,32 @@ def choose_bf16_products(kernel: PagedAttentionKernel, library_path: Path) -> bo
     if forced != "auto":
         log.warning("%s=%r is not bf16, fp32 or auto: measuring", PRODUCTS_ENV, forced)
     record = library_path.with_suffix(".products")
-    with open(library_path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one process measures; the rest read its record
-        try:
-            return record.read_text().split()[0] == "bf16"
-        except (OSError, IndexError):
-            pass
-        fp32, pairs = _products_timings(kernel)
-        choice = "bf16" if pairs <= PAIRS_MARGIN * fp32 else "fp32"
-        record.write_text(f"{choice} fp32 {fp32 * 1e3:.3f} ms bf16 {pairs * 1e3:.3f} ms\n")
-        log.info("CPU attention over a bf16 pool: %s products (fp32 %.3f ms, bf16 %.3f ms)",
-                 choice, fp32 * 1e3, pairs * 1e3)
-        return choice == "bf16"
+    try:
+        with open(library_path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one process measures; the rest read its record
+            try:
+                recorded = record.read_text().split()[0]
+            except (OSError, IndexError):
+                recorded = ""
+            if recorded in ("bf16", "fp32"):
+                return recorded == "bf16"
+            choice, line = _measure_products(kernel)
+            tmp = record.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(line)
+            os.replace(tmp, record)
+            return choice
+    except OSError as exc:  # no record here: this process measures for itself
+        log.warning("cannot record the attention products' choice beside %s: %s", library_path.name, exc)
+        return _measure_products(kernel)[0]
+
+
+def _measure_products(kernel: PagedAttentionKernel) -> tuple[bool, str]:
+    """(bf16 products?, the record's line)."""
+    fp32, pairs = _products_timings(kernel)
+    choice = "bf16" if pairs <= PAIRS_MARGIN * fp32 else "fp32"
+    log.info("CPU attention over a bf16 pool: %s products (fp32 %.3f ms, bf16 %.3f ms)",
+             choice, fp32 * 1e3, pairs * 1e3)
+    return choice == "bf16", f"{choice} fp32 {fp32 * 1e3:.3f} ms bf16 {pairs * 1e3:.3f} ms\n"
 
 
 def _paged_attention_kernel(library: ctypes.CDLL) -> PagedAttentionKernel:
