@@ -23,6 +23,7 @@ from justapi.launch.shm_pool import DTYPE_BYTES
 from justapi.model.check import check_draft_model, check_model_file
 from justapi.model.gguf_file import GGUFError, GGUFFile
 from justapi.model.info import ModelInfo, model_sampling_defaults, resolve_model
+from justapi.model.weight_types import check_weight_types
 from justapi.sampling import SamplingDefaults
 from justapi.wire.auth import public_key_of, read_secret_key
 
@@ -47,6 +48,7 @@ def serve(config_path: str | None, api_key: str | None, **flags: Any) -> None:
         gguf = GGUFFile(resolve_model(config.model.model))
         model = ModelInfo.from_gguf(gguf)
         check_model_file(gguf, model)
+        check_weight_types(gguf, config.model.weights, config.model.device)
         check_draft_model(config, model)
         if config.server.zmq_curve_secret_key:
             read_secret_key(config.server.zmq_curve_secret_key)

@@ -1,6 +1,6 @@
 """The CPU kernels over GGUF blocks (csrc/quant_matmul.c via block_kernels.py), per type, on
-blocks made by tests/support/kquant_pack.py from rows whose 32-value groups span orders of
-magnitude, against gguf's own decoder:
+blocks made by workers/weights/kquant_pack.py (IQ4_NL, IQ4_XS: iq4_pack.py) from rows whose
+32-value groups span orders of magnitude, against gguf's own decoder:
 
 - expansion (fp32 and bf16) and lookups equal gguf's values bit for bit;
 - the fp32 matmul equals x @ W.T within fp32 summation's bound, |err| <= K u sum |x| |w|
@@ -19,7 +19,7 @@ import ctypes
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from workers.weights.kquant_pack import dequantize, quantize
 from workers.model.cpu_kernels import build, cpu_id
@@ -44,8 +44,12 @@ def weights(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) ->
     return block_matrix(blocks, qtype, (rows, cols)), torch.from_numpy(dequantize(blocks, qtype, (rows, cols)))
 
 
+def has_super_blocks(qtype: GGMLQuantizationType) -> bool:
+    return GGML_QUANT_SIZES[qtype][0] == 256  # the K-quants and IQ4_XS
+
+
 def cols_for(qtype: GGMLQuantizationType) -> int:
-    return 512 if qtype.name.endswith("_K") else 160  # 160: five 32-blocks, not a power of two
+    return 512 if has_super_blocks(qtype) else 160  # 160: five 32-blocks, not a power of two
 
 
 def fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -132,18 +136,20 @@ NO_VNNI = ("-mno-avx512f", "-mno-avxvnni", "-mno-avx512vnni")
 
 
 @pytest.mark.skipif("vnni" not in cpu_id(), reason="this CPU has no VNNI: its build is already the fallback")
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.Q4_K], ids=["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q4_K"])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.Q4_K, Q.IQ4_NL, Q.IQ4_XS],
+                         ids=["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q4_K", "IQ4_NL", "IQ4_XS"])
 def test_int8_panels_give_the_same_bits_without_vnni(qtype):
     """The panels' integer sums are exact with dpbusd (Q8_0's codes shifted by 128, the shift
     taken back exactly) and with maddubs + madd (AVX2 CPUs, Q8_0 by signs): a build for a CPU
     without VNNI or AVX-512 gives the same bits, so both paths are checked on this machine."""
     fallback = BlockKernels(ctypes.CDLL(str(build("quant_matmul", NO_VNNI))))
-    matrix, _ = weights(qtype, 21, 2048 + 8 * 32 + 32 * (qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0)), seed=7)
+    matrix, _ = weights(qtype, 21, 2048 + 8 * 32 + 32 * (not has_super_blocks(qtype)), seed=7)
     x = torch.randn(19, matrix.in_features, generator=torch.Generator().manual_seed(8))  # AVX-512: panels of 16
     assert torch.equal(fallback.matmul(matrix, x, panels=True), block_kernels().matmul(matrix, x, panels=True))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.Q2_K], ids=["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q2_K"])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.Q2_K, Q.IQ4_NL],
+                         ids=["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q2_K", "IQ4_NL"])
 def test_panels_of_16_rows_give_the_bits_of_panels_of_8(qtype):
     """With AVX-512 VNNI, calls of more than 8 rows take panels of 16 rows (x + 128 unsigned,
     the codes signed, each sum started at -128 times its codes' sum); up to 8 rows, panels of 8.
@@ -151,7 +157,7 @@ def test_panels_of_16_rows_give_the_bits_of_panels_of_8(qtype):
     the last partial; 13 weight rows, a partial tile of 8) equals it in calls of 8, 3 and 1.
     Q8_0's codes include -128, the signed operand's edge."""
     skip_without_panels("int8_panels")
-    cols = cols_for(qtype) + (0 if qtype.name.endswith("_K") else 2048)  # past one piece, a short last one
+    cols = cols_for(qtype) + (0 if has_super_blocks(qtype) else 2048)  # past one piece, a short last one
     rng = np.random.default_rng(13)
     w = rng.standard_normal((13, cols)) * np.exp(rng.standard_normal((13, cols // 32)).repeat(32, 1))
     blocks = quantize(w.astype(np.float32), qtype)
@@ -181,7 +187,7 @@ def test_int8_and_int8_panels_give_the_same_bits(qtype):
     without moving a bit: speculative verification and batches of any size compute a row as a
     lone decode step does (up to the dense path's range)."""
     skip_without_panels("int8_panels")
-    matrix, _ = weights(qtype, 37, 2 * cols_for(qtype) + (0 if qtype.name.endswith("_K") else 2048), seed=9)
+    matrix, _ = weights(qtype, 37, 2 * cols_for(qtype) + (0 if has_super_blocks(qtype) else 2048), seed=9)
     x = torch.randn(8 * 16 + 21, matrix.in_features, generator=torch.Generator().manual_seed(10))  # 2 passes
     x[5] *= 300.0
     per_row = block_kernels().matmul(matrix, x, int8=True)
@@ -189,11 +195,11 @@ def test_int8_and_int8_panels_give_the_same_bits(qtype):
     assert torch.equal(block_kernels().matmul(matrix, x[7:8], int8=True)[0], per_row[7])
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.IQ4_NL], ids=["Q4_0", "Q4_1", "Q8_0", "IQ4_NL"])
 @pytest.mark.parametrize("cols", [160, 2208, 2048 + 64])
 def test_the_int8_path_for_a_few_rows_gives_the_panels_bits(qtype, cols):
     """One to four rows of x take these types' codes straight from the blocks (no coded copy
-    in L1); five and more take the coded tiles. Every row count gives each row the panels'
+    in L1; IQ4_NL's nibbles looked up in its table in a register); five and more take the coded tiles. Every row count gives each row the panels'
     bits: odd group counts (a lone last block's offsets), rows past one 2048-value piece,
     a partial tile of weight rows, an all-zero row and rows of very different magnitude."""
     skip_without_panels("int8_panels")

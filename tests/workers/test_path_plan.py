@@ -165,9 +165,9 @@ def test_stack_linear_puts_the_parts_side_by_side():
 
 
 @needs_kernels
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q3_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q3_K", "IQ4_XS", "IQ4_NL"])
 def test_auto_keeps_every_quantized_matrix_as_the_files_blocks(tiny_gguf, type_name):
-    """K-quant rows are 256-value blocks: the tiny model's dims are 256."""
+    """K-quant (and IQ4_XS) rows are 256-value blocks: the tiny model's dims are 256."""
     path = tiny_gguf(type=type_name, embed_type="Q8_0", hidden=256, heads=4, kv_heads=2, ffn=256, layers=2)
     model = load_model(GGUFFile(path), weights="auto", progress=False, plan=PathPlan.only("blocks"))
     linears = [lin for layer in model.layers for lin in layer.linears()]

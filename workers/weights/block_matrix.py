@@ -19,9 +19,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from justapi.model.gguf_file import GGUFError
+from justapi.model.weight_types import BLOCK_TYPE_NAMES
 
 Q = GGMLQuantizationType
-BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+BLOCK_TYPES = tuple(Q[name] for name in BLOCK_TYPE_NAMES)
 """Types the block kernels read (csrc/gguf_blocks.h)."""
 
 

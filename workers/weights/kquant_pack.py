@@ -1,4 +1,5 @@
-"""Quantizers for the GGUF types gguf-py can only read (Q2_K..Q6_K): float rows -> blocks in
+"""Quantizers for the GGUF types gguf-py can only read (Q2_K..Q6_K; IQ4_NL and IQ4_XS from
+iq4_pack.py): float rows -> blocks in
 llama.cpp's byte layout (decoded back by `gguf.quants.dequantize`), for tests and for the
 benchmark's files of each weight type (tools/bench/requant.py).
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
+
+from workers.weights.iq4_pack import pack_iq4_nl, pack_iq4_xs
 
 Q = GGMLQuantizationType
 
@@ -126,7 +129,8 @@ def pack_q2_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([sc | (mn << 4), qs, db, mb], 1).reshape(rows, -1)
 
 
-PACKERS = {Q.Q2_K: pack_q2_k, Q.Q3_K: pack_q3_k, Q.Q4_K: pack_q4_k, Q.Q5_K: pack_q5_k, Q.Q6_K: pack_q6_k}
+PACKERS = {Q.Q2_K: pack_q2_k, Q.Q3_K: pack_q3_k, Q.Q4_K: pack_q4_k, Q.Q5_K: pack_q5_k, Q.Q6_K: pack_q6_k,
+           Q.IQ4_NL: pack_iq4_nl, Q.IQ4_XS: pack_iq4_xs}
 
 
 def quantize(x: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:

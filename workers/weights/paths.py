@@ -16,6 +16,8 @@ step's matmuls take.
   kernels with int8 or fp32 activations for small steps, a tile expanded into a scratch buffer
   and a dense fp32 or bf16 GEMM for large ones), cached per CPU. On CUDA auto is fp32 (bf16):
   int4 never won there (docs/quantization.md). Without a C compiler auto runs fp32.
+  A file with quantized matrices of a type no kernel reads (IQ3_S, IQ2_XXS, ...) is refused
+  under auto and q4 on CPU (justapi/model/weight_types.py): expanding them would be ~8x the file.
 Owns: the mode, the form per type, building the model. Does not own: kernels or loading.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from gguf import GGMLQuantizationType
 
 from justapi.config.sections import WEIGHT_MODES
 from justapi.model.gguf_file import GGUFFile
+from justapi.model.weight_types import check_weight_types
 from workers.cpu_memory import release_freed_memory
 from workers.model.cpu_kernels import SOURCE_DIR, KernelBuildError, cache_dir, cpu_id
 from workers.model.cpu_layer_chain import LayerChain
@@ -170,6 +173,7 @@ def load_model(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.f
                weights: str = "fp32", progress: bool = True, plan: PathPlan | None = None) -> DecoderModel:
     """The model of a GGUF file with the weights kept and computed as `weights` says."""
     paths = WeightPaths(weights, device, plan)
+    check_weight_types(gguf, paths.mode if paths.kernels is not None else "fp32", str(paths.device))
     loaded = load_weights(gguf, device, dtype, progress, keep_quantized=paths.form)
     model = DecoderModel(loaded, paths)
     model.layer_chain = LayerChain.of(model)

@@ -1,7 +1,7 @@
 """Random-weight llama GGUF files: a fully servable model of any shape, for tests and demos.
 
-`write_synthetic_gguf(path, spec)` writes weights (any tensor type gguf can quantize, plus the
-K-quants Q2_K..Q6_K as random blocks) and a small byte-level `gpt2` tokenizer: the 256 bytes in
+`write_synthetic_gguf(path, spec)` writes weights (any tensor type gguf can quantize, IQ4_NL and
+IQ4_XS by iq4_pack.py, the K-quants Q2_K..Q6_K, IQ3_S and IQ2_XXS as random blocks) and a small byte-level `gpt2` tokenizer: the 256 bytes in
 GPT-2's byte-to-unicode alphabet, a few merges, specials `<|endoftext|>`, `<|im_start|>`,
 `<|im_end|>` and a ChatML chat template. `materialize("synthetic:layers=2,hidden=64,...")`
 writes the file once into a cache directory, named by a hash of the spec (deterministic).
@@ -21,6 +21,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, TokenType
 from gguf import quants as gguf_quants
 
+from workers.weights.iq4_pack import pack_iq4
+
 SPEC_PREFIX = "synthetic:"
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MERGES = (("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", "n"),
@@ -29,8 +31,10 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
     " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\\n' }}{% endif %}")
-# Byte offsets of the float16 scale fields (d, dmin) inside one K-quant block.
-_K_QUANT_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+# Byte offsets of the float16 scale fields (d, dmin) inside one block of the types written as
+# random blocks (gguf-py cannot quantize them; IQ3_S and IQ2_XXS: files no kernel keeps).
+_K_QUANT_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+                          "IQ3_S": (0,), "IQ2_XXS": (0,)}
 
 
 @dataclass(frozen=True)
@@ -45,7 +49,8 @@ class SyntheticSpec:
     vocab: int = 384
     context: int = 512
     type: str = "F32"
-    """Type of every weight matrix (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K)."""
+    """Type of every weight matrix (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K,
+    IQ4_NL, IQ4_XS; IQ3_S, IQ2_XXS as random blocks)."""
     embed_type: str = ""
     """Type of token_embd; "" = same as `type`."""
     tied: bool = True
@@ -219,6 +224,8 @@ def _add_matrix(writer: GGUFWriter, name: str, values: np.ndarray, type_name: st
                          f"{qtype.name} blocks of {block_size}")
     if qtype.name in _K_QUANT_SCALE_OFFSETS:
         writer.add_tensor(name, _random_k_quant(qtype, values, rng), raw_dtype=qtype)
+    elif qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS):
+        writer.add_tensor(name, pack_iq4(values.astype(np.float32), qtype), raw_dtype=qtype)
     elif qtype == GGMLQuantizationType.F32:
         writer.add_tensor(name, values.astype(np.float32))
     elif qtype == GGMLQuantizationType.F16:

@@ -3,20 +3,22 @@
  *     value = sc * (c - z) + mn.
  * One of z and mn is 0 for every type, and sc * (c - z) is the very product gguf's dequantizer
  * rounds (or an exact one), so the fp32 values equal gguf's bit for bit with or without FMA.
- * Codes are unsigned (at most 63) except Q8_0's, its signed bytes. Owns: the byte layouts of
- * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and Q2_K..Q6_K. Does not own: any arithmetic past the values.
+ * Codes are unsigned (at most 63) except Q8_0's, its signed bytes, and IQ4_NL's and IQ4_XS's,
+ * the signed values of their 16-entry table (a nibble picks one: the scale times the table's
+ * value is gguf's one product). Owns: the byte layouts of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+ * Q2_K..Q6_K, IQ4_NL and IQ4_XS. Does not own: any arithmetic past the values.
  */
 #ifndef JUSTAPI_GGUF_BLOCKS_H
 #define JUSTAPI_GGUF_BLOCKS_H
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__SSSE3__)
 #include <immintrin.h>
 #endif
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
-       Q5_K = 13, Q6_K = 14 };  /* ggml's type ids */
+       Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };  /* ggml's type ids */
 
 typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
 typedef uint8_t u8x32 __attribute__((vector_size(32), aligned(1)));
@@ -37,11 +39,16 @@ static inline __attribute__((always_inline)) layout layout_of(int type) {  /* va
         case Q4_K: return (layout){256, 144, 0};
         case Q5_K: return (layout){256, 176, 0};
         case Q6_K: return (layout){256, 210, 32};
+        case IQ4_NL: return (layout){32, 18, 0};
+        case IQ4_XS: return (layout){256, 136, 0};
         default: return (layout){0, 0, 0};
     }
 }
 
-static int codes_signed(int type) { return type == Q8_0; }
+static int codes_signed(int type) { return type == Q8_0 || type == IQ4_NL || type == IQ4_XS; }
+
+/* Whether values have a minimum or zero point (mn - z * sc, the int8 path's offsets) at all. */
+static int has_offsets(int type) { return !codes_signed(type); }
 
 static int scales_per_16(int type) { return type == Q6_K || type == Q3_K || type == Q2_K; }
 
@@ -104,6 +111,48 @@ static void codes_q5(const uint8_t *b, uint8_t *c, float *sc, float *mn, float *
     fill2(sc, d);
     fill2(mn, m);
     if (off) fill2(off, has_min ? m : -(16.0f * d));
+}
+
+/* IQ4_NL and IQ4_XS's values, indexed by a nibble (ggml's kvalues_iq4nl). */
+static const int8_t IQ4_VALUES[16] __attribute__((aligned(16))) = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                                   1, 13, 25, 38, 53, 69, 89, 113};
+
+/* 16 bytes of nibbles -> 32 table values: byte j gives value j (low nibble) and j + 16 (high). */
+static void iq4_values32(const uint8_t *qs, uint8_t *c) {
+#if defined(__SSSE3__)
+    const __m128i table = _mm_load_si128((const __m128i *)IQ4_VALUES), q = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i low = _mm_set1_epi8(15);
+    _mm_storeu_si128((__m128i *)c, _mm_shuffle_epi8(table, _mm_and_si128(q, low)));
+    _mm_storeu_si128((__m128i *)(c + 16), _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), low)));
+#else
+    for (int j = 0; j < 16; j++) {
+        c[j] = (uint8_t)IQ4_VALUES[qs[j] & 15];
+        c[j + 16] = (uint8_t)IQ4_VALUES[qs[j] >> 4];
+    }
+#endif
+}
+
+/* IQ4_NL: d | qs[16] (Q4_0's layout), value = d * table[nibble]. */
+static void codes_iq4_nl(const uint8_t *b, uint8_t *c, float *sc, float *mn, float *off) {
+    iq4_values32(b + 2, c);
+    fill2(sc, half(b));
+    fill2(mn, 0.0f);
+    if (off) fill2(off, 0.0f);
+}
+
+/* IQ4_XS: d | scales_h u16 | scales_l[4] | qs[128]. Sub-block j (values 32j..32j+31): qs[16j..]
+ * as IQ4_NL's, 6-bit scale ls = nibble j % 2 of scales_l[j / 2] | bits 2j..2j+1 of scales_h
+ * above it, value = (d * (ls - 32)) * table[nibble] (d * (ls - 32) is exact in fp32). */
+static void codes_iq4_xs(const uint8_t *b, uint8_t *c, float *sc, float *mn, float *off) {
+    const float d = half(b);
+    const int high = b[2] | b[3] << 8;
+    for (int j = 0; j < 8; j++) {
+        const int ls = ((b[4 + j / 2] >> 4 * (j % 2)) & 15) | ((high >> 2 * j) & 3) << 4;
+        fill2(sc + 2 * j, d * (float)(ls - 32));
+        fill2(mn + 2 * j, 0.0f);
+        if (off) fill2(off + 2 * j, 0.0f);
+        iq4_values32(b + 8 + 16 * j, c + 32 * j);
+    }
 }
 
 static void codes_q8_0(const uint8_t *b, uint8_t *c, float *sc, float *mn, float *off) {  /* d | int8[32] */
@@ -211,6 +260,8 @@ static inline __attribute__((always_inline)) void codes_chunk(int type, const ui
             case Q4_K: codes_qk(b, c, sc, mn, off, 0); break;
             case Q5_K: codes_qk(b, c, sc, mn, off, 1); break;
             case Q6_K: codes_q6_k(b, c, sc, mn, off); break;
+            case IQ4_NL: codes_iq4_nl(b, c, sc, mn, off); break;
+            case IQ4_XS: codes_iq4_xs(b, c, sc, mn, off); break;
         }
     }
 }

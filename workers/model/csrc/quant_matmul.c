@@ -1,4 +1,4 @@
-/* Matmuls straight from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K) on CPU.
+/* Matmuls straight from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS) on CPU.
  *
  * y[m][n] = sum_k x[m][k] * W[n][k] with W kept as the file's blocks: each block of a weight
  * row is decoded to fp32 in L1 once per call and multiplied with every row of x there, so a
@@ -33,7 +33,7 @@ enum { OK = 0, BAD_TYPE = -3, BAD_SHAPE = -4, NO_MEMORY = -1 };
     case Q4_0: CALL(Q4_0); break; case Q4_1: CALL(Q4_1); break; case Q5_0: CALL(Q5_0); break; \
     case Q5_1: CALL(Q5_1); break; case Q8_0: CALL(Q8_0); break; case Q2_K: CALL(Q2_K); break; \
     case Q3_K: CALL(Q3_K); break; case Q4_K: CALL(Q4_K); break; case Q5_K: CALL(Q5_K); break; \
-    case Q6_K: CALL(Q6_K); break; }
+    case Q6_K: CALL(Q6_K); break; case IQ4_NL: CALL(IQ4_NL); break; case IQ4_XS: CALL(IQ4_XS); break; }
 #define CHUNK 256   /* most values decoded per row at a time: one K-quant block, eight 32-blocks */
 #define ROWS 4      /* weight rows per tile */
 #define MAX_M 32    /* rows of x per pass (accumulators on the stack) */
@@ -225,13 +225,25 @@ typedef struct {  /* one weight row's piece: value = sc * c + off per 16 values 
 
 #if defined(__AVX2__) && defined(__F16C__)
 #define HAS_CODE8 1
-/* codes_chunk for 8 blocks of Q4_0, Q4_1 or Q8_0 at once: the 8 headers' half floats converted
+/* A 32-value block's codes: Q4's nibbles (byte j: value j low, j + 16 high) unsigned, Q8_0's
+ * bytes, IQ4_NL's nibbles looked up in its table (signed). */
+INLINE __m256i block_codes(int type, const uint8_t *b) {
+    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    /* the 16 bytes in both halves (a load, no shuffle), the upper half shifted down a nibble */
+    const __m256i qs = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 4 : 2))));
+    const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi32(qs, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                             _mm256_set1_epi8(15));
+    if (type != IQ4_NL) return nibbles;
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)IQ4_VALUES)), nibbles);
+}
+
+/* codes_chunk for 8 blocks of Q4_0, Q4_1, Q8_0 or IQ4_NL at once: the 8 headers' half floats converted
  * together and written as the pairs per 16 values, each block's codes in one 32-byte store.
  * The same values as codes_chunk (cvtph is exact; -8 * d and -(8 * d) are the same float), at
  * about half its cost, which at 16 rows of x was a third of a panels matmul. */
 INLINE void code_blocks8(int type, const uint8_t *b, uint8_t *c, float *sc, float *off) {
     const int bytes = layout_of(type).bytes;
-    int32_t head[8];  /* d, and Q4_1's m above it (Q4_0 / Q8_0: the 2 bytes after d, unused) */
+    int32_t head[8];  /* d, and Q4_1's m above it (other types: the 2 bytes after d, unused) */
     for (int i = 0; i < 8; i++) memcpy(head + i, b + i * bytes, 4);
     /* per 128-bit lane: its 4 d, then its 4 m; then d (blocks 0-7) | m (blocks 0-7) */
     const __m256i dm = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)head),
@@ -246,15 +258,7 @@ INLINE void code_blocks8(int type, const uint8_t *b, uint8_t *c, float *sc, floa
     _mm256_storeu_ps(sc + 8, _mm256_permutevar8x32_ps(d, second));
     _mm256_storeu_ps(off, _mm256_permutevar8x32_ps(o, first));
     _mm256_storeu_ps(off + 8, _mm256_permutevar8x32_ps(o, second));
-    for (int i = 0; i < 8; i++, b += bytes, c += 32) {
-        if (type == Q8_0) {
-            _mm256_storeu_si256((__m256i *)c, _mm256_loadu_si256((const __m256i *)(b + 2)));
-            continue;
-        }  /* Q4: byte j holds value j (low nibble) and j + 16 (high) */
-        const __m256i qs = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 4 : 2))));
-        _mm256_storeu_si256((__m256i *)c, _mm256_and_si256(_mm256_srlv_epi32(qs, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
-                                                           _mm256_set1_epi8(15)));
-    }
+    for (int i = 0; i < 8; i++, b += bytes, c += 32) _mm256_storeu_si256((__m256i *)c, block_codes(type, b));
 }
 #endif
 
@@ -263,7 +267,7 @@ INLINE void code_piece(int type, const uint8_t *row, int64_t k0, int piece, int 
     float mn[CHUNK / 16];
     int j = 0;
 #if defined(HAS_CODE8)
-    if (type == Q4_0 || type == Q4_1 || type == Q8_0) {
+    if (type == Q4_0 || type == Q4_1 || type == Q8_0 || type == IQ4_NL) {
         const int bytes = layout_of(type).bytes;
         for (; j + 256 <= piece; j += 256)
             code_blocks8(type, row + (k0 + j) / 32 * bytes, out->c + j, out->sc + j / 16, out->off + j / 16);
@@ -431,7 +435,7 @@ INLINE void tile_i8(int type, int chunk, const uint8_t *w, int64_t row_bytes, in
 
 #if defined(__AVX2__) && defined(__F16C__)
 #define HAS_DIRECT 1
-/* ---- the int8 path straight from the blocks: Q4_0, Q4_1 and Q8_0, a few rows of x ----
+/* ---- the int8 path straight from the blocks: Q4_0, Q4_1, Q8_0 and IQ4_NL, a few rows of x ----
  * tile_i8 codes a piece of 4 weight rows into L1 (bytes, and a scale and an offset per 16
  * values) and reads it back: for one row of x that costs more than the dot products, and a
  * one-row matmul ran at ~1.4 weights a cycle. Here each block's codes go from the file's bytes
@@ -444,15 +448,7 @@ INLINE void tile_i8(int type, int chunk, const uint8_t *w, int64_t row_bytes, in
                           it off (tools/bench/quant_paths.py builds that to compare) */
 #endif
 
-static int has_direct(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
-
-/* A block's 32 codes: Q4's nibbles (byte j: value j low, j + 16 high) unsigned, Q8_0's bytes. */
-INLINE __m256i block_codes(int type, const uint8_t *b) {
-    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
-    /* the 16 bytes in both halves (a load, no shuffle), the upper half shifted down a nibble */
-    const __m256i qs = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 4 : 2))));
-    return _mm256_and_si256(_mm256_srlv_epi32(qs, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
-}
+static int has_direct(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == IQ4_NL; }
 
 INLINE uint16_t half_bits(const uint8_t *p) {
     uint16_t v;
@@ -484,7 +480,7 @@ INLINE __m256 pair_scales(int type, const uint8_t *const *b, int64_t g, int pair
  * scales, for nx rows of x with the block's codes decoded once. */
 INLINE void direct_group(int type, const uint8_t *const *b, int64_t g, int nx, const int8_t *const *xq,
                          __m128 d, const float *const *xd, __m128 *t) {
-    const int is_signed = type == Q8_0, bytes = layout_of(type).bytes;
+    const int is_signed = codes_signed(type), bytes = layout_of(type).bytes;
     __m256i c[ROWS], cu[ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < ROWS; r++) {
@@ -543,7 +539,7 @@ INLINE void tile_i8_direct(int type, const uint8_t *w, int64_t row_bytes, int64_
         const __m256 d = pair_scales(type, b, g, pair, bytes, &mins);
         direct_group(type, b, g, nx, xq, _mm256_castps256_ps128(d), xd, t);
         if (pair) direct_group(type, b, g + 1, nx, xq, _mm256_extractf128_ps(d, 1), xd, t);
-        if (type == Q8_0) continue;  /* offsets 0: the chains stay +0, as the coded path's */
+        if (!has_offsets(type)) continue;  /* offsets 0: the chains stay +0, as the coded path's */
         const __m256 off = type == Q4_1 ? mins
                                         : _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), d), _mm256_set1_ps(-0.0f));
         for (int i = 0; i < nx; i++) {
@@ -596,7 +592,8 @@ int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const floa
                 for (int64_t r = 0; r < m; r += 2) {  /* two rows of x at a time, one last alone */
 #define DIRECT(T, NX) tile_i8_direct(T, w, row_bytes, k, n0, rows, &xq, r, NX, y, n)
 #define DIRECTS(T) if (r + 1 < m) DIRECT(T, 2); else DIRECT(T, 1)
-                    if (type == Q4_1) DIRECTS(Q4_1); else if (type == Q4_0) DIRECTS(Q4_0); else DIRECTS(Q8_0);
+                    if (type == Q4_1) DIRECTS(Q4_1); else if (type == Q4_0) DIRECTS(Q4_0);
+                    else if (type == IQ4_NL) DIRECTS(IQ4_NL); else DIRECTS(Q8_0);
 #undef DIRECTS
 #undef DIRECT
                 }
@@ -724,7 +721,7 @@ INLINE void panels_dot(int type, const coded *w, int piece, const qx_panels *x, 
     }
     for (int p = 0; p < np; p++)
         for (int r = 0; r < ROWS; r++) tot[p][r] = t[p][r];
-    if (type == Q8_0) return;  /* offsets 0: the chains stay +0, as the other paths' */
+    if (!has_offsets(type)) return;  /* offsets 0: the chains stay +0, as the other paths' */
     for (int p = 0; p < np; p++) {  /* the offsets: a panel's 4 rows x 4 chains (h % 4) */
         __m256 o[ROWS][OFF_CHAINS];
         for (int r = 0; r < ROWS; r++)
@@ -903,7 +900,7 @@ INLINE void zpanel_dot(int type, const zcoded *w, int piece, const qx_zpanels *x
             t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(w[r].w.sc[v0 / 16]), xdv), t[r]);
     }
     for (int r = 0; r < ZROWS; r++) tot[r] = t[r];
-    if (type == Q8_0) return;  /* offsets 0: the chains stay +0, as the other paths' */
+    if (!has_offsets(type)) return;  /* offsets 0: the chains stay +0, as the other paths' */
     for (int r = 0; r < ZROWS; r += 2) {  /* the offsets, two weight rows at a time: 8 chains */
         __m512 o[2][OFF_CHAINS];
         for (int i = 0; i < 2; i++)
