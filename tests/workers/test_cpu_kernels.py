@@ -1,6 +1,7 @@
 """The native CPU paged-attention kernel against the torch path, its bit-for-bit batch
 invariance, and its build cache and fallback (workers/model/cpu_kernels.py). Each arithmetic
-test runs over an fp32 and a bf16 pool (--kv-cache-dtype: the bf16 pool has a loop of its own)."""
+test runs over an fp32, a bf16 and an f16 pool (--kv-cache-dtype: the 16-bit pools have loops of
+their own)."""
 from __future__ import annotations
 
 import ctypes
@@ -47,7 +48,8 @@ def attend(batch, kv, q, use_kernel=True, params=AttentionParams()):
     return backend.attend(kv, q, backend.prepare(batch), params)
 
 
-KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+KV_DTYPES = pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16],
+                                    ids=["fp32", "bf16", "f16"])
 
 PAIRS_ATOL = 2.5e-2
 """Kernel against fp32 attention over the same bf16 pool where the build multiplies bf16 pairs
@@ -90,16 +92,29 @@ def test_kernel_equals_the_gathered_torch_path(heads, kv_heads, head_dim, block_
     torch.testing.assert_close(got, want, atol=atol(kv_dtype, head_dim), rtol=0)
 
 
+HALF_DTYPES = pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
-def test_over_a_bf16_pool_the_kernel_attends_to_the_rounded_values(heads, kv_heads, head_dim, block_size):
-    """--kv-cache-dtype bfloat16: K/V widened exactly as they are read, so the result is the fp32
-    kernel's on kv16.float() (to the last bits: the bf16 loop sums in another order; with bf16
-    products, to their rounding), not the fp32 pool's."""
+@HALF_DTYPES
+def test_over_a_16_bit_pool_the_kernel_attends_to_the_rounded_values(heads, kv_heads, head_dim, block_size, half):
+    """--kv-cache-dtype bfloat16 / float16: K/V widened exactly as they are read, so the result is
+    the fp32 kernel's on kv16.float() (to the last bits: the 16-bit loops sum in another order;
+    with bf16 products, to their rounding), not the fp32 pool's."""
     batch, kv, q = random_step([0, 5, 37, 100, 63], [1, 1, 4, 16, 1], heads, kv_heads, head_dim, block_size)
-    kv16 = kv.bfloat16()
+    kv16 = kv.to(half)
     got = attend(batch, kv16, q)
-    torch.testing.assert_close(got, attend(batch, kv16.float(), q), atol=atol(torch.bfloat16, head_dim), rtol=0)
-    assert not torch.allclose(got, attend(batch, kv, q), atol=1e-4)
+    torch.testing.assert_close(got, attend(batch, kv16.float(), q), atol=atol(half, head_dim), rtol=0)
+    assert not torch.allclose(got, attend(batch, kv, q), atol=1e-4 if half == torch.bfloat16 else 1e-5)
+
+
+def test_a_f16_pool_is_nearer_the_exact_cache_than_a_bf16_pool():
+    """A half keeps 11 significant bits, bf16 8: K/V values (|x| < 65504) lose ~8x less in an
+    f16 pool, and so does attention over it (the reason f16 is llama.cpp's default cache)."""
+    batch, kv, q = random_step([0, 5, 37, 100, 63], [1, 1, 4, 16, 1], seed=9)
+    exact = attend(batch, kv, q)
+    errors = {half: float((attend(batch, kv.to(half), q) - exact).abs().max()) for half in (torch.bfloat16, torch.float16)}
+    assert errors[torch.float16] * 4 < errors[torch.bfloat16], errors
 
 
 @KV_DTYPES
@@ -302,17 +317,18 @@ def test_long_chunks_attend_causally_with_or_without_a_mask(window, softcap):
 @pytest.mark.skipif("avx512f" not in cpu_id(), reason="this CPU has no AVX-512: its build is already the AVX2 one")
 @pytest.mark.parametrize("heads,kv_heads,head_dim,same_bits", [(8, 2, 24, True), (8, 2, 48, True),
                                                                (9, 3, 64, False), (4, 1, 128, False)])
-def test_an_avx2_build_of_the_bf16_loops(heads, kv_heads, head_dim, same_bits):
+@HALF_DTYPES
+def test_an_avx2_build_of_the_16_bit_loops(heads, kv_heads, head_dim, same_bits, half):
     """A build for AVX2 CPUs (checked here) runs the tiled loop at every head_dim. Where this
     machine runs it too (head_dim not a multiple of 32), the bits are the same: with AVX-512
     three query heads share each widened key (their sums in 32 registers), with AVX2's 16
     registers one head at a time, the same operations per (key, head) in the same order (KV
     groups of 4 here: 3 + 1 heads a pass). At 64 and 128 this machine runs the keys-in-lanes
     loop, another summation order (with AVX512-BF16, of bf16 products): the same values (within
-    that rounding). A decode and a verification chunk."""
+    that rounding). A decode and a verification chunk; bf16 and f16 pools (F16C's widening)."""
     other = cpu_kernels.PagedAttentionKernel(ctypes.CDLL(str(cpu_kernels.build("paged_attention", ("-mno-avx512f",)))))
     batch, kv, q = random_step([0, 37, 100, 9], [1, 4, 1, 16], heads, kv_heads, head_dim, seed=6)
-    kv16 = kv.bfloat16()
+    kv16 = kv.to(half)
     backend = TorchCpuBackend(batch.block_size)
     want = backend.attend(kv16, q, backend.prepare(batch))
     backend.kernel = other
@@ -320,7 +336,7 @@ def test_an_avx2_build_of_the_bf16_loops(heads, kv_heads, head_dim, same_bits):
     if same_bits:
         assert torch.equal(got, want)
     else:
-        torch.testing.assert_close(got, want, atol=atol(torch.bfloat16, head_dim), rtol=0)
+        torch.testing.assert_close(got, want, atol=atol(half, head_dim), rtol=0)
         assert not torch.equal(got, want)  # the keys-in-lanes loop did run here
 
 
@@ -342,6 +358,8 @@ def shared_prefix_step(prefix_blocks, lengths, rows, block_size=16, heads=9, kv_
 
 
 def kernel_build(name: str) -> cpu_kernels.PagedAttentionKernel:
+    if name == "f16 pool":
+        return kernel_build("fp32 products")
     """This machine's build with its bf16 pool's products fixed: "fp32 products" (what CPUs
     without AVX512-BF16 take, and those with it where they measured faster) or "bf16 products"
     (skipped where this CPU has no AVX512-BF16)."""
@@ -408,7 +426,7 @@ def attend_by(kernel, batch, kv, q):
     return backend.attend(kv, q, backend.prepare(batch))
 
 
-@pytest.mark.parametrize("build", ["bf16 products", "fp32 products"])
+@pytest.mark.parametrize("build", ["bf16 products", "fp32 products", "f16 pool"])
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (64, 8), (128, 32), (256, 16)])
 def test_sequences_sharing_a_prompt_give_the_bits_each_gives_alone(head_dim, block_size, build):
     """A bf16 pool whose sequences share their first blocks: their rows are scored against each
@@ -421,6 +439,8 @@ def test_sequences_sharing_a_prompt_give_the_bits_each_gives_alone(head_dim, blo
     lengths = [300, 310, 299, 420, 305, 333, 301, 302, 303, 40, 350, 300]
     rows = [1, 1, 4, 1, 1, 3, 1, 1, 1, 1, 2, 1]
     batch, kv, q = shared_prefix_step(300 // block_size, lengths, rows, block_size, 8, 2, head_dim)
+    if build == "f16 pool":
+        kv = kv.float().half()
     step = attend_by(kernel, batch, kv, q)
     torch.testing.assert_close(step, attend(batch, kv, q, use_kernel=False),
                                atol=atol(torch.bfloat16, head_dim, kernel=kernel), rtol=0)
@@ -469,22 +489,23 @@ def test_bf16_products_round_the_query_and_the_probabilities_and_nothing_else(he
     assert near < 2e-4 and near * 20 < exact, (near, exact)
 
 
-def test_the_bf16_loop_without_avx2_agrees_with_the_torch_path():
-    """The plain-C widening (CPUs without AVX2): the compiler fuses another subset of its
+@HALF_DTYPES
+def test_the_16_bit_loops_without_avx2_agree_with_the_torch_path(half):
+    """The plain-C widening (CPUs without AVX2 or F16C): the compiler fuses another subset of its
     multiply-adds there, so its last bits may differ from this machine's; its values do not."""
-    other = cpu_kernels.PagedAttentionKernel(ctypes.CDLL(str(cpu_kernels.build("paged_attention",
-                                                                               ("-mno-avx512f", "-mno-avx2")))))
+    other = cpu_kernels.PagedAttentionKernel(ctypes.CDLL(str(cpu_kernels.build(
+        "paged_attention", ("-mno-avx512f", "-mno-avx2", "-mno-f16c")))))
     batch, kv, q = random_step([0, 37, 100, 9], [1, 4, 1, 16], 8, 2, 24, seed=6)
-    kv16 = kv.bfloat16()
+    kv16 = kv.to(half)
     backend = TorchCpuBackend(batch.block_size)
     backend.kernel = other
     torch.testing.assert_close(backend.attend(kv16, q, backend.prepare(batch)),
                                attend(batch, kv16, q, use_kernel=False), atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("build", ["bf16 products", "fp32 products"])
-def test_chunks_up_to_the_kernels_limit_take_the_kernel_over_a_bf16_pool(build):
-    """Over a bf16 pool the keys-in-lanes loop takes, chunks of 17..KERNEL_CHUNK_TOKENS tokens (a
+@pytest.mark.parametrize("build", ["bf16 products", "fp32 products", "f16 pool"])
+def test_chunks_up_to_the_kernels_limit_take_the_kernel_over_a_16_bit_pool(build):
+    """Over a bf16 or f16 pool the keys-in-lanes loop takes, chunks of 17..KERNEL_CHUNK_TOKENS tokens (a
     prompt's rest after a cached prefix, a budgeted prompt chunk) are the kernel's second padded
     batch (a lone sequence's in slices of 32 rows, each reading only the keys its rows see): each
     of their rows is, to the last bit, that token decoded alone at its position. Longer chunks keep
@@ -500,9 +521,9 @@ def test_chunks_up_to_the_kernels_limit_take_the_kernel_over_a_bf16_pool(build):
     meta = backend.prepare(batch)
     assert meta.medium is not None and meta.medium.num_rows.tolist() == rows[1:4]
     assert [c.num_tokens for c in meta.longs] == [KERNEL_CHUNK_TOKENS + 1]
-    kv16 = kv.bfloat16()
+    kv16 = kv.half() if build == "f16 pool" else kv.bfloat16()
     got = backend.attend(kv16, q, meta)
-    torch.testing.assert_close(got, attend(batch, kv16, q, use_kernel=False), atol=atol(torch.bfloat16, 64, kernel=kernel),
+    torch.testing.assert_close(got, attend(batch, kv16, q, use_kernel=False), atol=atol(kv16.dtype, 64, kernel=kernel),
                                rtol=0)
     tokens, blocks = batch.token_offsets(), batch.block_offsets()
     for a in (1, 2, 3):

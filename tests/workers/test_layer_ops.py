@@ -4,6 +4,7 @@ the fused qkv output) and the gated activations; each row's bits alone equal its
 batch; layouts a kernel does not read fall back (None)."""
 from __future__ import annotations
 
+import ctypes
 import types
 
 import pytest
@@ -15,6 +16,7 @@ from workers.model.layer_ops import layer_ops
 
 pytestmark = pytest.mark.skipif(layer_ops() is None, reason="no C compiler: layer kernels unavailable")
 GEN = torch.Generator().manual_seed(0)
+NO_F16C = ("-mno-avx512f", "-mno-f16c")
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -118,7 +120,42 @@ def test_store_kv_into_a_bf16_pool_rounds_as_torch_does():
     assert kv.view(-1)[7 * 24:7 * 24 + 2].tolist() == [1.0, 1 + 2 ** -6]  # ties went to the even neighbour
     with pytest.raises(ValueError, match="outside the pool"):
         layer_ops().store_kv(kv, k, v, torch.tensor([7, 0, 20, 3, 12, 8]))
-    assert not layer_ops().store_kv(kv.half(), k, v, slots)  # fp16: the caller's torch form
+    assert not layer_ops().store_kv(kv.double(), k, v, slots)  # fp64: the caller's torch form
+
+
+F16_SPECIAL = [1 + 2 ** -11, 1 + 3 * 2 ** -11, -(1 + 2 ** -11), 1 + 2 ** -11 + 2 ** -30, 65504.0, 65519.0, 65520.0,
+               -65536.0, 2 ** -24, 2 ** -25, 3 * 2 ** -25, -(2 ** -14 - 2 ** -25), 2 ** -26, float("inf"), -0.0, 0.0,
+               1e-40, 3.4e38, float("nan")]
+"""Ties to even, the largest half and the first values that round to infinity, subnormal halves
+and their ties, values that round to zero or up to the smallest normal, infinities, signed zeros."""
+
+
+@pytest.mark.parametrize("build", ["native", "without F16C"])
+def test_store_kv_into_a_f16_pool_rounds_as_torch_does(build):
+    """--kv-cache-dtype float16: the bits of index_copy_ of k.to(torch.float16), with F16C's
+    conversions (8 values a vector, then one by one) and with the plain C ones of CPUs without
+    F16C; NaN stays NaN."""
+    from workers.model.cpu_kernels import build as build_kernel
+    from workers.model.layer_ops import LayerOps
+
+    ops = layer_ops() if build == "native" else LayerOps(ctypes.CDLL(str(build_kernel("layer_ops", NO_F16C))))
+    special = torch.tensor(F16_SPECIAL)
+    values = torch.cat([special, torch.randn(6 * 3 * 9 * 2 - len(special), generator=GEN) * 1000,
+                        torch.tensor([2.0]) ** torch.arange(-30, 20)])[:6 * 3 * 9 * 2]
+    k, v = values.view(2, 6, 3, 9)  # 27 values a slot: three vectors of 8 and three one by one
+    slots = torch.tensor([7, 0, 19, 3, 12, 8])
+    kv = torch.zeros(2, 5, 4, 3, 9, dtype=torch.float16)
+    want = kv.clone()
+    flat = want.view(2, -1, 3, 9)
+    flat[0].index_copy_(0, slots, k.half())
+    flat[1].index_copy_(0, slots, v.half())
+    assert ops.store_kv(kv, k, v, slots)
+    assert torch.equal(kv.isnan(), want.isnan()) and int(kv.isnan().sum()) == 1
+    assert torch.equal(kv.view(torch.int16)[~kv.isnan()], want.view(torch.int16)[~want.isnan()])
+    stored = kv.view(-1)[7 * 27:7 * 27 + 8].tolist()
+    assert stored[:2] == [1.0, 1 + 2 ** -9] and stored[4:7] == [65504.0, 65504.0, float("inf")]
+    with pytest.raises(ValueError, match="outside the pool"):
+        ops.store_kv(kv, k, v, torch.tensor([7, 0, 20, 3, 12, 8]))
 
 
 @pytest.mark.parametrize("rows,n", [(1, 576), (300, 640)])  # 300 x 640: threads split rows

@@ -33,7 +33,7 @@ from workers.spec.tree import TreeLayout
 SHORT_CHUNK_TOKENS = 16
 """Chunks of at most this many tokens (decodes, speculative verification) share one padded batch."""
 KERNEL_CHUNK_TOKENS = 256
-"""On the CPU kernel's keys-in-lanes loop (a bf16 pool, AVX-512), longer chunks up to this many
+"""On the CPU kernel's keys-in-lanes loop (a bf16 or f16 pool, AVX-512), longer chunks up to this many
 tokens (prefill after a cached prefix, a budgeted prompt chunk) are a second padded batch for the
 kernel instead of one gathered SDPA each: it reads K/V in place, where SDPA widens a gathered copy
 first. One layer, 2 threads (`kernel/sdpa`), Zen 4: 32 tokens after 512 cached 0.41, 256 after 512
@@ -371,11 +371,12 @@ def gather_blocks(kv: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 
 
 class TorchCpuBackend(TorchPagedBackend):
-    """The CPU backend: fp32 arithmetic over an fp32 or bf16 pool (`--kv-cache-dtype`; K/V are
-    rounded to bf16 as they are stored and widened as they are read). Short chunks (decode,
-    verification) go to the native paged-attention kernel (workers/model/csrc/paged_attention.c),
-    which reads K/V in place and computes a row alike in any batch; over a bf16 pool that its
-    keys-in-lanes loop takes, so do chunks up to KERNEL_CHUNK_TOKENS (a second padded batch);
+    """The CPU backend: fp32 arithmetic over an fp32, bf16 or f16 pool (`--kv-cache-dtype`; K/V
+    are rounded to the pool's type as they are stored and widened as they are read). Short
+    chunks (decode, verification) go to the native paged-attention kernel
+    (workers/model/csrc/paged_attention.c), which reads K/V in place and computes a row alike
+    in any batch; over a 16-bit pool that its keys-in-lanes loop takes, so do chunks up to
+    KERNEL_CHUNK_TOKENS (a second padded batch);
     longer chunks, and any where the kernel cannot be built, to torch's CPU SDPA over gathered
     blocks. SmolLM2 decoded 1.1-1.8x faster with the kernel (more at longer contexts:
     docs/runtime.md)."""
@@ -388,10 +389,10 @@ class TorchCpuBackend(TorchPagedBackend):
             self.medium_chunk_tokens = KERNEL_CHUNK_TOKENS
 
     def _takes_medium(self, kv: torch.Tensor, q: torch.Tensor) -> bool:
-        """The keys-in-lanes loop's pools only: over an fp32 pool (key by key) the kernel took
-        2-4x SDPA's time for such chunks."""
-        return (self.kernel is not None and kv.dtype == torch.bfloat16 and q.dtype == torch.float32
-                and self.kernel.lanes_loop(q.shape[-1]))
+        """The keys-in-lanes loop's pools only (bf16, f16): over an fp32 pool (key by key) the
+        kernel took 2-4x SDPA's time for such chunks."""
+        return (self.kernel is not None and kv.dtype in (torch.bfloat16, torch.float16)
+                and q.dtype == torch.float32 and self.kernel.lanes_loop(q.shape[-1]))
 
     def write_kv(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> None:

@@ -106,10 +106,12 @@ def build(name: str, extra_flags: tuple[str, ...] = ()) -> Path:
 
 
 class PagedAttentionKernel:
-    """workers/model/csrc/paged_attention.c's paged_attention_short (an fp32 pool) and
-    paged_attention_short_bf16[_pairs] (a bfloat16 pool), called with torch tensors."""
+    """workers/model/csrc/paged_attention.c's paged_attention_short (an fp32 pool),
+    paged_attention_short_bf16[_pairs] (a bfloat16 pool) and paged_attention_short_f16 (a float16
+    pool), called with torch tensors."""
 
-    SYMBOLS = {torch.float32: "paged_attention_short", torch.bfloat16: "paged_attention_short_bf16"}
+    SYMBOLS = {torch.float32: "paged_attention_short", torch.bfloat16: "paged_attention_short_bf16",
+               torch.float16: "paged_attention_short_f16"}
     PAIRS_SYMBOL = "paged_attention_short_bf16_pairs"
     """The entry points per pool dtype, and the bf16 pool's with bf16 products (the layer chain
     takes their addresses: `symbol`)."""
@@ -138,16 +140,17 @@ class PagedAttentionKernel:
         return self.PAIRS_SYMBOL if dtype == torch.bfloat16 and self.bf16_products else self.SYMBOLS[dtype]
 
     def lanes_loop(self, head_dim: int) -> bool:
-        """Whether rows over a bf16 pool of this head_dim take the keys-in-lanes loop (AVX-512
-        builds: head_dim a multiple of 32, up to 256)."""
+        """Whether rows over a bf16 or f16 pool of this head_dim take the keys-in-lanes loop
+        (AVX-512 builds: head_dim a multiple of 32, up to 256)."""
         return bool(self._lanes(head_dim))
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor,
                  num_keys: torch.Tensor, num_rows: torch.Tensor, scale: float | None = None,
                  softcap: float = 0.0, pairs: bool | None = None) -> torch.Tensor:
         """q [A, Qmax, heads, head_dim] fp32; kv [2, num_blocks, block_size, kv_heads, head_dim]
-        fp32 or bf16 (widened exactly as it is read; the bf16 loop sums in its own fixed order,
-        and with bf16_products rounds the query and the probabilities to bf16);
+        fp32, bf16 or f16 (widened exactly as it is read; the 16-bit pools' loops sum in their own
+        fixed order, and with bf16_products a bf16 pool's rounds the query and the probabilities
+        to bf16);
         tables [A, Bmax] int64; mask [A, Qmax, Bmax * block_size] bool; num_keys, num_rows [A]
         int64 -> out like q (rows past num_rows[a] undefined). Scores are
         q . k * scale (default 1 / sqrt(head_dim)), soft-capped when softcap > 0. `pairs`

@@ -30,7 +30,8 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 class LayerOps:
-    STORE_SYMBOLS = {torch.float32: "store_kv_rows", torch.bfloat16: "store_kv_rows_bf16"}
+    STORE_SYMBOLS = {torch.float32: "store_kv_rows", torch.bfloat16: "store_kv_rows_bf16",
+                     torch.float16: "store_kv_rows_f16"}
     """The KV store per pool dtype (the layer chain takes their addresses)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
@@ -100,8 +101,8 @@ class LayerOps:
     def store_kv(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
         """kv [2, num_blocks, block_size, kv_heads, head_dim] (one pool layer) gets k and v [T,
         kv_heads, head_dim] (token rows may be apart) at slots [T] (int64); False (nothing
-        written) for a layout it does not read. A bf16 pool gets each value rounded to nearest
-        (ties to even, as .to(torch.bfloat16)). A slot outside the pool is a ValueError."""
+        written) for a layout it does not read. A bf16 or f16 pool gets each value rounded to
+        nearest (ties to even, as .to(kv.dtype)). A slot outside the pool is a ValueError."""
         f32 = torch.float32
         if kv.dtype not in self._store or k.dtype != f32 or v.dtype != f32 or slots.dtype != torch.int64 \
                 or k.dim() != 3:

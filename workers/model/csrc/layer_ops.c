@@ -1,5 +1,5 @@
 /* The small per-layer operations of the CPU forward, each one call instead of 4-10 torch ops:
- * RMS norm, rotary embedding, the gated activation and the KV store. At batch 1 SmolLM2's
+ * RMS norm, rotary embedding, the gated activation and the KV store (fp32, bf16 or f16 pools). At batch 1 SmolLM2's
  * step ran ~270 elementwise torch ops whose dispatch (5-70 us each on a 2-vCPU VM) cost as
  * much as the matmuls. Each row is computed alone in a fixed order, so a row's bits do not
  * depend on its batch. Rows are split over threads only where a call has enough work to pay
@@ -12,6 +12,7 @@
 
 #include "bf16.h"
 #include "exp_nonpositive.h"
+#include "fp16.h"
 
 #define PARALLEL_VALUES 65536  /* fewer values than this: one thread */
 
@@ -132,6 +133,29 @@ int store_kv_rows_bf16(const float *k, int64_t ldk, const float *v, int64_t ldv,
         const float *restrict ks = k + r * ldk, *restrict vs = v + r * ldv;
         for (int64_t j = 0; j < slot_values; j++) kd[j] = bf16_of_float(ks[j]);
         for (int64_t j = 0; j < slot_values; j++) vd[j] = bf16_of_float(vs[j]);
+    }
+    return 0;
+}
+
+/* n values rounded to float16 (as torch's .to(torch.float16)): 8 at a time with F16C. */
+static void f16_row(const float *restrict src, uint16_t *restrict dst, int64_t n) {
+    int64_t j = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; j < n; j++) dst[j] = f16_of_float(src[j]);
+}
+
+/* store_kv_rows into a float16 pool (--kv-cache-dtype float16): each value rounded to nearest,
+ * ties to even (beyond 65504: infinity), as torch's .to(torch.float16). */
+int store_kv_rows_f16(const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots,
+                      int64_t rows, int64_t slot_values, int64_t num_slots, uint16_t *kv) {
+    if (!slots_in_pool(slots, rows, num_slots)) return -1;
+    uint16_t *values = kv + num_slots * slot_values;
+    for (int64_t r = 0; r < rows; r++) {
+        f16_row(k + r * ldk, kv + slots[r] * slot_values, slot_values);
+        f16_row(v + r * ldv, values + slots[r] * slot_values, slot_values);
     }
     return 0;
 }

@@ -42,6 +42,7 @@
 
 #include "bf16.h"
 #include "exp_nonpositive.h"
+#include "fp16.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -219,19 +220,33 @@ static inline v8 sum8_lanes(const v8 *a) {
 #define HB 1  /* 16 registers: one head at a time (the same bits) */
 #endif
 
-/* 8 bf16 values widened to fp32 (exact: a shift). With intrinsics: GCC compiled the same from
- * vector extensions into half-width loads and inserts that took half the bf16 loop's time. */
-static inline v8 widen8(const uint16_t *p) {
-#if defined(__AVX2__)
-    const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+/* One 16-bit pool value widened to fp32 (exact): bf16, or f16 where f16 is set. */
+static inline __attribute__((always_inline)) float widen1(uint16_t h, const int f16) {
+    return f16 ? float_of_f16(h) : float_of_bf16(h);
+}
+
+/* 8 bf16 (f16: halves) values widened to fp32 (exact: a shift; F16C's conversion). With
+ * intrinsics: GCC compiled the same from vector extensions into half-width loads and inserts
+ * that took half the bf16 loop's time. */
+static inline __attribute__((always_inline)) v8 widen8(const uint16_t *p, const int f16) {
     v8 out;
-    memcpy(&out, &wide, sizeof out);
-    return out;
-#else
-    v8 out;
-    for (int j = 0; j < 8; j++) out[j] = float_of_bf16(p[j]);
-    return out;
+#if defined(__AVX2__) && defined(__F16C__)
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    if (f16) {
+        const __m256 wide = _mm256_cvtph_ps(raw);
+        memcpy(&out, &wide, sizeof out);
+        return out;
+    }
 #endif
+#if defined(__AVX2__)
+    if (!f16) {
+        const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+        memcpy(&out, &wide, sizeof out);
+        return out;
+    }
+#endif
+    for (int j = 0; j < 8; j++) out[j] = widen1(p[j], f16);
+    return out;
 }
 
 /* Scores of nh (<= HB) query vectors q[g] [d] against TILE key rows [d]: lane k of scores[g] is
@@ -239,7 +254,7 @@ static inline v8 widen8(const uint16_t *p) {
  * pairing, plus the products past the last multiple of 8 in order. A key's 8 values are widened
  * once for the nh heads; the TILE x nh sums advance together (independent chains of FMAs). */
 static inline __attribute__((always_inline)) void dot_tile(const float *const *q, int nh, const uint16_t *const *keys,
-                                                           int64_t d, v8 *scores) {
+                                                           int64_t d, v8 *scores, const int f16) {
     v8 acc[HB][TILE];
     for (int g = 0; g < nh; g++)
         for (int k = 0; k < TILE; k++) acc[g][k] = (v8){0};
@@ -248,7 +263,7 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *q
         v8 qj[HB];
         for (int g = 0; g < nh; g++) qj[g] = *(const v8 *)(q[g] + j);
         for (int k = 0; k < TILE; k++) {
-            const v8 key = widen8(keys[k] + j);
+            const v8 key = widen8(keys[k] + j, f16);
             for (int g = 0; g < nh; g++) acc[g][k] += qj[g] * key;
         }
     }
@@ -257,7 +272,7 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *q
         if (d8 < d)
             for (int k = 0; k < TILE; k++) {
                 float tail = 0.0f;
-                for (int64_t j = d8; j < d; j++) tail += q[g][j] * float_of_bf16(keys[k][j]);
+                for (int64_t j = d8; j < d; j++) tail += q[g][j] * widen1(keys[k][j], f16);
                 scores[g][k] += tail;
             }
     }
@@ -267,7 +282,8 @@ static inline __attribute__((always_inline)) void dot_tile(const float *const *q
  * 64 values of each head's output stay in registers over the keys, each value row widened once
  * for the nh heads. */
 static inline __attribute__((always_inline)) void add_scaled_tile(float *const *out, int nh, const float *const *p,
-                                                                  const uint16_t *const *values, int n, int64_t d) {
+                                                                  const uint16_t *const *values, int n, int64_t d,
+                                                                  const int f16) {
     int64_t j = 0;
     for (; j + 64 <= d; j += 64) {
         v8 o[HB][8];
@@ -275,7 +291,7 @@ static inline __attribute__((always_inline)) void add_scaled_tile(float *const *
             for (int c = 0; c < 8; c++) o[g][c] = *(v8 *)(out[g] + j + 8 * c);
         for (int k = 0; k < n; k++)
             for (int c = 0; c < 8; c++) {
-                const v8 v = widen8(values[k] + j + 8 * c);
+                const v8 v = widen8(values[k] + j + 8 * c, f16);
                 for (int g = 0; g < nh; g++) o[g][c] += p[g][k] * v;
             }
         for (int g = 0; g < nh; g++)
@@ -284,12 +300,12 @@ static inline __attribute__((always_inline)) void add_scaled_tile(float *const *
     for (; j + 8 <= d; j += 8)
         for (int g = 0; g < nh; g++) {
             v8 o = *(v8 *)(out[g] + j);
-            for (int k = 0; k < n; k++) o += p[g][k] * widen8(values[k] + j);
+            for (int k = 0; k < n; k++) o += p[g][k] * widen8(values[k] + j, f16);
             *(v8 *)(out[g] + j) = o;
         }
     for (; j < d; j++)
         for (int g = 0; g < nh; g++)
-            for (int k = 0; k < n; k++) out[g][j] += p[g][k] * float_of_bf16(values[k][j]);
+            for (int k = 0; k < n; k++) out[g][j] += p[g][k] * widen1(values[k][j], f16);
 }
 
 /* Keys [t, t + count) (those below num_keys) of a pool half, this task's bytes of each slot
@@ -313,8 +329,9 @@ static inline void prefetch_keys(const uint16_t *half, const int64_t *slots, int
 static inline __attribute__((always_inline)) int attend_tiles(
         const struct Shape *sh, int64_t a, int64_t h0, int64_t h1, const float *q, const uint16_t *kv,
         const int64_t *tables, const uint8_t *mask, int64_t num_keys, int64_t num_rows, float *out,
-        float *probs, int64_t *slots, int64_t *cursor, const uint16_t *zeros, int64_t fixed_d) {
-    /* fixed_d: head_dim as a constant where it is a common one (the compiler unrolls over it) */
+        float *probs, int64_t *slots, int64_t *cursor, const uint16_t *zeros, int64_t fixed_d, const int f16) {
+    /* fixed_d: head_dim as a constant where it is a common one (the compiler unrolls over it);
+     * f16: the pool holds halves (else bf16) */
     const int64_t group = sh->heads / sh->kv_heads, d = fixed_d ? fixed_d : sh->head_dim;
     const int64_t slot_size = sh->kv_heads * d;
     const uint16_t *values = kv + sh->num_blocks * sh->block_size * slot_size;
@@ -342,8 +359,8 @@ static inline __attribute__((always_inline)) int attend_tiles(
                     const float *qh[HB];
                     v8 scores[HB];
                     for (int j = 0; j < nh; j++) qh[j] = qi + (h + j) * d;
-                    if (nh == HB) dot_tile(qh, HB, keys, d, scores);  /* (a constant count: registers) */
-                    else dot_tile(qh, nh, keys, d, scores);
+                    if (nh == HB) dot_tile(qh, HB, keys, d, scores, f16);  /* (a constant count: registers) */
+                    else dot_tile(qh, nh, keys, d, scores, f16);
                     for (int j = 0; j < nh; j++) {
                         float *pi = probs + (i * sh->heads + h + j) * num_keys + cursor[i];
                         for (int k = 0, c = 0; k < TILE && t0 + k < num_keys; k++) {
@@ -381,8 +398,8 @@ static inline __attribute__((always_inline)) int attend_tiles(
                         oh[j] = oi + (h + j) * d;
                         ph[j] = probs + (i * sh->heads + h + j) * num_keys + cursor[i];
                     }
-                    if (nh == HB) add_scaled_tile(oh, HB, ph, rows, n, d);
-                    else add_scaled_tile(oh, nh, ph, rows, n, d);
+                    if (nh == HB) add_scaled_tile(oh, HB, ph, rows, n, d, f16);
+                    else add_scaled_tile(oh, nh, ph, rows, n, d, f16);
                 }
             }
             cursor[i] += n;
@@ -391,15 +408,17 @@ static inline __attribute__((always_inline)) int attend_tiles(
     return 0;
 }
 
-static __attribute__((noinline)) int attend_bf16(
+/* The tiled loop over a 16-bit pool: bf16, or halves where f16 is set. */
+static __attribute__((noinline)) int attend_half(
         const struct Shape *sh, int64_t a, int64_t h0, int64_t h1, const float *q, const uint16_t *kv,
         const int64_t *tables, const uint8_t *mask, int64_t keys, int64_t rows, float *out, float *probs,
-        int64_t *slots) {
+        int64_t *slots, int f16) {
     uint16_t *zeros = (uint16_t *)(probs + rows * sh->heads * keys);
     memset(zeros, 0, sizeof(uint16_t) * sh->head_dim);
-#define TILES(D) attend_tiles(sh, a, h0, h1, q, kv, tables, mask, keys, rows, out, probs, slots, slots + keys, \
-                              zeros, D)
-    return sh->head_dim == 64 ? TILES(64) : sh->head_dim == 128 ? TILES(128) : TILES(0);
+#define TILES(D, F) attend_tiles(sh, a, h0, h1, q, kv, tables, mask, keys, rows, out, probs, slots, slots + keys, \
+                                 zeros, D, F)
+    if (f16) return sh->head_dim == 64 ? TILES(64, 1) : sh->head_dim == 128 ? TILES(128, 1) : TILES(0, 1);
+    return sh->head_dim == 64 ? TILES(64, 0) : sh->head_dim == 128 ? TILES(128, 0) : TILES(0, 0);
 #undef TILES
 }
 
@@ -460,19 +479,28 @@ static void transpose_plan(struct Transpose *t) {
     t->last_hi = _mm512_loadu_si512(last_hi);
 }
 
-/* kt [d][16] = the 16 key rows [d] widened and transposed: kt[j][k] = keys[k][j] (exact). */
+/* kt [d][16] = the 16 key rows [d] widened and transposed: kt[j][k] = keys[k][j] (exact). A
+ * pool of halves (f16) takes a fourth round of zips (register m: value 2m of the 16 keys in its
+ * low 256 bits, 2m + 1 in its high) and F16C's conversion in place of the shift. */
 static inline __attribute__((always_inline)) void transpose_keys(const struct Transpose *t, const uint16_t *const *keys,
-                                                                 int64_t d, float *kt) {
+                                                                 int64_t d, float *kt, const int f16) {
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t c = 0; c < d; c += 32) {
         __m512i r[16], x[16];
         for (int k = 0; k < 16; k++) r[k] = _mm512_loadu_si512(keys[k] + c);
-        for (int round = 0; round < 3; round++) {
+        for (int round = 0; round < (f16 ? 4 : 3); round++) {
             for (int m = 0; m < 8; m++) {
                 x[2 * m] = _mm512_permutex2var_epi16(r[m], t->zip_lo, r[m + 8]);
                 x[2 * m + 1] = _mm512_permutex2var_epi16(r[m], t->zip_hi, r[m + 8]);
             }
             memcpy(r, x, sizeof r);
+        }
+        if (f16) {
+            for (int m = 0; m < 16; m++) {
+                _mm512_store_ps(kt + (c + 2 * m) * 16, _mm512_cvtph_ps(_mm512_castsi512_si256(r[m])));
+                _mm512_store_ps(kt + (c + 2 * m + 1) * 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(r[m], 1)));
+            }
+            continue;
         }
         for (int m = 0; m < 8; m++) {
             const __m512i a = _mm512_permutex2var_epi16(r[m], t->last_lo, r[m + 8]);
@@ -604,15 +632,16 @@ static void softmax_lanes(float *p, int64_t n16, int pairs) {
     for (int64_t t = 0; t < n16; t += 16) _mm512_store_ps(p + t, _mm512_mul_ps(_mm512_load_ps(p + t), inv));
 }
 
-static inline __m512 widen16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+static inline __attribute__((always_inline)) __m512 widen16(const uint16_t *p, const int f16) {
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    return f16 ? _mm512_cvtph_ps(raw) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
 /* out[r] [d] += p[r][t] * values[t - t0] [d] for t in [t0, t0 + count), in that order, rows
  * [0, n) with n * d / 16 <= 24 (their outputs stay in registers over the keys). */
 static inline __attribute__((always_inline)) void add_values(const struct LaneRow *rows, int n,
                                                              const uint16_t *const *values, int64_t t0, int count,
-                                                             int64_t d) {
+                                                             int64_t d, const int f16) {
     __m512 o[24];
     const int64_t c16 = d / 16;
     if (n * c16 > 24) __builtin_unreachable();  /* value_range's row blocks */
@@ -620,7 +649,7 @@ static inline __attribute__((always_inline)) void add_values(const struct LaneRo
         for (int64_t c = 0; c < c16; c++) o[r * c16 + c] = _mm512_loadu_ps(rows[r].out + 16 * c);
     for (int k = 0; k < count; k++)
         for (int64_t c = 0; c < c16; c++) {
-            const __m512 v = widen16(values[k] + 16 * c);
+            const __m512 v = widen16(values[k] + 16 * c, f16);
             for (int r = 0; r < n; r++)
                 o[r * c16 + c] = _mm512_fmadd_ps(_mm512_set1_ps(rows[r].p[t0 + k]), v, o[r * c16 + c]);
         }
@@ -682,7 +711,7 @@ static inline const uint16_t *slot_of(const struct Shape *sh, const uint16_t *ha
 static inline __attribute__((always_inline)) void score_range(
         const struct Shape *sh, const struct Transpose *tp, const uint16_t *kv, const int64_t *table, int64_t g,
         int64_t from, int64_t to, const struct LaneRow *rows, int64_t n, const uint16_t *zeros, float *kt,
-        int64_t d, const int pairs) {
+        int64_t d, const int pairs, const int f16) {
     for (int64_t t0 = from; t0 < to; t0 += KEYS) {
         const uint16_t *keys[KEYS];
         for (int k = 0; k < KEYS; k++) keys[k] = t0 + k < to ? slot_of(sh, kv, table, t0 + k, g) : zeros;
@@ -691,7 +720,7 @@ static inline __attribute__((always_inline)) void score_range(
         if (CAN_PAIR && pairs)
             transpose_pairs(tp, keys, d, (uint32_t *)kt);
         else
-            transpose_keys(tp, keys, d, kt);
+            transpose_keys(tp, keys, d, kt, f16);
         int64_t r = 0;
         for (; r + QK_ROWS <= n; r += QK_ROWS) score_rows(sh, kt, d, rows + r, QK_ROWS, t0, pairs);
         switch (n - r) {  /* constant row counts: the sums in registers */
@@ -708,7 +737,7 @@ static inline __attribute__((always_inline)) void score_range(
 /* out of rows [0, n) += their probabilities times the values of keys [from, to). */
 static inline __attribute__((always_inline)) void value_range(
         const struct Shape *sh, const uint16_t *values, const int64_t *table, int64_t g, int64_t from, int64_t to,
-        const struct LaneRow *rows, int64_t n, const uint16_t *zeros, int64_t d, const int pairs) {
+        const struct LaneRow *rows, int64_t n, const uint16_t *zeros, int64_t d, const int pairs, const int f16) {
     (void)zeros, (void)pairs;  /* the pairs loop's (builds without it: unused) */
     const int block_rows = (int)(24 / (d / 16)) < 6 ? (int)(24 / (d / 16)) : 6;
     for (int64_t t0 = from; t0 < to; t0 += KEYS) {
@@ -721,9 +750,9 @@ static inline __attribute__((always_inline)) void value_range(
             const int64_t left = n - r < block_rows ? n - r : block_rows;
 #if CAN_PAIR
 #define ADD(N) (pairs ? add_values_pairs(rows + r, N, rows_v, t0, count, d, zeros) \
-                      : add_values(rows + r, N, rows_v, t0, count, d))
+                      : add_values(rows + r, N, rows_v, t0, count, d, f16))
 #else
-#define ADD(N) add_values(rows + r, N, rows_v, t0, count, d)
+#define ADD(N) add_values(rows + r, N, rows_v, t0, count, d, f16)
 #endif
             switch (left) {
                 case 6: ADD(6); break;
@@ -760,7 +789,7 @@ static inline __attribute__((always_inline)) int attend_lanes_task(
         const struct Shape *sh, const struct Transpose *tp, const int64_t *members, int64_t m, int64_t shared,
         struct Slice sl, int64_t g, const float *q, const uint16_t *kv, const int64_t *tables,
         const uint8_t *mask, const int64_t *num_keys, const int64_t *num_rows, float *out, const uint16_t *zeros,
-        int64_t fixed_d, const int pairs) {
+        int64_t fixed_d, const int pairs, const int f16) {
     const int64_t d = fixed_d ? fixed_d : sh->head_dim, group = sh->heads / sh->kv_heads;
     const int64_t mask_keys = sh->max_blocks * sh->block_size;
     const uint16_t *values = kv + sh->num_blocks * sh->block_size * sh->kv_heads * d;
@@ -800,20 +829,20 @@ static inline __attribute__((always_inline)) int attend_lanes_task(
     }
     if (!status) {
         const int64_t *first = tables + members[0] * sh->max_blocks;
-        score_range(sh, tp, kv, first, g, 0, shared, rows, n, zeros, kt, d, pairs);
+        score_range(sh, tp, kv, first, g, 0, shared, rows, n, zeros, kt, d, pairs, f16);
         for (int64_t i = 0; i < m; i++)
             score_range(sh, tp, kv, tables + members[i] * sh->max_blocks, g, shared,
                         slice_keys(num_keys, num_rows, members[i], sl),
-                        rows + starts[i], starts[i + 1] - starts[i], zeros, kt, d, pairs);
+                        rows + starts[i], starts[i + 1] - starts[i], zeros, kt, d, pairs, f16);
         for (int64_t r = 0; r < n; r++) {
             softmax_lanes(rows[r].p, (rows[r].keys + 15) & ~(int64_t)15, pairs);
             memset(rows[r].out, 0, sizeof(float) * d);
         }
-        value_range(sh, values, first, g, 0, shared, rows, n, zeros, d, pairs);
+        value_range(sh, values, first, g, 0, shared, rows, n, zeros, d, pairs, f16);
         for (int64_t i = 0; i < m; i++)
             value_range(sh, values, tables + members[i] * sh->max_blocks, g, shared,
                         slice_keys(num_keys, num_rows, members[i], sl),
-                        rows + starts[i], starts[i + 1] - starts[i], zeros, d, pairs);
+                        rows + starts[i], starts[i + 1] - starts[i], zeros, d, pairs, f16);
 #if CAN_PAIR
         for (int64_t r = 0; pairs && r < n; r++) unpermute_out(rows[r].out, d);
 #endif
@@ -829,12 +858,14 @@ static inline __attribute__((always_inline)) int attend_lanes_task(
 static __attribute__((noinline)) int attend_lanes_one(
         const struct Shape *sh, const struct Transpose *tp, const int64_t *members, int64_t m, int64_t shared,
         struct Slice sl, int64_t g, const float *q, const uint16_t *kv, const int64_t *tables, const uint8_t *mask,
-        const int64_t *num_keys, const int64_t *num_rows, float *out, const uint16_t *zeros, int pairs) {
-#define TASK(D, P) attend_lanes_task(sh, tp, members, m, shared, sl, g, q, kv, tables, mask, num_keys, num_rows, out, \
-                                     zeros, D, P)
+        const int64_t *num_keys, const int64_t *num_rows, float *out, const uint16_t *zeros, int pairs, int f16) {
+#define TASK(D, P, F) attend_lanes_task(sh, tp, members, m, shared, sl, g, q, kv, tables, mask, num_keys, num_rows, \
+                                        out, zeros, D, P, F)
+    if (f16)  /* products of fp32 values only (the bf16 pairs' instructions take no halves) */
+        return sh->head_dim == 64 ? TASK(64, 0, 1) : sh->head_dim == 128 ? TASK(128, 0, 1) : TASK(0, 0, 1);
     if (CAN_PAIR && pairs)
-        return sh->head_dim == 64 ? TASK(64, 1) : sh->head_dim == 128 ? TASK(128, 1) : TASK(0, 1);
-    return sh->head_dim == 64 ? TASK(64, 0) : sh->head_dim == 128 ? TASK(128, 0) : TASK(0, 0);
+        return sh->head_dim == 64 ? TASK(64, 1, 0) : sh->head_dim == 128 ? TASK(128, 1, 0) : TASK(0, 1, 0);
+    return sh->head_dim == 64 ? TASK(64, 0, 0) : sh->head_dim == 128 ? TASK(128, 0, 0) : TASK(0, 0, 0);
 #undef TASK
 }
 
@@ -853,7 +884,7 @@ static int64_t shared_keys(const struct Shape *sh, const int64_t *tables, const 
  * MEMBERS a task) with the keys they all share, one task per group and KV head. */
 static int attend_lanes(const struct Shape *sh, const float *q, const uint16_t *kv, const int64_t *tables,
                         const uint8_t *mask, const int64_t *num_keys, const int64_t *num_rows, float *out,
-                        int num_threads, int pairs) {
+                        int num_threads, int pairs, int f16) {
     struct Transpose tp;
     transpose_plan(&tp);
     static const uint16_t zeros[MAX_LANES_D];
@@ -913,7 +944,7 @@ static int attend_lanes(const struct Shape *sh, const float *q, const uint16_t *
         const int64_t t = piece_task[job / sh->kv_heads], g = job % sh->kv_heads;
         const int done = attend_lanes_one(sh, &tp, order + task_first[t], task_first[t + 1] - task_first[t],
                                           task_shared[t], piece_rows[job / sh->kv_heads], g, q, kv, tables, mask,
-                                          num_keys, num_rows, out, zeros, pairs);
+                                          num_keys, num_rows, out, zeros, pairs, f16);
         status = done < status ? done : status;
     }
     free(order); free(group_of); free(task_first); free(task_shared); free(piece_task); free(piece_rows);
@@ -937,21 +968,24 @@ int paged_attention_lanes(int64_t head_dim) {
  * num_rows: [num_seqs]. Scores are q . k * scale, soft-capped when softcap > 0. Rows past
  * num_rows[a] are left as they are. Returns 0, OUT_OF_MEMORY (scratch), or BAD_BLOCK (a table
  * entry outside the pool: nothing is read from it). */
+enum { POOL_FP32 = 0, POOL_BF16 = 1, POOL_F16 = 2 };
+
 static int attend_short(const float *q, const void *kv, const int64_t *tables, const uint8_t *mask,
                         const int64_t *num_keys, const int64_t *num_rows, float *out, const int64_t *dims,
-                        float scale, float softcap, int num_threads, int bf16, int pairs) {
+                        float scale, float softcap, int num_threads, int pool, int pairs) {
+    const int half = pool != POOL_FP32, f16 = pool == POOL_F16;
     const struct Shape sh = {dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6],
                              dims[7], scale, softcap};
 #if defined(LANES_LOOP)
-    if (bf16 && paged_attention_lanes(sh.head_dim))
-        return attend_lanes(&sh, q, kv, tables, mask, num_keys, num_rows, out, num_threads, pairs);
+    if (half && paged_attention_lanes(sh.head_dim))
+        return attend_lanes(&sh, q, kv, tables, mask, num_keys, num_rows, out, num_threads, pairs && !f16, f16);
 #else
     (void)pairs;
 #endif
     /* fewer sequences than threads: split each by KV head so every thread has work */
     const int64_t splits = sh.num_seqs < num_threads ? sh.kv_heads : 1;
     const int64_t heads_per_split = sh.heads / splits;
-    const int64_t tile_floats = bf16 ? sh.head_dim : 0;  /* zeros (bf16: half of it) */
+    const int64_t tile_floats = half ? sh.head_dim : 0;  /* zeros (16-bit values: half of it) */
     int status = 0;
     #pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(min:status)
     for (int64_t task = 0; task < sh.num_seqs * splits; task++) {
@@ -960,10 +994,10 @@ static int attend_short(const float *q, const void *kv, const int64_t *tables, c
         float *probs = malloc(sizeof(float) * (rows * sh.heads * keys + tile_floats));
         int64_t *slots = malloc(sizeof(int64_t) * (keys + rows));
         int done = OUT_OF_MEMORY;
-        if (probs && slots && !bf16) {
+        if (probs && slots && !half) {
             done = attend_seq(&sh, a, h0, h1, q, kv, tables, mask, keys, rows, out, probs, slots, slots + keys);
         } else if (probs && slots) {
-            done = attend_bf16(&sh, a, h0, h1, q, kv, tables, mask, keys, rows, out, probs, slots);
+            done = attend_half(&sh, a, h0, h1, q, kv, tables, mask, keys, rows, out, probs, slots, f16);
         }
         status = done < status ? done : status;
         free(probs);
@@ -985,14 +1019,14 @@ int paged_attention_bf16_products(void) {
 int paged_attention_short(const float *q, const float *kv, const int64_t *tables, const uint8_t *mask,
                           const int64_t *num_keys, const int64_t *num_rows, float *out, const int64_t *dims,
                           float scale, float softcap, int num_threads) {
-    return attend_short(q, kv, tables, mask, num_keys, num_rows, out, dims, scale, softcap, num_threads, 0, 0);
+    return attend_short(q, kv, tables, mask, num_keys, num_rows, out, dims, scale, softcap, num_threads, POOL_FP32, 0);
 }
 
 /* The same over a bfloat16 pool (kv as uint16 bits, same layout). */
 int paged_attention_short_bf16(const float *q, const uint16_t *kv, const int64_t *tables, const uint8_t *mask,
                                const int64_t *num_keys, const int64_t *num_rows, float *out, const int64_t *dims,
                                float scale, float softcap, int num_threads) {
-    return attend_short(q, kv, tables, mask, num_keys, num_rows, out, dims, scale, softcap, num_threads, 1, 0);
+    return attend_short(q, kv, tables, mask, num_keys, num_rows, out, dims, scale, softcap, num_threads, POOL_BF16, 0);
 }
 
 /* The same with products of bf16 pairs where this build has them (paged_attention_bf16_products;
@@ -1001,5 +1035,13 @@ int paged_attention_short_bf16(const float *q, const uint16_t *kv, const int64_t
 int paged_attention_short_bf16_pairs(const float *q, const uint16_t *kv, const int64_t *tables, const uint8_t *mask,
                                      const int64_t *num_keys, const int64_t *num_rows, float *out, const int64_t *dims,
                                      float scale, float softcap, int num_threads) {
-    return attend_short(q, kv, tables, mask, num_keys, num_rows, out, dims, scale, softcap, num_threads, 1, 1);
+    return attend_short(q, kv, tables, mask, num_keys, num_rows, out, dims, scale, softcap, num_threads, POOL_BF16, 1);
+}
+
+/* The same over a float16 pool (kv as uint16 bits, same layout): the bf16 pool's loops with each
+ * value widened from a half (exact), products in fp32. */
+int paged_attention_short_f16(const float *q, const uint16_t *kv, const int64_t *tables, const uint8_t *mask,
+                              const int64_t *num_keys, const int64_t *num_rows, float *out, const int64_t *dims,
+                              float scale, float softcap, int num_threads) {
+    return attend_short(q, kv, tables, mask, num_keys, num_rows, out, dims, scale, softcap, num_threads, POOL_F16, 0);
 }
