@@ -22,7 +22,7 @@ from justapi.wire.protocol import MAX_DECODE_STEPS
 POLICIES = ("fcfs", "priority", "lpm")
 DEVICES = ("cpu", "cuda")
 WEIGHT_MODES = ("fp32", "bf16", "q4", "auto")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LAUNCHERS = ("local", "ray")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

@@ -21,7 +21,7 @@ from justapi.config.pd import PdConfig
 from justapi.config.sections import CacheConfig, ConfigError, SchedulerConfig
 from justapi.model.info import ModelInfo
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MIN_BLOCKS = 4
 
 

@@ -89,11 +89,12 @@ def test_bf16_paged_forward_on_cuda_matches_the_fp32_reference(tiny_gguf, qtype,
         assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear]), rid
 
 
-@pytest.mark.parametrize("half", [True, False], ids=["half", "fp32"])
+@pytest.mark.parametrize("half", [True, False, "f16 pool"], ids=["half", "fp32", "f16-pool"])
 def test_paged_attention_kernel_on_the_device_matches_a_float64_reference(half):
     """The Triton kernel compiled for the device (on a CPU dry run: interpreted) on a mixed
     step over scattered blocks with a token tree, GQA groups of 4, plain and with a window and
-    soft-capping: bf16 (fp16 on the CPU, whose interpreter has no bf16) and fp32 inputs."""
+    soft-capping: bf16 (fp16 on the CPU, whose interpreter has no bf16) and fp32 inputs, and
+    bf16 queries over an f16 pool (--kv-cache-dtype float16 on a GPU)."""
     from tests.workers.test_cpu_kernels import random_step
     from tests.workers.test_triton_attention import reference
     from workers.model.paged_backend import TritonPagedBackend
@@ -105,6 +106,8 @@ def test_paged_attention_kernel_on_the_device_matches_a_float64_reference(half):
     tree.add(verify_mask(seq=2, num_tokens=6, start=40, parents=[-1, 0, 0, 1, 2]))
     batch, kv, q = random_step([0, 15, 40, 9, 100], [1, 1, 6, 30, 1], 8, 2, 64, 16, seed=6, tree=tree)
     kv, q = kv.to(dtype), q.to(dtype)
+    if half == "f16 pool":
+        kv, q = kv.half(), q.bfloat16()
     for params in (AttentionParams(64 ** -0.5), AttentionParams(0.1, window=20, softcap=3.0)):
         backend = TritonPagedBackend(16, DEVICE, 4, params)
         got = backend.attend(kv.to(DEVICE), q.to(DEVICE), backend.prepare(batch)).double().cpu()

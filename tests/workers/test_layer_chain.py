@@ -93,22 +93,23 @@ def test_decode_steps_give_the_loops_bits(tiny_gguf, monkeypatch, qtype, path, h
         assert torch.equal(got, want)
 
 
-def test_over_a_bf16_pool_the_chain_gives_the_loops_bits(tiny_gguf, monkeypatch):
-    """--kv-cache-dtype bfloat16: the chain stores and attends through the bf16 kernels, as the
-    loop's KV store and attention do."""
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_over_a_16_bit_pool_the_chain_gives_the_loops_bits(tiny_gguf, monkeypatch, half):
+    """--kv-cache-dtype bfloat16 / float16: the chain stores and attends through that pool's
+    kernels, as the loop's KV store and attention do."""
     gguf = tiny_gguf(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=384, context=256, type="Q4_1",
                      embed_type="Q8_0")
     plan = PathPlan(((8, "int8"), (1 << 16, "dense")))
     runs = count_runs(monkeypatch)
     results = {}
-    for chain, dtype in ((True, torch.bfloat16), (False, torch.bfloat16), (True, torch.float32)):
+    for chain, dtype in ((True, half), (False, half), (True, torch.float32)):
         model, pool, runner = load(gguf, plan, chain, dtype)
         results[chain, dtype] = decode(model, runner, steps=5)
         assert pool.tensor.dtype == dtype and pool.tensor[:, :, :12].abs().sum() > 0  # K/V were stored
         pool.close()
     assert runs == [3, 6, 6, 3, 6] * 2
-    hidden_chain, tokens_chain = results[True, torch.bfloat16]
-    hidden_loop, tokens_loop = results[False, torch.bfloat16]
+    hidden_chain, tokens_chain = results[True, half]
+    hidden_loop, tokens_loop = results[False, half]
     assert tokens_chain == tokens_loop
     for got, want in zip(hidden_chain, hidden_loop):
         assert torch.equal(got, want)

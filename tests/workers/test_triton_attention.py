@@ -134,6 +134,29 @@ def test_half_precision_kv():
                                         AttentionParams(32 ** -0.5)), 3e-3)
 
 
+def test_fp32_queries_over_a_f16_pool():
+    """--kv-cache-dtype float16 under fp32 queries: the halves widened exactly, every dot in fp32
+    (the fp32 tolerance against the reference over the rounded pool); under bf16 queries (a GPU
+    forward), the dots in f16; the store kernel rounds new K/V into the f16 pool as torch's
+    .half() does."""
+    batch, kv, q = random_step([3, 50, 0], [1, 18, 5], 6, 2, 32, 16, seed=5)
+    got = triton_attend(batch, kv.half(), q)
+    assert got.dtype == torch.float32
+    assert_close(got, reference(batch, kv.half().float(), q, AttentionParams(32 ** -0.5)))
+    assert not torch.allclose(got.double(), reference(batch, kv, q, AttentionParams(32 ** -0.5)), atol=1e-6, rtol=0)
+    # a GPU step's bf16 queries over an f16 pool: q rounded to f16 for the dots (bf16 -> f16 is
+    # exact here), the output rounded to bf16 (the interpreter computes bf16 only through such casts)
+    got = triton_attend(batch, kv.half(), q.bfloat16())
+    assert got.dtype == torch.bfloat16
+    assert_close(got.float(), reference(batch, kv.half().float(), q.bfloat16().float(), AttentionParams(32 ** -0.5)),
+                 1e-2)
+    pool = torch.zeros(2, 6, 4, 2, 16, dtype=torch.float16)
+    k, v = torch.randn(3, 2, 16) * 100, torch.randn(3, 2, 16) / 100
+    store_kv(pool, k, v, torch.tensor([5, -1, 17]))
+    assert torch.equal(pool[0].view(-1, 2, 16)[[5, 17]], k[[0, 2]].half())
+    assert torch.equal(pool[1].view(-1, 2, 16)[[5, 17]], v[[0, 2]].half())
+
+
 def test_store_kv_writes_slots_and_skips_padding_rows():
     kv = torch.randn(2, 6, 4, 2, 16)
     before = kv.clone()

@@ -6,7 +6,9 @@ new K/V into their slots (skipping padding rows, slot -1).
 One program computes one tile (paged_layout.py: block_q rows of a sequence) for one KV head:
 its block_q x group query rows share every K/V load (GQA), and it walks the sequence's keys
 BLOCK_N at a time with an online softmax (flash attention). Scale, sliding window and logit
-soft-capping are parameters. Under TRITON_INTERPRET=1 the same kernels run on CPU tensors in
+soft-capping are parameters. The pool is fp32, bf16 or f16 (--kv-cache-dtype): the dots run in
+the pool's type (fp32 queries: in fp32 over the widened values), accumulating in fp32. Under
+TRITON_INTERPRET=1 the same kernels run on CPU tensors in
 Triton's interpreter (tests). Only GPU runners import this module (backends.py, lazily), and
 it imports without Triton installed (the kernels then stay plain functions, never called).
 Owns: the kernels and their launch. Does not own: the layout (paged_layout.py) or metadata.
@@ -119,10 +121,10 @@ def _attention_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, first_rows_ptr, starts
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(kv_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(kv_ptr + stride_side + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IS_FP32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
+        if IS_FP32:  # a 16-bit pool's values widened (exact)
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+        else:  # q in the pool's type: bf16 q over an f16 pool is rounded to f16 (11 bits, not 8)
+            s = tl.dot(q.to(k.dtype), tl.trans(k)) * scale
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
@@ -141,7 +143,7 @@ def _attention_kernel(q_ptr, kv_ptr, out_ptr, tables_ptr, first_rows_ptr, starts
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if IS_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
