@@ -18,7 +18,8 @@ SCENARIOS = {
     "pd": "PD disaggregation vs colocated workers on the long-burst workload",
     "peer": "the same streaming workloads against justapi serve and llama-server (or a URL)",
     "spec": "speculative decoding: n-gram, trees, draft models, batch sweep (in-process)",
-    "quant": "weight paths fp32 / bf16 / q4 / auto: speed, memory, perplexity (in-process)",
+    "quant": "weight paths fp32 / bf16 / q4 / auto and KV dtypes: speed, memory, perplexity (in-process)",
+    "hf-agreement": "greedy tokens vs transformers on llama.cpp-converted tiny models, per KV dtype",
     "scheduler": "scheduler core step and prefix-cache match times (no model)",
     "frontend": "frontend streaming throughput against a stand-in scheduler",
     "failover": "worker SIGKILL / SIGSTOP: detection, rejoin, completed requests",
@@ -26,7 +27,7 @@ SCENARIOS = {
     "soak": "many requests with disconnects and aborts; nothing may leak",
     "tokenizer": "tokenizer, detokenizer and chat template speed",
     "step-parts": "where an in-process decode step's time goes, part by part (matmuls, attention, ...)",
-    "attention": "the CPU decode attention kernel over an fp32 and a bf16 KV pool, in turns",
+    "attention": "the CPU decode attention kernel over fp32, bf16 and f16 KV pools, in turns",
     "timeline": "where a served step's time goes (per-process timelines); serving vs offline",
     "structured": "structured outputs: constrained vs free decoding, grammar compile times",
 }

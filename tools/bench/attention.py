@@ -1,6 +1,6 @@
-"""The CPU decode attention kernel over an fp32 and a bf16 KV pool, in turns.
+"""The CPU decode attention kernel over an fp32, a bf16 and an f16 KV pool, in turns.
 
-    python -m tools.bench attention --shapes 16x600,1x1000,64x100 --layers 30
+    python -m tools.bench attention --shapes 16x600,1x1000,64x100 --layers 30 [--dtypes bfloat16,float16]
     python -m tools.bench attention --chunks 16x26@510,1x256@512,1x256@0 --layers 8
 
 `--chunks` (sequences x rows @ cached keys) times steps of prompt chunks over a bf16 pool
@@ -27,7 +27,7 @@ import torch
 from workers.model import cpu_kernels
 from workers.model.attention import AttentionBatch, TorchCpuBackend
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def layer_times(seqs: int, keys: int, dtypes: list[str], layers: int, rounds: int, heads: int, kv_heads: int,

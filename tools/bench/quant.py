@@ -1,6 +1,7 @@
 """The weight paths side by side from one run, per weight type: fp32, bf16 (bf16 matmuls), q4
 (torch's int4 kernels) and auto (GGUF blocks in memory, the path per step from a plan measured
-at start-up).
+at start-up); and the KV cache dtypes (a path as PATH/KV, e.g. auto/float16, or
+--kv-cache-dtypes to run each path with each).
 
 For the model and, with --types, the same model quantized again as each type (requant.py),
 prints per path, with the load average (the machine is shared: decode figures are medians):
@@ -14,6 +15,12 @@ prints per path, with the load average (the machine is shared: decode figures ar
     python -m tools.bench quant --int8                     # the int8-activation step at 1-4 rows
     python -m tools.bench quant --paired fp32,auto --batches 1,16,64   # decode steps in turns
     python -m tools.bench quant --paired fp32,auto --batches 1 --paired-prefill 64,512,2048
+    python -m tools.bench quant --paths auto --kv-cache-dtypes float32,bfloat16,float16
+    python -m tools.bench quant --paired auto/bfloat16,auto/float16 --batches 1,16,64 --paired-prefix 16@512
+
+The first column (path) is the baseline of the perplexity and greedy rows, the first paired
+path that of the ratios. --paired-prefix N@P: N sequences sharing a P-token prompt (its blocks
+cached once, as the prefix cache shares them), each with 16 tokens of its own, decoding.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ import torch
 from justapi.model.gguf_file import GGUFFile
 from justapi.ops.perplexity import DEFAULT_TEXT
 from justapi.sampling import SamplingParams
+from justapi.wire.protocol import NewRequest, StepPlan
 from tools.bench.engine import run_steps
 from tools.bench.quant_paths import block_linears, int8_step, path_tables
 from tools.bench.requant import requantized
@@ -102,6 +110,17 @@ def measure_memory(model_path: str, path: str) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def make_engine(model_path: str, name: str, **kwargs: Any) -> LLMEngine:
+    """The engine of a column: a weight path, or PATH/KV with a KV cache dtype (else the
+    engine's default, the exact fp32 cache on CPU)."""
+    path, _, kv = name.partition("/")
+    return LLMEngine(model_path, progress=False, weights=path, kv_cache_dtype=kv or None, **kwargs)
+
+
+def column_names(paths: list[str], kv_dtypes: list[str]) -> list[str]:
+    return [f"{path}/{kv}" if kv else path for path in paths for kv in kv_dtypes]
+
+
 def decode_rates(engine: LLMEngine, batches: list[int], steps: int, prompt_tokens: int) -> dict[int, float]:
     rng = np.random.default_rng(0)
     rates = {}
@@ -143,15 +162,16 @@ def bench_file(model_path: str, paths: list[str], args: argparse.Namespace) -> N
     greedy: dict[str, list[list[int]]] = {}
     for path in paths:
         start = time.perf_counter()
-        engine = LLMEngine(model_path, num_blocks=need, max_seqs=max(batches), progress=False, weights=path)
-        row: dict[str, Any] = dict(load_s=time.perf_counter() - start, **measure_memory(model_path, path))
+        engine = make_engine(model_path, path, num_blocks=need, max_seqs=max(batches))
+        row: dict[str, Any] = dict(load_s=time.perf_counter() - start,
+                                   **measure_memory(model_path, path.partition("/")[0]))
         ids = engine.encode(TEXT.read_text())
         row["ppl"] = perplexity(engine, ids, args.n_ctx) if not args.skip_perplexity else None
         outputs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=args.greedy_tokens, ignore_eos=True))
         greedy[path] = [o.token_ids for o in outputs]
         row.update(prefill=prefill_rate(engine, args.prefill_tokens),
                    decode=decode_rates(engine, batches, args.decode_steps, args.prompt_tokens))
-        if engine.model is not None and path == "auto":
+        if engine.model is not None and path.startswith("auto"):
             row["choices"] = auto_choices(engine.model, batches)
         rows[path] = row
         engine.close()
@@ -173,17 +193,18 @@ def report(model_path: str, rows: dict[str, dict[str, Any]], greedy: dict[str, l
     lines += [(f"decode {b} seqs (tok/s)", functools.partial(_decode_rate, b), ".1f") for b in batches]
     for label, value, fmt in lines:
         print(f"{label:34}" + "".join(f"{value(rows[p]):12{fmt}}" for p in paths))
-    if not args.skip_perplexity and "fp32" in rows:
-        base = rows["fp32"]["ppl"].perplexity
-        print(f"{'perplexity':34}" + "".join(f"{rows[p]['ppl'].perplexity:12.3f}" for p in paths))
-        print(f"{'  vs fp32':34}" + "".join(f"{100 * (rows[p]['ppl'].perplexity / base - 1):+11.2f}%" for p in paths))
+    first = paths[0]
+    if not args.skip_perplexity:
+        base = rows[first]["ppl"].perplexity
+        print(f"{'perplexity':34}" + "".join(f"{rows[p]['ppl'].perplexity:12.4f}" for p in paths))
+        print(f"{'  vs ' + first:34}" + "".join(f"{100 * (rows[p]['ppl'].perplexity / base - 1):+11.3f}%" for p in paths))
+    for path in paths[1:]:
+        mean, same = greedy_agreement(greedy[first], greedy[path])
+        print(f"greedy {path} vs {first} ({len(PROMPTS)} prompts x {args.greedy_tokens}): "
+              f"{100 * mean:.1f}% of tokens before the first difference, {same} identical")
     for path in paths:
-        if path != "fp32" and "fp32" in greedy:
-            mean, same = greedy_agreement(greedy["fp32"], greedy[path])
-            print(f"greedy {path} vs fp32 ({len(PROMPTS)} prompts x {args.greedy_tokens}): "
-                  f"{100 * mean:.1f}% of tokens before the first difference, {same} identical")
-    if "choices" in rows.get("auto", {}):
-        print(f"auto's paths per batch size: {rows['auto']['choices']}")
+        if "choices" in rows[path]:
+            print(f"{path}'s matmul paths per batch size: {rows[path]['choices']}")
     print(f"load average {os.getloadavg()[0]:.2f}", flush=True)
 
 
@@ -195,9 +216,12 @@ def paired_decode(args: argparse.Namespace, paths: list[str], batches: list[int]
     """Decode steps of each path in turns (rounds of 8 steps each), so the host's swings fall on
     every path alike: the median step per path and each path's speed against the first."""
     prefills = [int(n) for n in args.paired_prefill.split(",") if n]
+    prefix = [int(n) for n in args.paired_prefix.split("@")] if args.paired_prefix else []
     need = max(batches) * -(-(args.prompt_tokens + 9) // 16) + max([0, *prefills]) // 16 + 64
-    engines = {path: LLMEngine(args.model, num_blocks=need, max_seqs=max(batches), progress=False,
-                               weights=path) for path in paths}
+    if prefix:
+        need = max(need, prefix[0] * 3 + -(-prefix[1] // 16) + 64)
+    engines = {path: make_engine(args.model, path, num_blocks=need, max_seqs=max([*batches, *prefix[:1]]))
+               for path in paths}
     rng = np.random.default_rng(0)
     vocab = engines[paths[0]].model.params.vocab_size
     print(f"paired decode steps, {args.rounds} rounds of 8 per path, prompts of {args.prompt_tokens} tokens")
@@ -219,15 +243,55 @@ def paired_decode(args: argparse.Namespace, paths: list[str], batches: list[int]
         median = {path: statistics.median(t) for path, t in times.items()}
         print(f"prefill {num_tokens:4d} tokens: " + ", ".join(
             f"{path} {num_tokens / median[path]:.0f} tok/s ({median[paths[0]] / median[path]:.2f}x)" for path in paths))
+    if prefix:
+        num_seqs, shared = prefix
+        prompt = rng.integers(0, vocab, shared).tolist()
+        own = [rng.integers(0, vocab, 16).tolist() for _ in range(num_seqs)]
+        times = {path: [] for path in paths}
+        for _ in range(args.rounds):
+            for path, engine in engines.items():
+                times[path] += run_prefix_steps(engine, prompt, own, 8)
+        median = {path: statistics.median(t) for path, t in times.items()}
+        print(f"decode {num_seqs} seqs sharing {shared} tokens: " + ", ".join(
+            f"{path} {median[path] * 1e3:.1f} ms ({median[paths[0]] / median[path]:.2f}x)" for path in paths))
     for engine in engines.values():
         engine.close()
+
+
+def run_prefix_steps(engine: LLMEngine, prompt: list[int], own: list[list[int]], decode_steps: int) -> list[float]:
+    """Sequences whose prompts are `prompt` (whole blocks, written once by the first sequence's
+    prefill) + their own tokens: the others' first chunks start past the shared blocks, as
+    prefix-cache hits do. Seconds of each decode step."""
+    runner, bs = engine.runner, engine.pool.shape.block_size
+    if len(prompt) % bs:
+        raise SystemExit(f"--paired-prefix: the shared prompt must be whole blocks of {bs} tokens")
+    shared = list(range(len(prompt) // bs))
+    per_seq = -(-(max(map(len, own)) + decode_steps + 1) // bs)
+    ids = [f"prefix-{i}" for i in range(len(own))]
+    tables = [shared + [len(shared) + i * per_seq + j for j in range(per_seq)] for i in range(len(own))]
+    params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
+    new = [NewRequest(r, params, len(prompt) + len(o), np.asarray(prompt + o, np.int32)) for r, o in zip(ids, own)]
+    first = runner.execute(StepPlan.build(0, [(ids[0], 0, prompt + own[0], tables[0], True)], new[:1]))
+    rest = runner.execute(StepPlan.build(1, [(r, len(prompt), o, t, True) for r, o, t in
+                                             zip(ids[1:], own[1:], tables[1:])], new[1:]))
+    tokens = [int(first.sampled_token_ids[0]), *map(int, rest.sampled_token_ids)]
+    lengths = [len(prompt) + len(o) for o in own]
+    times = []
+    for step in range(decode_steps):
+        chunks = [(r, n + step, [t], tab, True) for r, n, t, tab in zip(ids, lengths, tokens, tables)]
+        start = time.perf_counter()
+        tokens = [int(t) for t in runner.execute(StepPlan.build(2 + step, chunks)).sampled_token_ids]
+        times.append(time.perf_counter() - start)
+    runner.execute(StepPlan.build(10**6, [], finished_request_ids=ids))
+    return times
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.bench quant", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="", help="GGUF path (default SmolLM2-135M-Instruct)")
     parser.add_argument("--types", default="", help="also the model quantized as each of these types")
-    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--paths", default=",".join(PATHS), help="weight paths, each PATH or PATH/KV")
+    parser.add_argument("--kv-cache-dtypes", default="", help="each path with each of these KV dtypes")
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -243,6 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="--paired: rounds per batch size")
     parser.add_argument("--paired-prefill", default="",
                         help="--paired: also prefill prompts of these token counts in turns (one step each)")
+    parser.add_argument("--paired-prefix", default="", help="--paired: also N@P, N sequences sharing a P-token "
+                        "prompt, decoding in turns")
     parser.add_argument("--memory-probe", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     model = resolve_model(args.model)
@@ -260,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         elif args.int8:
             int8_step(path, args.repeats, tuple(int(b) for b in args.batches.split(",")))
         else:
-            bench_file(path, args.paths.split(","), args)
+            bench_file(path, column_names(args.paths.split(","), args.kv_cache_dtypes.split(",")), args)
 
 
 if __name__ == "__main__":
