@@ -38,7 +38,7 @@ DEFAULT_TEXT = Path(__file__).resolve().parent / "data" / "prose.txt"
 @click.option("--paths", default="fp32,q4,auto", show_default=True,
               help="Weight paths, comma-separated; the first is the baseline.")
 @click.option("--kv-cache-dtypes", default="auto", show_default=True,
-              help="KV cache dtypes (auto, float32, bfloat16), comma-separated: each weight path "
+              help="KV cache dtypes (auto, float32, bfloat16, float16), comma-separated: each weight path "
                    "is scored with each.")
 @click.option("--device", default="cpu", show_default=True, help="cpu | cuda[:N]")
 def perplexity(model: str, text_path: str, n_ctx: int, stride: int, chunk_rows: int, paths: str,
@@ -62,7 +62,7 @@ def perplexity(model: str, text_path: str, n_ctx: int, stride: int, chunk_rows: 
                                                 (n_ctx, stride, chunk_rows))
             baseline = baseline or score.perplexity
             click.echo(f"{name:>5}: perplexity {score.perplexity:9.4f} "
-                       f"({100 * (score.perplexity / baseline - 1):+.2f}% vs {names[0]}), "
+                       f"({100 * (score.perplexity / baseline - 1):+.3f}% vs {names[0]}), "
                        f"{score.num_scored} tokens scored in {score.num_windows} windows of "
                        f"{num_tokens}, {elapsed:.1f} s")
     except (ValueError, RuntimeError, OSError) as exc:

@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -55,26 +56,28 @@ def matmul_step_s(engine: LLMEngine, num_rows: int, repeats: int = 7) -> list[fl
     return times
 
 
-def run_steps(engine: LLMEngine, prompts: list[list[int]], decode_steps: int) -> tuple[float, list[float]]:
+def run_steps(engine: LLMEngine, prompts: list[list[int]], decode_steps: int,
+              clock: Callable[[], float] = time.perf_counter) -> tuple[float, list[float]]:
     """Prefill all prompts in one step, then decode_steps steps of one token per sequence.
-    Returns (prefill seconds, seconds of each decode step)."""
+    Returns (prefill seconds, seconds of each decode step), by `clock` (wall time, or e.g.
+    time.process_time: CPU time)."""
     runner, bs = engine.runner, engine.pool.shape.block_size
     params = SamplingParams(temperature=0.0, max_tokens=decode_steps + 1, ignore_eos=True)
     ids = [f"bench-{i}" for i in range(len(prompts))]
     per_seq = -(-(max(map(len, prompts)) + decode_steps + 1) // bs)
     tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(prompts))]
     new = [NewRequest(r, params, len(p), np.asarray(p, np.int32)) for r, p in zip(ids, prompts)]
-    start = time.perf_counter()
+    start = clock()
     tokens = runner.execute(StepPlan.build(0, [(r, 0, p, t, True) for r, p, t in zip(ids, prompts, tables)],
                                            new)).sampled_token_ids
-    prefill_s = time.perf_counter() - start
+    prefill_s = clock() - start
     lengths = [len(p) for p in prompts]
     times = []
     for step in range(decode_steps):
         chunks = [(r, n + step, [int(t)], tab, True) for r, n, t, tab in zip(ids, lengths, tokens, tables)]
-        start = time.perf_counter()
+        start = clock()
         tokens = runner.execute(StepPlan.build(1 + step, chunks)).sampled_token_ids
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     runner.execute(StepPlan.build(10**6, [], finished_request_ids=ids))
     return prefill_s, times
 

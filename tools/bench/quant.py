@@ -224,13 +224,15 @@ def paired_decode(args: argparse.Namespace, paths: list[str], batches: list[int]
                for path in paths}
     rng = np.random.default_rng(0)
     vocab = engines[paths[0]].model.params.vocab_size
-    print(f"paired decode steps, {args.rounds} rounds of 8 per path, prompts of {args.prompt_tokens} tokens")
+    clock = time.process_time if args.cpu_time else time.perf_counter
+    print(f"paired decode steps, {args.rounds} rounds of 8 per path, prompts of {args.prompt_tokens} tokens"
+          f"{'; CPU time' if args.cpu_time else ''}; torch threads {torch.get_num_threads()}")
     for num_seqs in batches:
         prompts = [rng.integers(0, vocab, args.prompt_tokens).tolist() for _ in range(num_seqs)]
         times: dict[str, list[float]] = {path: [] for path in paths}
         for _ in range(args.rounds):
             for path, engine in engines.items():
-                times[path] += run_steps(engine, prompts, 8)[1]
+                times[path] += run_steps(engine, prompts, 8, clock)[1]
         median = {path: statistics.median(t) for path, t in times.items()}
         print(f"decode {num_seqs:3d} seqs: " + ", ".join(
             f"{path} {median[path] * 1e3:.1f} ms ({median[paths[0]] / median[path]:.2f}x)" for path in paths))
@@ -239,7 +241,7 @@ def paired_decode(args: argparse.Namespace, paths: list[str], batches: list[int]
         times = {path: [] for path in paths}
         for _ in range(args.rounds):
             for path, engine in engines.items():
-                times[path].append(run_steps(engine, [prompt], 0)[0])
+                times[path].append(run_steps(engine, [prompt], 0, clock)[0])
         median = {path: statistics.median(t) for path, t in times.items()}
         print(f"prefill {num_tokens:4d} tokens: " + ", ".join(
             f"{path} {num_tokens / median[path]:.0f} tok/s ({median[paths[0]] / median[path]:.2f}x)" for path in paths))
@@ -250,7 +252,7 @@ def paired_decode(args: argparse.Namespace, paths: list[str], batches: list[int]
         times = {path: [] for path in paths}
         for _ in range(args.rounds):
             for path, engine in engines.items():
-                times[path] += run_prefix_steps(engine, prompt, own, 8)
+                times[path] += run_prefix_steps(engine, prompt, own, 8, clock)
         median = {path: statistics.median(t) for path, t in times.items()}
         print(f"decode {num_seqs} seqs sharing {shared} tokens: " + ", ".join(
             f"{path} {median[path] * 1e3:.1f} ms ({median[paths[0]] / median[path]:.2f}x)" for path in paths))
@@ -258,7 +260,8 @@ def paired_decode(args: argparse.Namespace, paths: list[str], batches: list[int]
         engine.close()
 
 
-def run_prefix_steps(engine: LLMEngine, prompt: list[int], own: list[list[int]], decode_steps: int) -> list[float]:
+def run_prefix_steps(engine: LLMEngine, prompt: list[int], own: list[list[int]], decode_steps: int,
+                     clock: Callable[[], float] = time.perf_counter) -> list[float]:
     """Sequences whose prompts are `prompt` (whole blocks, written once by the first sequence's
     prefill) + their own tokens: the others' first chunks start past the shared blocks, as
     prefix-cache hits do. Seconds of each decode step."""
@@ -279,9 +282,9 @@ def run_prefix_steps(engine: LLMEngine, prompt: list[int], own: list[list[int]],
     times = []
     for step in range(decode_steps):
         chunks = [(r, n + step, [t], tab, True) for r, n, t, tab in zip(ids, lengths, tokens, tables)]
-        start = time.perf_counter()
+        start = clock()
         tokens = [int(t) for t in runner.execute(StepPlan.build(2 + step, chunks)).sampled_token_ids]
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     runner.execute(StepPlan.build(10**6, [], finished_request_ids=ids))
     return times
 
@@ -305,6 +308,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="--plans / --int8: timed rounds")
     parser.add_argument("--paired", default="", help="only time decode steps of these paths in turns")
     parser.add_argument("--rounds", type=int, default=5, help="--paired: rounds per batch size")
+    parser.add_argument("--cpu-time", action="store_true", help="--paired: time this process's CPU time, not "
+                        "the wall (with --threads 1: the work, whatever else runs on the host)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--paired-prefill", default="",
                         help="--paired: also prefill prompts of these token counts in turns (one step each)")
     parser.add_argument("--paired-prefix", default="", help="--paired: also N@P, N sequences sharing a P-token "
@@ -316,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.memory_probe:
         print(json.dumps(memory_probe(model, args.memory_probe)))
         return
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"load average {os.getloadavg()[0]:.2f}; torch threads {torch.get_num_threads()}", flush=True)
     for path in files:
         args.model = path

@@ -3,8 +3,8 @@ again as TYPE (workers/weights/kquant_pack.py), metadata and other tensors copie
 benchmark can compare the weight paths per type on real weights.
 
 As llama.cpp's quantizer does, a matrix whose rows are not whole 256-value blocks falls back
-from a K-quant (Q2_K, Q3_K -> Q4_0; Q4_K -> Q5_0; Q5_K -> Q5_1; Q6_K -> Q8_0): SmolLM2's rows
-of 576 keep Q/K/V and gate/up in the fallback, its down projection (1536) takes TYPE. The
+from a 256-value type (Q2_K, Q3_K -> Q4_0; Q4_K -> Q5_0; Q5_K -> Q5_1; Q6_K -> Q8_0;
+IQ4_XS -> IQ4_NL): SmolLM2's rows of 576 keep Q/K/V and gate/up in the fallback, its down projection (1536) takes TYPE. The
 quantizers are simpler than llama.cpp's, so such a file is a little less accurate than a
 published one of the same type; what the benchmark compares (each path against fp32 on the
 same file) does not depend on that.
@@ -25,7 +25,7 @@ from gguf import quants as gguf_quants
 from workers.weights.kquant_pack import quantize
 
 Q = GGMLQuantizationType
-FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
 KEEP = (Q.F32, Q.F16, Q.BF16)
 
 
