@@ -42,7 +42,8 @@ def main() -> None:
                    "bf16 matmuls on CPUs that have them) or keep 4-bit planes for the int4 "
                    "kernels (q4).")
 @click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(list(KV_CACHE_DTYPES)),
-              help="As justapi serve's: auto (bfloat16) or float32 (the exact cache, CPU only).")
+              help="As justapi serve's: auto (float16 on CPU, bfloat16 on GPU), float16, bfloat16 "
+                   "or float32 (the exact cache, CPU only).")
 def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p: float,
              top_k: int, seed: int | None, chat: bool, as_json: bool, device: str,
              ignore_eos: bool, weights: str, kv_cache_dtype: str) -> None:

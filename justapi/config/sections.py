@@ -23,6 +23,8 @@ POLICIES = ("fcfs", "priority", "lpm")
 DEVICES = ("cpu", "cuda")
 WEIGHT_MODES = ("fp32", "bf16", "q4", "auto")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+AUTO_KV_CACHE_DTYPE = {"cpu": "float16", "cuda": "bfloat16"}
+"""What `--kv-cache-dtype auto` is per device (the measurements behind it: docs/runtime.md)."""
 LAUNCHERS = ("local", "ray")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -40,18 +42,22 @@ class CacheConfig:
         True, "Share the cached KV blocks of identical prompt prefixes between requests "
               "(radix tree).", decls=("--prefix-cache/--no-prefix-cache",))
     kv_cache_dtype: str = option(
-        "auto", "KV cache element type. auto: bfloat16 (as llama-server's f16 cache and vLLM's "
-                "bf16 default). A bf16 CPU pool holds twice the blocks of an fp32 one in the same "
-                "memory and its attention reads half the bytes; K/V are rounded to bf16 as they "
-                "are stored (docs/runtime.md). float32: the exact cache, CPU only.",
+        "auto", "KV cache element type. auto: float16 on CPUs (llama-server's default cache: 11 "
+                "significant bits where bfloat16 keeps 8, as fast here), bfloat16 on GPUs (their "
+                "forward computes in bf16). A 16-bit CPU pool holds twice the blocks of an fp32 "
+                "one in the same memory and its attention reads half the bytes; K/V are rounded "
+                "as they are stored (docs/runtime.md). float32: the exact cache, CPU only.",
         choices=KV_CACHE_DTYPES)
 
     def pool_dtype(self, device: str) -> str:
         """The pool's dtype name (workers/kv/pool.py) for workers on `device` ("cpu", "cuda");
         ConfigError for float32 on a GPU."""
         require(device == "cpu" or self.kv_cache_dtype != "float32",
-                "kv-cache-dtype float32 is CPU only (GPU workers attend in bf16): use auto or bfloat16")
-        return "bfloat16" if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+                "kv-cache-dtype float32 is CPU only (GPU workers attend in bf16): use auto, "
+                "bfloat16 or float16")
+        if self.kv_cache_dtype == "auto":
+            return AUTO_KV_CACHE_DTYPE["cpu" if device == "cpu" else "cuda"]
+        return self.kv_cache_dtype
 
     def __post_init__(self) -> None:
         check_number(self.block_size, "block-size", low=1, integer=True)

@@ -1,8 +1,8 @@
 """The CPU KV pool's shared-memory segment, created and unlinked by the launcher.
 
 All CPU workers map this one segment as the pool tensor
-`[layers, 2, num_blocks, block_size, kv_heads, head_dim]` (bf16, or fp32 with
-`--kv-cache-dtype float32`), so a block cached by one worker serves requests on another -
+`[layers, 2, num_blocks, block_size, kv_heads, head_dim]` (f16 by default, bf16 or fp32 as
+`--kv-cache-dtype` says), so a block cached by one worker serves requests on another -
 except with `--pd P:D --pd-separate-pools`, where the prefill workers map pool 0 and the
 decode workers pool 1, each its own segment (PoolSegments).
 The launcher owns their lifetime: it unlinks them at shutdown even if workers were killed.
