@@ -95,11 +95,16 @@ def _free_port() -> int:
 def llama_server(binary: str, path: Path, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     """llama-server with its defaults (f16 KV cache) on the file: greedy tokens per prompt."""
     port = _free_port()
+    log = tempfile.TemporaryFile()
     server = subprocess.Popen([binary, "-m", str(path), "--port", str(port), "-t", "2", "-np", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
+        while True:
+            if server.poll() is not None:
+                log.seek(0)
+                lines = [line for line in log.read().decode(errors="replace").splitlines() if "error" in line.lower()]
+                raise RuntimeError(f"llama-server exited ({server.returncode}): {lines[-1] if lines else ''}")
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=1) as reply:
                     if reply.status == 200:
@@ -117,6 +122,7 @@ def llama_server(binary: str, path: Path, prompts: list[list[int]], tokens: int)
     finally:
         server.terminate()
         server.wait(timeout=30)
+        log.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,8 +145,12 @@ def main(argv: list[str] | None = None) -> None:
             want = [hf_greedy(hf, p, args.tokens) for p in prompts]
             line = []
             for setting in settings:
-                got = (llama_server(args.llama_server, path, prompts, args.tokens) if setting == "llama-server"
-                       else ours(path, setting, prompts, args.tokens))
+                try:
+                    got = (llama_server(args.llama_server, path, prompts, args.tokens) if setting == "llama-server"
+                           else ours(path, setting, prompts, args.tokens))
+                except (RuntimeError, ValueError, OSError) as exc:  # the file refused: counts as no agreement
+                    line.append(f"{setting} error ({' '.join(str(exc).split())[:160]})")
+                    continue
                 same = sum(g == w for g, w in zip(got, want))
                 agree_prompts[setting] += same
                 agree_files[setting] += same == len(prompts)
