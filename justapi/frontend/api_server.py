@@ -200,8 +200,9 @@ def _tokenize(serving: Serving, body: TokenizeRequest) -> list[int]:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         return prompts.encode_text(body.prompt, add_special)
     assert body.messages is not None
+    variables = serving.reasoning.template_variables(body.chat_template_kwargs, None)
     prompt = chat_prompt(serving, body.messages, body.tools, body.add_generation_prompt,
-                         describe_tools=bool(body.tools))
+                         describe_tools=bool(body.tools), variables=variables)
     if body.add_special_tokens:  # the template's text tokenized with BOS as the model asks
         assert prompt.text is not None
         return prompts.encode_text(prompt.text, True)

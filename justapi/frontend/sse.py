@@ -7,12 +7,12 @@ Owns: event framing and that order. Does not own: chunk shapes (ChoiceChunks, pe
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 import orjson
 
-from justapi.frontend.choices import close_all, fan_in, usage
+from justapi.frontend.choices import close_all, fan_in
 from justapi.frontend.errors import SERVER_ERROR, error_body
 from justapi.frontend.generation import Generation, GenerationOutput
 from justapi.wire.protocol import FINISH_ERROR
@@ -37,9 +37,10 @@ def sse_event(payload: dict) -> bytes:
 
 
 async def stream_choices(generations: Sequence[Generation], chunks: ChoiceChunks, header: dict,
-                         prompt_lengths: Sequence[int],
+                         usage_of: Callable[[], dict],
                          include_usage: bool) -> AsyncIterator[bytes]:
-    """Every chunk is `header` + one choice (+ `"usage": null` when the usage chunk follows)."""
+    """Every chunk is `header` + one choice (+ `"usage": null` when the usage chunk follows);
+    usage_of: the usage once every choice ended."""
     extra = {"usage": None} if include_usage else {}
 
     def event(choice: dict) -> bytes:
@@ -60,7 +61,7 @@ async def stream_choices(generations: Sequence[Generation], chunks: ChoiceChunks
             if choice is not None:
                 yield event(choice)
         if include_usage:
-            yield sse_event({**header, "choices": [], "usage": usage(prompt_lengths, generations)})
+            yield sse_event({**header, "choices": [], "usage": usage_of()})
         yield SSE_DONE
     finally:
         close_all(generations)
