@@ -57,11 +57,13 @@ class StructuredOutput:
     """JSON kinds only: one of JSON_WHITESPACE. A schema's own "x-guidance" options (llguidance's
     JSON options, e.g. coerce_one_of) override it."""
     reasoning_end: str = ""
-    """A reasoning model's end of thinking (`</think>`): the output is free text up to its first
-    occurrence, then whitespace, then the constrained answer. "": constrained from the start."""
+    """A reasoning model's end of thinking: its text (`</think>`), or `<[id]>` when it is one
+    token of the vocabulary. The output is free up to it, then whitespace, then the
+    constrained answer. "": constrained from the start."""
     reasoning_start: str = ""
-    """With reasoning_end: the output may open its thinking with this text (`<think>`) or answer
-    at once. "": the output starts inside its thinking (the prompt opened it)."""
+    """With reasoning_end: the start of thinking, written the same way; the output may open
+    its thinking with it or answer at once. "": the output starts inside its thinking (the
+    prompt opened it)."""
 
     def __post_init__(self) -> None:
         _check(self.kind in STRUCTURED_KINDS,

@@ -35,15 +35,19 @@ class ReasoningSetup:
     """The markers replies are split at; None: replies are all content."""
     has_thinking_switch: bool = False
     """The template reads `enable_thinking` (reasoning_effort "none" sets it false)."""
+    start_token_id: int | None = None
+    """The start marker as one token of the vocabulary (None: it is text)."""
     end_token_id: int | None = None
-    """The end marker as one token of the vocabulary (counts thinking tokens exactly)."""
+    """The end marker as one token (counts thinking tokens exactly; None: it is text)."""
 
     @classmethod
     def from_template(cls, template_source: str, tokenizer: Tokenizer,
                       parser: str = AUTO) -> ReasoningSetup:
         found = reasoning_format(parser, template_source)
-        end_token_id = tokenizer.token_to_id(found.end) if found else None
-        return cls(found, THINKING_SWITCH in template_source, end_token_id)
+        if found is None:
+            return cls(None, THINKING_SWITCH in template_source)
+        return cls(found, THINKING_SWITCH in template_source, tokenizer.token_to_id(found.start),
+                   tokenizer.token_to_id(found.end))
 
     def template_variables(self, kwargs: dict[str, Any] | None,
                            effort: str | None) -> dict[str, Any]:
@@ -72,12 +76,19 @@ class ReasoningSetup:
         reasoning format)."""
         if structured is None or self.format is None:
             return structured
-        start = "" if self.starts_thinking(prompt_text) else self.format.start
-        return dataclasses.replace(structured, reasoning_end=self.format.end,
-                                   reasoning_start=start)
+        start = "" if self.starts_thinking(prompt_text) \
+            else _marker(self.format.start, self.start_token_id)
+        return dataclasses.replace(structured, reasoning_start=start,
+                                   reasoning_end=_marker(self.format.end, self.end_token_id))
 
 
 NO_REASONING = ReasoningSetup()
+
+
+def _marker(text: str, token_id: int | None) -> str:
+    """A marker as a constraint names it: its token (a model writes a marker that is one token
+    as that token, which grammars see as a special token, not as text), else its text."""
+    return text if token_id is None else f"<[{token_id}]>"
 
 
 def _checked_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
