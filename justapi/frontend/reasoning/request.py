@@ -11,7 +11,8 @@ Owns: those mappings and the served template's reasoning traits. Does not own: t
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from justapi.frontend.errors import ApiError
@@ -39,6 +40,8 @@ class ReasoningSetup:
     """The start marker as one token of the vocabulary (None: it is text)."""
     end_token_id: int | None = None
     """The end marker as one token (counts thinking tokens exactly; None: it is text)."""
+    count_text: Callable[[str], int] = field(default=len, compare=False)
+    """Tokens of a text (thinking tokens where the end marker is not one token)."""
 
     @classmethod
     def from_template(cls, template_source: str, tokenizer: Tokenizer,
@@ -47,7 +50,8 @@ class ReasoningSetup:
         if found is None:
             return cls(None, THINKING_SWITCH in template_source)
         return cls(found, THINKING_SWITCH in template_source, tokenizer.token_to_id(found.start),
-                   tokenizer.token_to_id(found.end))
+                   tokenizer.token_to_id(found.end),
+                   lambda text: len(tokenizer.encode(text, add_special_tokens=False)))
 
     def template_variables(self, kwargs: dict[str, Any] | None,
                            effort: str | None) -> dict[str, Any]:
@@ -65,7 +69,7 @@ class ReasoningSetup:
         if self.format is None:
             return None
         return ReasoningSplitter(self.format, starts_thinking=self.starts_thinking(prompt_text),
-                                 end_token_id=self.end_token_id)
+                                 end_token_id=self.end_token_id, count_text=self.count_text)
 
     def starts_thinking(self, prompt_text: str | None) -> bool:
         return self.format is not None and self.format.opens_in(prompt_text or "")

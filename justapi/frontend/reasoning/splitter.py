@@ -6,12 +6,14 @@ first end marker; otherwise a reply that opens with the start marker (after whit
 and any other reply is all content. Text that may still become a marker is held back until it
 is known; the markers themselves are neither reasoning nor content, and nothing is stripped,
 so reasoning + markers + content is exactly the generated text. A reply cut off while thinking
-is all reasoning. The whole reply is split by the same code. Owns: that split and the count of
-thinking tokens. Does not own: the markers (formats.py) or tool calls in the content.
+is all reasoning. The whole reply is split by the same code. Thinking tokens are counted up to
+and including the end marker's token; where the marker is not one token, the thinking's text
+(markers included) is tokenized again, so a whole and a streamed reply count alike. Owns: that
+split and that count. Does not own: the markers (formats.py) or tool calls in the content.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -34,18 +36,22 @@ class _Phase(Enum):
 
 class ReasoningSplitter:
     """One choice's split. end_token_id: the end marker's own token (counts thinking tokens
-    exactly even when its text arrives in a later output)."""
+    exactly even when its text arrives in a later output); without it, count_text counts the
+    tokens of the thinking's text."""
 
     def __init__(self, reasoning_format: ReasoningFormat, *, starts_thinking: bool,
-                 end_token_id: int | None = None) -> None:
+                 end_token_id: int | None = None,
+                 count_text: Callable[[str], int] = len) -> None:
         self.format = reasoning_format
         self.has_reasoning = starts_thinking
         """The reply thinks (known once it opened its thinking, or from the start)."""
         self._phase = _Phase.THINKING if starts_thinking else _Phase.MAYBE
         self._held = ""
         self._end_token_id = end_token_id
+        self._count_text = count_text
         self._num_tokens = 0
         self._end_at: int | None = None  # tokens up to and including the end marker
+        self._thinking: list[str] = []  # the thinking's text, markers included
 
     @property
     def reasoning_tokens(self) -> int:
@@ -53,6 +59,8 @@ class ReasoningSplitter:
         reply was cut off while thinking); 0 for a reply that did not think."""
         if not self.has_reasoning:
             return 0
+        if self._end_token_id is None:
+            return self._count_text("".join(self._thinking))
         return self._end_at if self._end_at is not None else self._num_tokens
 
     def feed(self, text: str, token_ids: Sequence[int] = ()) -> ReasoningDelta:
@@ -71,6 +79,7 @@ class ReasoningSplitter:
         """What was held back, at the end of the reply."""
         held, self._held = self._held, ""
         if self._phase is _Phase.THINKING:
+            self._thinking.append(held)
             return ReasoningDelta(reasoning=held)
         self._phase = _Phase.ANSWER
         return ReasoningDelta(content=held)
@@ -86,6 +95,7 @@ class ReasoningSplitter:
         start = self.format.start
         body = self._held.lstrip(WHITESPACE)
         if body.startswith(start):
+            self._thinking.append(start)
             self._held = body[len(start):]
             self._phase = _Phase.THINKING
             self.has_reasoning = True
@@ -98,15 +108,16 @@ class ReasoningSplitter:
         end = self.format.end
         at = self._held.find(end)
         if at >= 0:
+            self._thinking += [self._held[:at], end]
             out.reasoning += self._held[:at]
             out.content += self._held[at + len(end):]
             self._held = ""
             self._phase = _Phase.ANSWER
-            if self._end_at is None:
-                self._end_at = self._num_tokens
             return
         keep = _partial_suffix(self._held, end)
-        out.reasoning += self._held[:len(self._held) - keep]
+        shown = self._held[:len(self._held) - keep]
+        self._thinking.append(shown)
+        out.reasoning += shown
         self._held = self._held[len(self._held) - keep:]
 
 
