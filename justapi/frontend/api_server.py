@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: FastAPI app factory, routes, error bodies, uvicorn server.
 
-Routes: /v1/completions, /v1/chat/completions (SSE when stream=true), /v1/models, /tokenize,
-/detokenize, /health, /metrics (and FastAPI's /openapi.json). Every refusal is an
+Routes: /v1/completions, /v1/chat/completions (SSE when stream=true), /v1/responses,
+/v1/models, /tokenize, /detokenize, /health, /metrics (and FastAPI's /openapi.json). Every refusal is an
 OpenAI-style error body (validation errors are 400, like vLLM, not FastAPI's 422). A client
 that disconnects, streaming or not, gets its scheduler requests aborted at once.
 Owns: the HTTP surface. Does not own: request semantics (serving*.py, prompts.py, choices.py,
@@ -46,6 +46,8 @@ from justapi.frontend.openai_models import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from justapi.frontend.responses.models import ResponsesRequest
+from justapi.frontend.responses.output import create_response
 from justapi.frontend.serving import Serving
 from justapi.frontend.serving_chat import chat_prompt, create_chat_completion
 from justapi.frontend.serving_completions import create_completion
@@ -133,6 +135,10 @@ def _add_generation_routes(app: FastAPI, serving: Serving) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(request, create_chat_completion(serving, body,
                                                               time.perf_counter()))
+
+    @app.post("/v1/responses", responses=ERRORS)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await _respond(request, create_response(serving, body, time.perf_counter()))
 
 
 async def _respond(request: Request, work: Awaitable[dict | AsyncIterator[bytes]]) -> Response:

@@ -7,6 +7,7 @@ chat template).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,3 +103,16 @@ def sampling_error(exc: ValueError, known_params: Sequence[str]) -> ApiError:
     message = str(exc)
     first_word = message.split(" ", 1)[0]
     return ApiError(message, param=first_word if first_word in known_params else None)
+
+
+def renamed(error: ApiError, renames: Sequence[tuple[str, str]]) -> ApiError:
+    """An error of the internal chat request spoken in a translated API's field names:
+    each (regex, replacement) applied to its param and message (e.g. max_completion_tokens ->
+    max_output_tokens on /v1/responses)."""
+    param, message = error.param, error.message
+    for pattern, replacement in renames:
+        if param is not None:
+            param = re.sub(pattern, replacement, param)
+        message = re.sub(pattern, replacement, message)
+    return ApiError(message, param=param, status=error.status, code=error.code,
+                    error_type=error.error_type, headers=error.headers)

@@ -36,6 +36,11 @@ def sse_event(payload: dict) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+def named_sse_event(name: str, payload: dict) -> bytes:
+    """One server-sent event with an `event:` name (the Responses and Anthropic streams)."""
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
 async def stream_choices(generations: Sequence[Generation], chunks: ChoiceChunks, header: dict,
                          usage_of: Callable[[], dict],
                          include_usage: bool) -> AsyncIterator[bytes]:
