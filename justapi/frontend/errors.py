@@ -41,6 +41,18 @@ def error_body(message: str, error_type: str = INVALID_REQUEST, param: str | Non
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
+ANTHROPIC_TYPES = {SERVER_ERROR: "api_error", UNAVAILABLE: "overloaded_error"}
+"""Our error types that Anthropic names otherwise (invalid_request_error, not_found_error are
+the same)."""
+
+
+def anthropic_error_body(error: ApiError) -> dict[str, Any]:
+    """The error as Anthropic's API writes it (/v1/messages)."""
+    kind = "rate_limit_error" if error.status == 429 else \
+        ANTHROPIC_TYPES.get(error.error_type, error.error_type)
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
 def from_validation_errors(errors: Sequence[Any]) -> ApiError:
     """pydantic/FastAPI validation errors -> one ApiError naming the first bad field."""
     if not errors:
