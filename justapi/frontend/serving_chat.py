@@ -139,8 +139,8 @@ def chat_output_rules(serving: Serving, request: ChatCompletionRequest,
 
 def _after_thinking(rules: ReplyRules, constraint: Constraint) -> StructuredOutput:
     structured = rules.reasoning.after_thinking(constraint.structured, rules.prompt_text)
-    if structured is constraint.structured:
-        return structured
+    if structured is None or structured is constraint.structured:
+        return constraint.structured
     check(replace(constraint, structured=structured))
     return structured
 

@@ -185,7 +185,7 @@ def item_events(shape: ResponseShape, change: SegmentEvent) -> list[tuple[str, d
         if kind is SegmentKind.TOOL_CALL:
             return [("response.function_call_arguments.delta", {**where, "delta": change.delta})]
         name = "reasoning_text" if kind is SegmentKind.REASONING else "output_text"
-        extra = {} if kind is SegmentKind.REASONING else {"logprobs": []}
+        extra: dict[str, Any] = {} if kind is SegmentKind.REASONING else {"logprobs": []}
         return [(f"response.{name}.delta", {**where, "content_index": 0,
                                             "delta": change.delta, **extra})]
     done = ("response.output_item.done", {"output_index": segment.index,
@@ -194,9 +194,9 @@ def item_events(shape: ResponseShape, change: SegmentEvent) -> list[tuple[str, d
         return [("response.function_call_arguments.done",
                  {**where, "name": segment.name, "arguments": segment.text}), done]
     name = "reasoning_text" if kind is SegmentKind.REASONING else "output_text"
-    extra = {} if kind is SegmentKind.REASONING else {"logprobs": []}
+    logprobs: dict[str, Any] = {} if kind is SegmentKind.REASONING else {"logprobs": []}
     return [(f"response.{name}.done", {**where, "content_index": 0, "text": segment.text,
-                                       **extra}),
+                                       **logprobs}),
             ("response.content_part.done", {**where, "content_index": 0,
                                             "part": _part(kind, segment.text)}),
             done]
