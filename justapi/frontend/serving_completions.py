@@ -99,7 +99,9 @@ class CompletionChunks:
             return None
         return {"index": index, "text": echo, "logprobs": None, "finish_reason": None}
 
-    def delta(self, index: int, output: GenerationOutput) -> dict:
+    def delta(self, index: int, output: GenerationOutput) -> dict | None:
+        if not (output.text or output.finish_reason or output.logprobs):
+            return None  # tokens whose text is still held back (a partial character)
         logprobs = None
         if output.logprobs:
             logprobs = completion_logprobs(self._serving, output.logprobs,

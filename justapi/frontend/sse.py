@@ -27,8 +27,9 @@ class ChoiceChunks(Protocol):
         """The choice's first chunk before any output (chat: the role), or None for none."""
 
     def delta(self, index: int, output: GenerationOutput) -> dict | None:
-        """The choice's chunk for one output that shows text, logprobs or a finish reason
-        (None: nothing to show yet)."""
+        """The choice's chunk for one output (None: nothing to show yet, e.g. tokens whose
+        text is held back as a partial character). Every output comes here, so a reader of
+        the tokens (thinking tokens are counted by id) sees them all."""
 
 
 def sse_event(payload: dict) -> bytes:
@@ -60,9 +61,7 @@ async def stream_choices(generations: Sequence[Generation], chunks: ChoiceChunks
             if output.finish_reason == FINISH_ERROR:
                 yield sse_event(error_body(f"generation failed: {output.error}", SERVER_ERROR))
                 break
-            if not (output.text or output.finish_reason or output.logprobs):
-                continue  # tokens whose text is still held back (a partial character)
-            choice = chunks.delta(index, output)
+            choice = chunks.delta(index, output)  # None: text still held back
             if choice is not None:
                 yield event(choice)
         if include_usage:

@@ -113,6 +113,8 @@ class ReasoningSplitter:
             out.content += self._held[at + len(end):]
             self._held = ""
             self._phase = _Phase.ANSWER
+            if self._end_at is None:  # the marker written as text, not as its token
+                self._end_at = self._num_tokens
             return
         keep = _partial_suffix(self._held, end)
         shown = self._held[:len(self._held) - keep]
