@@ -168,38 +168,50 @@ async def stream_response(shape: ResponseShape) -> AsyncIterator[bytes]:
         close_all(generations)
 
 
-def item_events(shape: ResponseShape, change: SegmentEvent) -> list[tuple[str, dict[str, Any]]]:
-    """The events of one change to a block."""
+Events = list[tuple[str, dict[str, Any]]]
+
+
+def item_events(shape: ResponseShape, change: SegmentEvent) -> Events:
+    """The events of one change to a block (its output item)."""
     segment = change.segment
     where = {"item_id": shape.item_id(segment), "output_index": segment.index}
-    kind = segment.kind
     if change.kind is EventKind.OPEN:
-        added = shape.item(segment, "in_progress")
-        if kind is SegmentKind.TOOL_CALL:
-            return [("response.output_item.added", {"output_index": segment.index, "item": added})]
-        added["content"] = []
-        return [("response.output_item.added", {"output_index": segment.index, "item": added}),
-                ("response.content_part.added", {**where, "content_index": 0,
-                                                 "part": _part(kind, "")})]
-    if change.kind is EventKind.DELTA:
-        if kind is SegmentKind.TOOL_CALL:
+        return _opened(shape, segment, where)
+    if segment.kind is SegmentKind.TOOL_CALL:
+        if change.kind is EventKind.DELTA:
             return [("response.function_call_arguments.delta", {**where, "delta": change.delta})]
-        name = "reasoning_text" if kind is SegmentKind.REASONING else "output_text"
-        extra: dict[str, Any] = {} if kind is SegmentKind.REASONING else {"logprobs": []}
-        return [(f"response.{name}.delta", {**where, "content_index": 0,
-                                            "delta": change.delta, **extra})]
-    done = ("response.output_item.done", {"output_index": segment.index,
-                                          "item": shape.item(segment)})
-    if kind is SegmentKind.TOOL_CALL:
         return [("response.function_call_arguments.done",
-                 {**where, "name": segment.name, "arguments": segment.text}), done]
-    name = "reasoning_text" if kind is SegmentKind.REASONING else "output_text"
-    logprobs: dict[str, Any] = {} if kind is SegmentKind.REASONING else {"logprobs": []}
+                 {**where, "name": segment.name, "arguments": segment.text}),
+                ("response.output_item.done", {"output_index": segment.index,
+                                               "item": shape.item(segment)})]
+    name, extra = _text_event(segment.kind)
+    if change.kind is EventKind.DELTA:
+        return [(f"response.{name}.delta", {**where, "content_index": 0, "delta": change.delta,
+                                            **extra})]
     return [(f"response.{name}.done", {**where, "content_index": 0, "text": segment.text,
-                                       **logprobs}),
+                                       **extra}),
             ("response.content_part.done", {**where, "content_index": 0,
-                                            "part": _part(kind, segment.text)}),
-            done]
+                                            "part": _part(segment.kind, segment.text)}),
+            ("response.output_item.done", {"output_index": segment.index,
+                                           "item": shape.item(segment)})]
+
+
+def _opened(shape: ResponseShape, segment: Segment, where: dict[str, Any]) -> Events:
+    added = shape.item(segment, "in_progress")
+    events: Events = [("response.output_item.added", {"output_index": segment.index,
+                                                      "item": added})]
+    if segment.kind is not SegmentKind.TOOL_CALL:  # its one content part, empty
+        added["content"] = []
+        events.append(("response.content_part.added", {**where, "content_index": 0,
+                                                       "part": _part(segment.kind, "")}))
+    return events
+
+
+def _text_event(kind: SegmentKind) -> tuple[str, dict[str, Any]]:
+    """The event name of a block's text, and the fields only output text has."""
+    if kind is SegmentKind.REASONING:
+        return "reasoning_text", {}
+    return "output_text", {"logprobs": []}
 
 
 def _part(kind: SegmentKind, text: str) -> dict[str, Any]:
