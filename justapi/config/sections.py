@@ -25,6 +25,8 @@ WEIGHT_MODES = ("fp32", "bf16", "q4", "auto")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 LAUNCHERS = ("local", "ray")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
+"""--reasoning-parser (justapi/frontend/reasoning/formats.py PARSER_CHOICES)."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +187,11 @@ class ServerConfig:
     zmq_curve_secret_key: str = option(
         "", "File with the z85 CURVE secret key of the ZMQ client endpoint (needed for tcp "
             "beyond loopback; `justapi keys` makes one).", is_path=True)
+    reasoning_parser: str = option("auto", "How replies of a reasoning model are split into "
+                                           "reasoning_content and content: auto (from the chat "
+                                           "template: <think> for Qwen3 / DeepSeek-R1), a family, "
+                                           "or none (thinking stays in the content).",
+                                   choices=REASONING_PARSERS)
 
     def __post_init__(self) -> None:
         check_number(self.port, "port", low=0, high=65535, integer=True)
@@ -199,6 +206,7 @@ class ServerConfig:
         check_number(self.max_queue, "max-queue", low=0, integer=True)
         check_number(self.shutdown_grace_s, "shutdown-grace-s", low=0.0)
         check_bool(self.log_requests, "log-requests")
+        check_choice(self.reasoning_parser, "reasoning-parser", REASONING_PARSERS)
         require(not self.zmq.startswith("tcp://") or transport.is_loopback_endpoint(self.zmq)
                 or bool(self.zmq_curve_secret_key),
                 f"zmq {self.zmq} is reachable beyond this host: it needs CURVE encryption, "

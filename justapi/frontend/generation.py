@@ -76,6 +76,11 @@ class Generation:
         self._num_chars = 0
         self._stream = engine.submit(request)
 
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._matcher.matched_stop if self._matcher is not None else None
+
     async def outputs(self) -> AsyncIterator[GenerationOutput]:
         """Outputs until (and including) the one with a finish_reason. Empty deltas are skipped."""
         try:

@@ -144,6 +144,11 @@ class ChatMessage(RequestModel):
     """tool messages: the call this is the result of."""
     tool_calls: list[MessageToolCall] | None = None
     """assistant messages: the calls it made."""
+    reasoning_content: str | None = None
+    """assistant messages: their thinking, as replies return it (templates that show past
+    thinking render it)."""
+    reasoning: str | None = None
+    """vLLM's newer name of reasoning_content."""
 
 
 class FunctionDefinition(RequestModel):
@@ -182,6 +187,12 @@ class ChatCompletionRequest(GenerationFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """Default: auto with tools, none without."""
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template, e.g. {"enable_thinking": false} (vLLM's,
+    llama-server's)."""
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    """Passed to the template as `reasoning_effort`; "none" also switches thinking off where
+    the template has Qwen3's `enable_thinking`."""
 
 
 class TokenizeRequest(RequestModel):
@@ -197,6 +208,8 @@ class TokenizeRequest(RequestModel):
     """Default: True for a prompt (BOS as the model asks), False for messages (the
     template writes it)."""
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    """With messages: extra variables for the chat template, as on chat."""
 
 
 class DetokenizeRequest(RequestModel):
@@ -216,11 +229,18 @@ class PromptTokensDetails(ResponseModel):
     """Prompt tokens served from the prefix cache."""
 
 
+class CompletionTokensDetails(ResponseModel):
+    reasoning_tokens: int
+    """Tokens spent thinking, the end-of-thinking marker included."""
+
+
 class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+    """Where a reasoning parser is active."""
 
 
 class CompletionLogprobs(ResponseModel):
@@ -275,6 +295,11 @@ class ResponseToolCall(ResponseModel):
 class AssistantMessage(ResponseModel):
     role: Literal["assistant"]
     content: str
+    reasoning_content: str | None = None
+    """A reasoning model's thinking (None: it did not think); only where a reasoning parser
+    is active."""
+    reasoning: str | None = None
+    """The same text under vLLM's newer name."""
 
 
 class AssistantToolCallsMessage(ResponseModel):
@@ -284,6 +309,8 @@ class AssistantToolCallsMessage(ResponseModel):
     content: str | None
     """Text before the calls; None when there is none."""
     tool_calls: list[ResponseToolCall]
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(ResponseModel):
@@ -319,6 +346,8 @@ class DeltaToolCall(ResponseModel):
 class ChatDelta(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

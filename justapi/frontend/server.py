@@ -17,6 +17,7 @@ from justapi.frontend.api_server import build_app, make_http_server
 from justapi.frontend.engine_client import EngineClient
 from justapi.frontend.guards import DEFAULT_MAX_REQUEST_BYTES
 from justapi.frontend.metrics import FrontendMetrics
+from justapi.frontend.reasoning.request import ReasoningSetup
 from justapi.frontend.serving import Serving, ServingConfig
 from justapi.frontend.text.chat_template import ChatTemplate
 from justapi.frontend.text.tokenizer import Tokenizer
@@ -62,6 +63,8 @@ class FrontendSettings:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     """Sampling defaults set by flag or TOML (SamplingConfig.given()); the GGUF's, else
     llama-server's, fill in the rest."""
+    reasoning_parser: str = "auto"
+    """How replies are split into thinking and answer (auto: from the chat template)."""
 
 
 def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettings) -> Serving:
@@ -84,8 +87,11 @@ def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettin
                            max_in_flight=settings.max_in_flight,
                            log_requests=settings.log_requests, sampling_defaults=defaults)
     tool_format = detect_tool_format(template.source)
-    logger.info("tool calls in the %s format", tool_format.name)
-    return Serving(engine, tokenizer, template.render, config, metrics, tool_format=tool_format)
+    reasoning = ReasoningSetup.from_template(template.source, tokenizer, settings.reasoning_parser)
+    logger.info("tool calls in the %s format; reasoning parser: %s", tool_format.name,
+                reasoning.format.name if reasoning.format else "none")
+    return Serving(engine, tokenizer, template.render, config, metrics, tool_format=tool_format,
+                   reasoning=reasoning)
 
 
 class FrontendServer:

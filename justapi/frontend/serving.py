@@ -21,6 +21,7 @@ from justapi.frontend.errors import NOT_FOUND, SERVER_ERROR, ApiError
 from justapi.frontend.generation import Generation, TextOptions
 from justapi.frontend.metrics import FrontendMetrics
 from justapi.frontend.prompts import ChatRenderer, Prompt, Prompts
+from justapi.frontend.reasoning.request import NO_REASONING, ReasoningSetup
 from justapi.frontend.request_sampling import SamplingRules
 from justapi.frontend.text.tokenizer import Tokenizer
 from justapi.frontend.tools.formats import GENERIC, ToolFormat
@@ -56,12 +57,15 @@ class Serving:
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, render_chat: ChatRenderer,
                  config: ServingConfig, metrics: FrontendMetrics, *,
-                 tool_format: ToolFormat = GENERIC) -> None:
-        """tool_format: how the chat template's model writes tool calls (formats.py)."""
+                 tool_format: ToolFormat = GENERIC,
+                 reasoning: ReasoningSetup = NO_REASONING) -> None:
+        """tool_format: how the chat template's model writes tool calls (tools/formats.py);
+        reasoning: how it thinks (reasoning/request.py)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
         self.tool_format = tool_format
+        self.reasoning = reasoning
         self.metrics = metrics
         self.prompts = Prompts(tokenizer, render_chat, config.max_context)
         self.sampling_rules = SamplingRules(tokenizer, config.sampling_defaults)

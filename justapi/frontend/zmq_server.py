@@ -30,6 +30,7 @@ from justapi.frontend.generation import Generation, GenerationOutput
 from justapi.frontend.openai_models import ChatCompletionRequest
 from justapi.frontend.prompts import Prompt
 from justapi.frontend.serving import Serving
+from justapi.frontend.reply import ReplyRules
 from justapi.frontend.serving_chat import chat_output_rules, chat_prompt
 from justapi.frontend.tools.parser import ToolReply
 from justapi.frontend.tools.request import ToolPlan, tool_plan
@@ -159,10 +160,10 @@ class ZmqServer:
                                            "prompt_token_ids"), None, OutputRules()
         request = _chat_request(submit)
         plan = tool_plan(request, self._serving.tool_format)
-        output = chat_output_rules(self._serving, request, plan)
         prompt = chat_prompt(self._serving, request.messages, request.tools,
                              request.add_generation_prompt, describe_tools=plan is not None)
-        return prompt.token_ids, plan, output
+        rules = ReplyRules(plan, self._serving.reasoning, prompt.text)
+        return prompt.token_ids, plan, chat_output_rules(self._serving, request, rules)
 
     async def _pump(self, key: SessionKey, generation: Generation,
                     reply: ToolReply | None) -> None:
