@@ -91,7 +91,10 @@ class StepPlanner:
                 is_capped = True
                 continue
             # The hot path (_schedule inlined): a decode needs a new block every block_size steps.
-            known = 1 + req.num_jumped  # the last sampled token, then tokens a grammar forced
+            # Known tokens left: the last sampled one, then those a grammar forced (1 +
+            # num_jumped, fewer once a budget too small for all of them computed a part; with
+            # overlap, none yet: the placeholder of the step in flight counts as the one).
+            known = max(1, len(req.token_ids) - num_computed)
             num_tokens = min(known + len(req.draft_token_ids), batch.budget_tokens)
             end = num_computed + num_tokens
             if (end + bs - 1) // bs > len(req.block_ids):
