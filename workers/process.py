@@ -25,7 +25,7 @@ import zmq
 
 from justapi.config.spec import SpecConfig
 from justapi.launch.child import ChildSpec, StopFlag, report, start_child
-from justapi.launch.shm_pool import available_memory_bytes
+from justapi.launch.memory_limits import available_memory_bytes
 from justapi.model.gguf_file import GGUFFile
 from justapi.ops.timeline import Timeline
 from justapi.wire import transport
