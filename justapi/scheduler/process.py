@@ -96,22 +96,30 @@ class SchedulerProcess:
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> None:
-        mark = self.timeline.mark
+        """The loop. A message's failure stays with its request or is dropped (_on_frontend,
+        _on_worker); any other part that raises is logged and the loop goes on: no exception
+        ends the process (justapi/scheduler/faults.py, docs/reliability.md)."""
         while not self.stop.is_set:
             self.poller.poll(POLL_TIMEOUT_MS)
-            mark("wake")
+            self.timeline.mark("wake")
             for _, message in transport.drain(self.inbox):
                 self._on_frontend(message)
             for sender, message in transport.drain(self.workers, routed=True):
                 self._on_worker(sender, message)  # update: results -> deltas
-            self._take_grammars()
-            self._between_steps()
-            for worker_id, order in self.core.schedule():  # schedule
-                self._execute(worker_id, order)  # execute: plans and copy orders out
-                mark("plan_out", getattr(order, "step_id", -1), worker_id)
-            self._send_deltas(self.core.take_failures())  # requests that failed on their own
-            self._maybe_push_stats()
+            for part in (self._take_grammars, self._between_steps, self._schedule,
+                         self._maybe_push_stats):
+                try:
+                    part()
+                except Exception:
+                    logger.exception("%s failed; the loop goes on", part.__name__.strip("_"))
         self._stop_workers()
+
+    def _schedule(self) -> None:
+        """Plans and copy orders out; then the requests that failed alone while planned."""
+        for worker_id, order in self.core.schedule():
+            self._execute(worker_id, order)
+            self.timeline.mark("plan_out", getattr(order, "step_id", -1), worker_id)
+        self._send_deltas(self.core.take_failures())
 
     def _wake(self) -> None:
         """A grammar compile finished (called in the compile thread)."""
