@@ -124,7 +124,7 @@ def _check_fits(num_blocks: int, per_block: int, reserve: int, limits: MemoryLim
     if cgroup is not None and need + reserve > cgroup.free:
         raise ConfigError(f"{what} beside the ~{_mib(reserve)} MiB the server's processes need, "
                           f"and the cgroup memory limit ({cgroup.path}: {_mib(cgroup.limit)} MiB, "
-                          f"{_mib(cgroup.usage)} MiB in use) leaves {_mib(cgroup.free)}: lower "
+                          f"{_mib(cgroup.usage)} MiB in use) leaves {_mib(cgroup.free)} MiB: lower "
                           f"--pool-blocks (at most {max(0, cgroup.free - reserve) // per_block}) "
                           "or raise the limit (docker run --memory)")
     if need > limits.available:
