@@ -22,6 +22,7 @@ from justapi.wire.protocol import FINISH_ERROR
 if TYPE_CHECKING:
     from justapi.scheduler.batch import StepBatch
     from justapi.scheduler.state import SchedulerState
+    from justapi.scheduler.worker_state import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,35 @@ class RequestFaults:
         self.state.counters.num_errors += 1
         out = deltas if deltas is not None else self.pending
         out.add_error(req, FINISH_ERROR, f"{stage} failed: {type(exc).__name__}: {exc}")
+
+    def fail_by_id(self, request_id: str, stage: str, exc: BaseException) -> DeltaBuilder | None:
+        """fail() for a request known by id (the process shell's catch); None, counted, when
+        the core holds nothing of it."""
+        state = self.state
+        req = state.requests.get(request_id)
+        if req is None and state.structured is not None:
+            req = state.structured.pending.get(request_id)
+        if req is None:
+            self.count(request_id, stage, exc)
+            state.counters.num_errors += 1
+            return None
+        deltas = DeltaBuilder(NOT_A_STEP)
+        self.fail(req, stage, exc, deltas)
+        return deltas
+
+    def fail_planning(self, worker: WorkerState, batch: StepBatch, exc: BaseException) -> int:
+        """Planning a step for `worker` failed outside any one request's part of it: the
+        requests of that partial step fail (or, if it had none yet, the worker's running
+        requests that no step in flight computes), so the next plan starts clean instead of
+        meeting the same exception forever. Returns how many failed."""
+        reqs = list(batch.reqs) + [r for r in batch.new_requests.values() if r not in batch]
+        if not reqs:
+            reqs = [r for r in worker.running.values() if not r.is_in_flight]
+        logger.error("planning a step for worker %d failed (%s: %s): failing %d requests",
+                     worker.worker_id, type(exc).__name__, exc, len(reqs), exc_info=exc)
+        for req in reqs:
+            self.fail(req, "plan", exc, batch=batch)
+        return len(reqs)
 
     def count(self, request_id: str, stage: str, exc: BaseException) -> None:
         """Log and count a failure (fail() does; alone for a request the core never held)."""

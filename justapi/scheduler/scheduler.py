@@ -143,17 +143,8 @@ class Scheduler:
         """The process shell met `exc` while handling one request's message (its admission, its
         abort): that request fails alone, with whatever of it the core holds (faults.py).
         None when the core holds nothing of it (the shell answers for it)."""
-        state = self.state
-        req = state.requests.get(request_id)
-        if req is None and state.structured is not None:
-            req = state.structured.pending.get(request_id)
-        if req is None:
-            state.faults.count(request_id, stage, exc)
-            state.counters.num_errors += 1
-            return None
-        deltas = DeltaBuilder(NOT_A_STEP)
-        state.faults.fail(req, stage, exc, deltas)
-        return deltas.build()
+        deltas = self.state.faults.fail_by_id(request_id, stage, exc)
+        return deltas.build() if deltas is not None else None
 
     def take_failures(self) -> TokenDeltas | None:
         """Requests failed on their own while steps were planned (faults.py), not yet sent;
@@ -244,24 +235,11 @@ class Scheduler:
                         break
                     plan = self._dispatch(worker, batch)
                 except Exception as exc:  # not one request's: fail the step being planned
-                    self._fail_planning(worker, exc)
+                    if self.state.faults.fail_planning(worker, self.planner.batch, exc):
+                        continue  # without them the next plan starts clean
                     break
                 out.append((worker.worker_id, plan))
         return out
-
-    def _fail_planning(self, worker: WorkerState, exc: Exception) -> None:
-        """Planning a step for `worker` failed outside any one request's part of it: the
-        requests of that partial step fail (or, if it had none yet, the worker's running
-        requests that no step in flight computes), so the next plan starts clean instead of
-        meeting the same exception forever."""
-        batch = self.planner.batch
-        reqs = list(batch.reqs) + [r for r in batch.new_requests.values() if r not in batch]
-        if not reqs:
-            reqs = [r for r in worker.running.values() if not r.is_in_flight]
-        logger.error("planning a step for worker %d failed (%s: %s): failing %d requests",
-                     worker.worker_id, type(exc).__name__, exc, len(reqs), exc_info=exc)
-        for req in reqs:
-            self.state.faults.fail(req, "plan", exc, batch=batch)
 
     def depth_of(self, worker: WorkerState) -> int:
         """Steps the worker may have in flight (PdScheduler: 1 on prefill workers)."""
@@ -300,7 +278,10 @@ class Scheduler:
                                              batch.is_sampled, sampled, ends,
                                              num_steps=num_steps))
         if features is not None:
-            self.planner.budget.dispatched(worker.worker_id, step_id, features)
+            try:  # (the plan is in flight now: it must go out whatever the record does)
+                self.planner.budget.dispatched(worker.worker_id, step_id, features)
+            except Exception:
+                logger.exception("step %d: its cost record failed", step_id)
         return plan
 
     def _build(self, worker: WorkerState, batch: StepBatch, num_steps: int) -> StepPlan:

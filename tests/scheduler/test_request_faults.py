@@ -191,3 +191,31 @@ def test_a_submit_that_fails_inside_the_core(monkeypatch: pytest.MonkeyPatch) ->
 
 def _params() -> SamplingParams:
     return SamplingParams(max_tokens=4, temperature=0.0)
+
+
+def test_planning_that_fails_outside_any_request_fails_that_step_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception in the step's own planning (not one request's part): the requests of that
+    step fail, the next plan starts clean, and the requests that were waiting finish."""
+    from justapi.scheduler.scheduler import Scheduler
+    original, calls = Scheduler._num_steps, []
+
+    def num_steps(self, worker, batch, features):  # type: ignore[no-untyped-def]
+        calls.append(len(batch))
+        if len(calls) == 3:
+            raise Boom("injected into the step's planning")
+        return original(self, worker, batch, features)
+    monkeypatch.setattr(Scheduler, "_num_steps", num_steps)
+    h = Harness(build_scheduler(pool_blocks=64, max_seqs=3))
+    want = {}
+    for i in range(6):
+        p = prompt(5 + i, base=2 + 3 * i)
+        h.submit(f"r{i}", p, max_tokens=MAX_TOKENS, ignore_eos=True)
+        want[f"r{i}"] = reference(p, MAX_TOKENS)
+    h.run()
+    failed = sorted(rid for rid, reason in h.finish_reasons.items() if reason == "error")
+    assert failed == ["r0", "r1", "r2"]  # the third step's batch: the first three
+    assert all(h.errors[rid] == "plan failed: Boom: injected into the step's planning"
+               for rid in failed)
+    assert all(h.outputs[rid] == want[rid] for rid in ("r3", "r4", "r5"))
+    assert in_use(h) == 0 and h.scheduler.stats()["request_failures_plan"] == 3
