@@ -51,6 +51,7 @@ class RequestFaults:
         self.state = state
         self.counts = dict.fromkeys(STAGES, 0)
         self.pending = DeltaBuilder(NOT_A_STEP)  # failures with no step's deltas to join
+        self._last = 0  # id() of the exception whose traceback was logged last (not kept alive)
 
     def fail(self, req: Request, stage: str, exc: BaseException,
              deltas: DeltaBuilder | None = None, batch: StepBatch | None = None) -> None:
@@ -94,14 +95,17 @@ class RequestFaults:
             reqs = [r for r in worker.running.values() if not r.is_in_flight]
         logger.error("planning a step for worker %d failed (%s: %s): failing %d requests",
                      worker.worker_id, type(exc).__name__, exc, len(reqs), exc_info=exc)
+        self._last = id(exc)
         for req in reqs:
             self.fail(req, "plan", exc, batch=batch)
         return len(reqs)
 
     def count(self, request_id: str, stage: str, exc: BaseException) -> None:
-        """Log and count a failure (fail() does; alone for a request the core never held)."""
+        """Log and count a failure (fail() does; alone for a request the core never held).
+        One exception that fails many requests (a step's planning) logs its traceback once."""
         logger.error("request %r failed while %s: %s: %s", request_id, _doing(stage),
-                     type(exc).__name__, exc, exc_info=exc)
+                     type(exc).__name__, exc, exc_info=exc if id(exc) != self._last else None)
+        self._last = id(exc)
         self.counts[stage] += 1
 
     def release(self, req: Request) -> None:
