@@ -52,7 +52,7 @@ def complete(pool: ServedPool, prompt: str) -> str:
     return response.json()["choices"][0]["text"]
 
 
-def test_the_pool_fits_a_64_mib_dev_shm_and_every_page_can_be_backed(in_namespace) -> None:  # type: ignore[no-untyped-def]
+def test_the_pool_fits_a_64_mib_dev_shm_and_every_page_can_be_backed(in_namespace) -> None:
     with ServedPool("--model", MODEL, wrap=in_namespace) as pool:
         first = complete(pool, "hello there")
         segment = segment_of(pool.proc.pid)
@@ -69,7 +69,7 @@ def test_the_pool_fits_a_64_mib_dev_shm_and_every_page_can_be_backed(in_namespac
         assert pool.stop() == 0, pool.log()
 
 
-def test_a_pool_larger_than_dev_shm_is_refused_at_start(in_namespace) -> None:  # type: ignore[no-untyped-def]
+def test_a_pool_larger_than_dev_shm_is_refused_at_start(in_namespace) -> None:
     result = subprocess.run([*in_namespace, sys.executable, "-m", "justapi.cli", "serve",
                              "--model", MODEL, "--pool-blocks", "10000", "--port", "0"],
                             capture_output=True, text=True, timeout=240)

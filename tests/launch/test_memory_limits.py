@@ -63,7 +63,7 @@ def test_this_hosts_readings() -> None:
     assert 0 <= limits.shm_free <= limits.shm_size
 
 
-def plan(limits: MemoryLimits, **flags: object):  # type: ignore[no-untyped-def]
+def plan(limits: MemoryLimits, **flags: object):
     config = build_config({}, {k.replace("_", "-"): v for k, v in flags.items()})
     return plan_cpu_pool(MODEL, config.cache, config.scheduler, limits=limits)
 
@@ -99,7 +99,7 @@ def test_an_automatic_pool_leaves_the_cgroup_room_for_the_processes() -> None:
     (MemoryLimits(16 * GIB, CgroupMemory(GIB, 900 * MIB, 0, "/cg/memory.max"), 8 * GIB), {},
      ["leaves no room for a KV pool", "docker run --memory"]),
 ])
-def test_a_pool_that_cannot_fit_is_refused_with_one_line(limits, flags, needles) -> None:  # type: ignore[no-untyped-def]
+def test_a_pool_that_cannot_fit_is_refused_with_one_line(limits, flags, needles) -> None:
     with pytest.raises(ConfigError) as info:
         plan(limits, **flags)
     message = str(info.value)

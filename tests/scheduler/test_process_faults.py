@@ -1,7 +1,8 @@
 """The scheduler process survives what one request or one worker message brings (over real
 ZMQ sockets, fake workers: tests/health/test_scheduler_shell_health.py's Shell): a submit the
 core fails on, a request that fails while planned and a result for a step nobody sent are each
-kept to that request or dropped - the other requests finish, and the failures are counted by stage in the stats the frontend reads."""
+kept to that request or dropped - the other requests finish, and the failures are counted by
+stage in the stats the frontend reads."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,15 +22,15 @@ class Boom(RuntimeError):
 
 
 @pytest.fixture
-def shell(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+def shell(tmp_path, monkeypatch):
     add_request, schedule_decode = Scheduler.add_request, StepPlanner._schedule_decode
 
-    def add(self, request):  # type: ignore[no-untyped-def]
+    def add(self, request):
         if request.request_id == "bad-submit":
             raise Boom("injected into add_request")
         return add_request(self, request)
 
-    def decode(self, req, batch):  # type: ignore[no-untyped-def]
+    def decode(self, req, batch):
         if req.request_id == "bad-plan" and req.num_output_tokens >= 2:
             raise Boom("injected into planning")
         return schedule_decode(self, req, batch)
@@ -40,7 +41,7 @@ def shell(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     made.close()
 
 
-def test_one_requests_failure_and_bad_worker_messages_leave_the_rest_serving(shell) -> None:  # type: ignore[no-untyped-def]
+def test_one_requests_failure_and_bad_worker_messages_leave_the_rest_serving(shell) -> None:
     (worker,) = shell.workers
     shell.submit("a", max_tokens=6)
     shell.submit("bad-submit", max_tokens=6)

@@ -29,9 +29,9 @@ class Boom(RuntimeError):
     """The injected fault."""
 
 
-def _raise_for_bad(original, min_output: int = 0):  # type: ignore[no-untyped-def]
+def _raise_for_bad(original, min_output: int = 0):
     """original(self, req, ...) that raises Boom for request BAD once it has min_output tokens."""
-    def wrapper(self, req: Request, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def wrapper(self, req: Request, *args, **kwargs):
         if req.request_id == BAD and req.num_output_tokens >= min_output:
             raise Boom(f"injected into {original.__name__}")
         return original(self, req, *args, **kwargs)
@@ -138,7 +138,7 @@ def test_a_constrained_request_whose_mask_fails(monkeypatch: pytest.MonkeyPatch)
     original = structured_module.fill_masks
     core = with_structured(build_scheduler(pool_blocks=128, max_seqs=8))
 
-    def fill_masks(executor, items, num_words):  # type: ignore[no-untyped-def]
+    def fill_masks(executor, items, num_words):
         bad = core.request(BAD)
         if bad is not None and bad.num_output_tokens >= 2 and any(
                 item.grammar is bad.grammar for item in items):
@@ -200,7 +200,7 @@ def test_planning_that_fails_outside_any_request_fails_that_step_only(
     from justapi.scheduler.scheduler import Scheduler
     original, calls = Scheduler._num_steps, []
 
-    def num_steps(self, worker, batch, features):  # type: ignore[no-untyped-def]
+    def num_steps(self, worker, batch, features):
         calls.append(len(batch))
         if len(calls) == 3:
             raise Boom("injected into the step's planning")

@@ -74,7 +74,7 @@ class FakeScheduler:
 def _unchecked_plan(**fields: object) -> StepPlan:
     """A StepPlan that skips its own checks (as a corrupted message would arrive)."""
     plan = object.__new__(StepPlan)
-    defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING  # type: ignore[misc]
+    defaults = {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING
                 else f.default for f in dataclasses.fields(StepPlan)
                 if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
     for name, value in {**defaults, **fields}.items():
@@ -87,7 +87,7 @@ def _decode_step(step_id: int, rid: str, position: int, token: int, first_block:
 
 
 @pytest.fixture
-def worker(tmp_path):  # type: ignore[no-untyped-def]
+def worker(tmp_path):
     model_path = resolve_model(TINY_MODEL)
     config = build_config({}, {"model": model_path, "pool_blocks": POOL_BLOCKS, "block_size": BS})
     info = ModelInfo.from_gguf(GGUFFile(model_path))
@@ -111,7 +111,7 @@ def worker(tmp_path):  # type: ignore[no-untyped-def]
         segments.unlink()
 
 
-def test_corrupted_plans_are_refused_and_the_worker_keeps_serving(worker):  # type: ignore[no-untyped-def]
+def test_corrupted_plans_are_refused_and_the_worker_keeps_serving(worker):
     fake, ready, proc = worker
     vocab = ready.vocab_size
     news = [NewRequest(rid, GREEDY, len(PROMPT), np.asarray(PROMPT, np.int32)) for rid in ("a", "b")]
