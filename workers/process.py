@@ -25,10 +25,11 @@ import zmq
 
 from justapi.config.spec import SpecConfig
 from justapi.launch.child import ChildSpec, StopFlag, report, start_child
-from justapi.launch.shm_pool import available_memory_bytes
+from justapi.launch.memory_limits import available_memory_bytes
 from justapi.model.gguf_file import GGUFFile
 from justapi.ops.timeline import Timeline
 from justapi.wire import transport
+from justapi.wire.codec import ProtocolError
 from justapi.wire.ids import HEARTBEAT_INTERVAL_S, heartbeat_identity, worker_identity
 from justapi.wire.protocol import (
     CopyBlocks,
@@ -47,6 +48,7 @@ from workers.link import LocalLink, WorkerLink
 from workers.model.attention import AttentionBackend, require_cuda
 from workers.model.backends import make_backend
 from workers.model.forward import DecoderModel
+from workers.plan_check import PlanError
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.spec.draft import load_draft
@@ -144,7 +146,7 @@ class Worker:
             while not self.stop.is_set:
                 if not poller.poll(POLL_TIMEOUT_MS):
                     continue
-                for _, message in transport.drain(self.sock):
+                for _, message in transport.drain(self.sock, on_malformed=self._refuse_unreadable):
                     self._on_message(message)
 
     def _on_message(self, message: Any) -> None:
@@ -164,17 +166,31 @@ class Worker:
             logger.warning("ignored unexpected %s", type(message).__name__)
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step; its result reports the time it took (the scheduler's step costs)."""
+        """Run one step; its result reports the time it took (the scheduler's step costs).
+        A plan that does not fit this worker's pool or model is refused before anything is
+        computed (plan_check.py); a step that fails fails its requests, not the worker."""
         try:
             start = time.perf_counter()
             result = self.runner.execute(plan)
             return dataclasses.replace(result, step_time_s=time.perf_counter() - start)
-        except Exception as exc:  # one bad step fails its requests, not the worker
+        except PlanError as exc:
+            logger.warning("refused step %d: %s", plan.step_id, exc)
+            return self._failed_step(plan.step_id, f"refused: {exc}")
+        except Exception as exc:
             logger.error("step %d failed: %s", plan.step_id, traceback.format_exc())
-            return StepResult(step_id=plan.step_id, worker_id=self.spec.index, request_ids=[],
-                              num_sampled=np.zeros(0, np.int32),
-                              sampled_token_ids=np.zeros(0, np.int32),
-                              error=f"{type(exc).__name__}: {exc}")
+            return self._failed_step(plan.step_id, f"{type(exc).__name__}: {exc}")
+
+    def _refuse_unreadable(self, exc: ProtocolError) -> None:
+        """A StepPlan that does not decode (columns of the wrong lengths, rows outside the
+        step) is answered as refused, so its step ends now instead of at the step timeout."""
+        if exc.message_type == "StepPlan" and type(exc.step_id) is int:
+            logger.warning("refused step %d: %s", exc.step_id, exc)
+            transport.send(self.sock, self._failed_step(exc.step_id, f"refused: {exc}"))
+
+    def _failed_step(self, step_id: int, error: str) -> StepResult:
+        return StepResult(step_id=step_id, worker_id=self.spec.index, request_ids=[],
+                          num_sampled=np.zeros(0, np.int32),
+                          sampled_token_ids=np.zeros(0, np.int32), error=error)
 
     def _heartbeat_loop(self) -> None:
         sock = self.link.connect(self.context, self.spec.endpoints.workers,

@@ -6,7 +6,8 @@ the history at their positions (truncate to the chunk's start, then extend), so 
 after rejected speculative tokens, or a recompute after preemption, leaves it right. The last
 token sampled for a request is kept with its position: a PLACEHOLDER_TOKEN at that position in
 a plan made before its result (overlap) stands for it.
-Steps with speculative drafts (or a draft model) go through workers/spec/step.py.
+Steps with speculative drafts (or a draft model) go through workers/spec/step.py. Every plan
+is checked against the pool and the model first (plan_check.py): a bad one is refused whole.
 Owns: that state, turning a plan into tensors, picking logit rows. Does not own: block
 allocation or scheduling (the scheduler), the forward math (model.py), sampling (sampler.py),
 verification (verify.py).
@@ -30,6 +31,7 @@ from justapi.wire.protocol import (
 from workers.kv.pool import KVPool
 from workers.model.attention import AttentionBackend, AttentionBatch
 from workers.model.forward import DecoderModel
+from workers.plan_check import PlanLimits, check_plan
 from workers.request_state import RequestState
 from workers.sampler import Sampler, SamplerOutput, SamplingRow, apply_token_bitmask
 from workers.spec.draft import DraftModel
@@ -61,6 +63,9 @@ class ModelRunner:
         self.verifier = Verifier(self.sampler)
         self.timeline = Timeline("worker")  # off; the worker process hands in its own
         self.graphs = graphs  # GPU: uniform steps replayed from captured graphs (step_graphs.py)
+        p = model.params
+        self.limits = PlanLimits(pool.shape.num_blocks, pool.shape.block_size, p.vocab_size,
+                                 p.max_context)  # every plan is checked against them
 
     @property
     def block_size(self) -> int:
@@ -72,7 +77,9 @@ class ModelRunner:
         workers/spec/step.py, when there are any or a draft model). A multi-step plan runs its
         steps back to back, each one's sampled tokens the next one's input."""
         if plan.num_steps > 1:
+            check_plan(plan, self.limits)  # the whole plan: its tables cover every step
             return merge_step_results([self.execute(step) for step in plan.sub_steps()])
+        check_plan(plan, self.limits)  # before anything is learned, computed or written
         is_speculative = self.draft is not None or bool(np.any(plan.draft_counts > 0))
         # [sum over sampled (1 + drafts), vocab]: one row per sample without drafts
         logits = self.forward_logits(plan, tree_layout(plan) if is_speculative else None)
@@ -110,7 +117,6 @@ class ModelRunner:
             self._learn(plan, plan.token_ids)
             return torch.zeros(0, self.model.params.vocab_size)
         tokens = self._resolve(plan)
-        self._check(plan, tokens)
         self._learn(plan, tokens)
         batch = AttentionBatch(plan.start_positions.astype(np.int64), plan.num_tokens.astype(np.int64),
                                plan.num_blocks.astype(np.int64), plan.block_ids, self.block_size,
@@ -181,19 +187,6 @@ class ModelRunner:
             return SamplingRow(state.params, NO_TOKENS, state.num_prompt_tokens, position)
         history = np.asarray(state.token_ids[:position], dtype=np.int64)
         return SamplingRow(state.params, history, state.num_prompt_tokens, position)
-
-    def _check(self, plan: StepPlan, token_ids: np.ndarray) -> None:
-        p = self.model.params
-        ends = plan.start_positions.astype(np.int64) + plan.num_tokens
-        if int(ends.max()) > p.max_context:
-            bad = int(np.argmax(ends))
-            raise ValueError(f"request {plan.request_ids[bad]!r} reaches position {int(ends[bad]) - 1}, "
-                             f"beyond the context length {p.max_context}")
-        if len(token_ids) and (token_ids.min() < 0 or token_ids.max() >= p.vocab_size):
-            raise ValueError(f"token id out of range [0, {p.vocab_size}) in step {plan.step_id}")
-        if len(plan.block_ids) and (plan.block_ids.min() < 0
-                                    or plan.block_ids.max() >= self.pool.shape.num_blocks):
-            raise ValueError(f"block id out of range [0, {self.pool.shape.num_blocks}) in step {plan.step_id}")
 
 
 def logit_rows(plan: StepPlan) -> np.ndarray:

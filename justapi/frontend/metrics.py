@@ -27,6 +27,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from justapi.frontend.failure_metrics import RequestFailures
+from justapi.frontend.monotonic import MonotonicTotal
 from justapi.wire.protocol import SchedulerStats
 
 PREFIX = "justapi:"
@@ -151,20 +153,6 @@ HEALTH_GAUGES = (
     ("gpu_ecc_corrected", "gpu_ecc_corrected_errors", "Volatile corrected ECC errors (NVML)."),
     ("gpu_ecc_uncorrected", "gpu_ecc_uncorrected_errors", "Volatile uncorrected ECC errors."),
 )
-
-
-class MonotonicTotal:
-    """A scheduler total that restarts at 0 when the scheduler does -> a monotonic counter."""
-
-    def __init__(self) -> None:
-        self._base = 0.0
-        self._last = 0.0
-
-    def update(self, value: float) -> float:
-        if value < self._last:  # the source restarted: keep what was counted before
-            self._base += self._last
-        self._last = value
-        return self._base + value
 
 
 def _number(value: object) -> float | None:
@@ -362,6 +350,10 @@ class RequestTimer:
         metrics.e2e_request_latency.observe(now - self._arrival_s)
         metrics.request_success.labels(metrics.model_name, finish_reason or "unknown").inc()
 
+    def on_failure(self, stage: str) -> None:
+        """The request failed on its own in the frontend's `stage` (failure_metrics.py)."""
+        self._metrics.failures.count(stage)
+
 
 class FrontendMetrics:
     """The frontend's metrics: request counters/histograms plus the scheduler snapshot."""
@@ -389,6 +381,8 @@ class FrontendMetrics:
             PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
             labels, buckets=E2E_BUCKETS_S, registry=reg).labels(model_name)
         reg.register(SchedulerStatsCollector(model_name, stats_source))
+        self.failures = RequestFailures(model_name, stats_source)  # by stage (faults.py)
+        reg.register(self.failures)
 
     def start_request(self, num_prompt_tokens: int, arrival_s: float | None = None) -> RequestTimer:
         """arrival_s is a time.perf_counter() reading; default now."""

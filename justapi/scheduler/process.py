@@ -96,21 +96,30 @@ class SchedulerProcess:
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> None:
-        mark = self.timeline.mark
+        """The loop. A message's failure stays with its request or is dropped (_on_frontend,
+        _on_worker); any other part that raises is logged and the loop goes on: no exception
+        ends the process (justapi/scheduler/faults.py, docs/reliability.md)."""
         while not self.stop.is_set:
             self.poller.poll(POLL_TIMEOUT_MS)
-            mark("wake")
+            self.timeline.mark("wake")
             for _, message in transport.drain(self.inbox):
                 self._on_frontend(message)
             for sender, message in transport.drain(self.workers, routed=True):
                 self._on_worker(sender, message)  # update: results -> deltas
-            self._take_grammars()
-            self._between_steps()
-            for worker_id, order in self.core.schedule():  # schedule
-                self._execute(worker_id, order)  # execute: plans and copy orders out
-                mark("plan_out", getattr(order, "step_id", -1), worker_id)
-            self._maybe_push_stats()
+            for part in (self._take_grammars, self._between_steps, self._schedule,
+                         self._maybe_push_stats):
+                try:
+                    part()
+                except Exception:
+                    logger.exception("%s failed; the loop goes on", part.__name__.strip("_"))
         self._stop_workers()
+
+    def _schedule(self) -> None:
+        """Plans and copy orders out; then the requests that failed alone while planned."""
+        for worker_id, order in self.core.schedule():
+            self._execute(worker_id, order)
+            self.timeline.mark("plan_out", getattr(order, "step_id", -1), worker_id)
+        self._send_deltas(self.core.take_failures())
 
     def _wake(self) -> None:
         """A grammar compile finished (called in the compile thread)."""
@@ -135,17 +144,31 @@ class SchedulerProcess:
         self._send_deltas(self.core.tick(time.monotonic()))
 
     def _on_frontend(self, message: Any) -> None:
+        """A request's message; anything but bad input (ValueError: rejected) that goes wrong
+        while handling it fails that request alone ("admit", justapi/scheduler/faults.py)."""
         if isinstance(message, SubmitRequest):
             try:
                 self._check_vocab(message)
                 self.core.add_request(message)
             except ValueError as exc:
                 self._reject(message.request_id, str(exc))
+            except Exception as exc:
+                self._fail_request(message.request_id, exc)
         elif isinstance(message, AbortRequest):
             for request_id in message.request_ids:
-                self._send_deltas(self.core.abort_request(request_id))
+                try:
+                    self._send_deltas(self.core.abort_request(request_id))
+                except Exception as exc:
+                    self._fail_request(request_id, exc)
         else:
             logger.warning("ignored unexpected %s from the frontend", type(message).__name__)
+
+    def _fail_request(self, request_id: str, exc: Exception) -> None:
+        deltas = self.core.fail_request(request_id, "admit", exc)
+        if deltas is None:  # the core holds nothing of it
+            self._reject(request_id, f"admit failed: {type(exc).__name__}: {exc}")
+        else:
+            self._send_deltas(deltas)
 
     def _check_vocab(self, request: SubmitRequest) -> None:
         """A token id past the vocabulary would fail the whole step it is batched in."""
@@ -156,8 +179,19 @@ class SchedulerProcess:
                              f"is not in the vocabulary [0, {vocab_size})")
 
     def _on_worker(self, sender: bytes | None, message: Any) -> None:
+        """A worker's message; one the core cannot take (a result for no step in flight, a
+        Ready that contradicts the pool) is logged and dropped: a step left unanswered ends
+        with its worker's health (step timeout), never with this process."""
         if not self._is_own(sender, message):
             return
+        try:
+            self._take_worker_message(message)
+        except Exception as exc:
+            logger.error("dropped %s from worker %s: %s: %s", type(message).__name__,
+                         getattr(message, "worker_id", "?"), type(exc).__name__, exc,
+                         exc_info=not isinstance(exc, ValueError))
+
+    def _take_worker_message(self, message: Any) -> None:
         if isinstance(message, StepResult):
             self.timeline.mark_cpu(message.step_id)
             self.timeline.mark("result_in", message.step_id, message.worker_id)
@@ -177,7 +211,7 @@ class SchedulerProcess:
             self.readies[message.worker_id] = message
             self._send_deltas(self.health.rejoin(self.core, message))
         else:
-            logger.warning("ignored unexpected %s from %r", type(message).__name__, sender)
+            logger.warning("ignored unexpected %s", type(message).__name__)
 
     def _is_own(self, sender: bytes | None, message: Any) -> bool:
         """Only worker N's own socket may speak for worker N (a stray or hostile peer on the

@@ -65,6 +65,9 @@ class Harness:
             if deltas is not None:
                 self.record(deltas)
         plans = self.scheduler.schedule()
+        failed = self.scheduler.take_failures()  # requests that failed alone (faults.py)
+        if failed is not None:
+            self.record(failed)
         self._check()
         return plans
 
