@@ -17,6 +17,7 @@ Owns: tensor names, shape checks, the Q/K permutation. Does not own: the forward
 """
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -35,6 +36,8 @@ from workers.weights.quant_blocks import (
     load_matrix,
     planes_where_exact,
 )
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class ExpertWeights:
@@ -134,6 +137,7 @@ class _TensorSource:
         self.form: FormChooser = (keep_quantized if callable(keep_quantized) else
                                   planes_where_exact if keep_quantized else (lambda qtype: "dense"))
         self.shapes = expected_shapes(params)
+        self.used: set[str] = set()
         self.bar = tqdm(total=len(gguf.tensors), desc=f"loading {gguf.name}", unit="tensor",
                         file=sys.stderr, disable=not progress, leave=False)
 
@@ -169,11 +173,16 @@ class _TensorSource:
     def _matrix(self, data: Any, tensor_type: Any, shape: tuple[int, ...], key: str) -> Matrix:
         return load_matrix(data, tensor_type, shape, key, self.form(tensor_type))
 
+    def unused(self) -> list[str]:
+        """The file's tensors nothing has read, in file order."""
+        return [name for name in self.gguf.tensors if name not in self.used]
+
     def _checked(self, name: str, layer: int | None) -> tuple[str, Any]:
         key = name if layer is None else name.replace("{i}", str(layer))
         info = self.gguf.tensors.get(key)
         if info is None:
             raise GGUFError(f"{self.gguf.path}: tensor {key!r} is missing")
+        self.used.add(key)
         want = self.shapes[name]
         got = tuple(int(d) for d in reversed(info.shape))  # GGUF lists dims innermost first
         if len(want) == 1:
@@ -188,10 +197,14 @@ class _TensorSource:
 
 
 def load_weights(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 progress: bool = True, keep_quantized: bool | FormChooser = False) -> ModelWeights:
+                 progress: bool = True, keep_quantized: bool | FormChooser = False,
+                 allow_unused_tensors: bool = False) -> ModelWeights:
     """Every tensor checked, fused and dequantized to `dtype` on `device` — except, with
     `keep_quantized`, quantized matrices: True keeps the types with 4-bit planes as QuantMatrix,
-    a chooser (type -> "dense" | "planes" | "blocks") decides per type (lookups give `dtype`)."""
+    a chooser (type -> "dense" | "planes" | "blocks") decides per type (lookups give `dtype`).
+    A tensor of the file that the loader does not read (a scaling table, bias or norm of a
+    variant it does not know) would be silently ignored and the model misread: GGUFError naming
+    them, unless `allow_unused_tensors` (then a warning names them)."""
     params = read_hyper_params(gguf)
     src = _TensorSource(gguf, params, progress, keep_quantized)
 
@@ -206,11 +219,24 @@ def load_weights(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch
         layers = [_load_layer(src, params, i, put) for i in range(params.num_layers)]
         token_embd = put(src.matrix("token_embd.weight"))
         output = put(src.matrix("output.weight")) if src.has("output.weight") else token_embd
-        return ModelWeights(params=params, name=gguf.name, token_embd=token_embd, layers=layers,
-                            output_norm=put(src.get("output_norm.weight")), output=output,
-                            rope_freq_factors=src.optional("rope_freqs.weight"))
+        weights = ModelWeights(params=params, name=gguf.name, token_embd=token_embd, layers=layers,
+                               output_norm=put(src.get("output_norm.weight")), output=output,
+                               rope_freq_factors=src.optional("rope_freqs.weight"))
     finally:
         src.bar.close()
+    _check_all_used(gguf, src.unused(), allow_unused_tensors)
+    return weights
+
+
+def _check_all_used(gguf: GGUFFile, unused: list[str], allow: bool) -> None:
+    if not unused:
+        return
+    shown = ", ".join(repr(name) for name in unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+    what = f"{len(unused)} tensor{'s' if len(unused) > 1 else ''} the {gguf.architecture} loader does not use: {shown}"
+    if not allow:
+        raise GGUFError(f"{gguf.path}: {what} (the model would be misread; "
+                        "--allow-unused-tensors loads it anyway)")
+    logger.warning("%s: %s (loaded anyway: --allow-unused-tensors)", gguf.path, what)
 
 
 def _load_layer(src: _TensorSource, p: HyperParams, i: int,
