@@ -26,7 +26,7 @@ import torch
 
 from justapi.model.gguf_file import GGUFError, GGUFFile
 from workers.weights.dequant import dequantize, is_supported, supported_type_names
-from workers.weights.hparams import HyperParams, read_hyper_params
+from workers.weights.hparams import LONG_FACTORS, SHORT_FACTORS, HyperParams, read_hyper_params
 from workers.weights.block_matrix import BlockMatrix, RowStack
 from workers.weights.quant_blocks import (
     FormChooser,
@@ -77,6 +77,8 @@ class ModelWeights:
     output_norm: torch.Tensor  # [hidden]
     output: Matrix  # [vocab, hidden]; the same object as token_embd when tied
     rope_freq_factors: torch.Tensor | None  # [rotary_dims / 2] or None (llama3-style scaling)
+    long_rope_factors: tuple[torch.Tensor, torch.Tensor] | None = None
+    """LongRoPE's (short, long) frequency divisors, each [rotary_dims / 2] fp32 (on the CPU)."""
 
     @property
     def is_tied(self) -> bool:
@@ -90,6 +92,7 @@ def expected_shapes(p: HyperParams) -> dict[str, tuple[int, ...]]:
     return {
         "token_embd.weight": (p.vocab_size, h), "output_norm.weight": (h,),
         "output.weight": (p.vocab_size, h), "rope_freqs.weight": (p.rotary_dims // 2,),
+        SHORT_FACTORS: (p.rotary_dims // 2,), LONG_FACTORS: (p.rotary_dims // 2,),
         "blk.{i}.attn_norm.weight": (h,),
         "blk.{i}.attn_q.weight": (q, h), "blk.{i}.attn_k.weight": (kv, h),
         "blk.{i}.attn_v.weight": (kv, h), "blk.{i}.attn_qkv.weight": (q + 2 * kv, h),
@@ -221,11 +224,21 @@ def load_weights(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch
         output = put(src.matrix("output.weight")) if src.has("output.weight") else token_embd
         weights = ModelWeights(params=params, name=gguf.name, token_embd=token_embd, layers=layers,
                                output_norm=put(src.get("output_norm.weight")), output=output,
-                               rope_freq_factors=src.optional("rope_freqs.weight"))
+                               rope_freq_factors=src.optional("rope_freqs.weight"),
+                               long_rope_factors=_long_rope_factors(src, params))
     finally:
         src.bar.close()
     _check_all_used(gguf, src.unused(), allow_unused_tensors)
     return weights
+
+
+def _long_rope_factors(src: _TensorSource, p: HyperParams) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if p.rope_scaling.kind != "longrope":
+        return None
+    short, long = src.get(SHORT_FACTORS), src.get(LONG_FACTORS)
+    if not bool(torch.all(short > 0)) or not bool(torch.all(long > 0)):
+        raise GGUFError(f"{src.gguf.path}: LongRoPE factors must be positive")
+    return short, long
 
 
 def _check_all_used(gguf: GGUFFile, unused: list[str], allow: bool) -> None:
