@@ -72,7 +72,7 @@ CASES = {
     "qwen3-yarn": Case("qwen3", dict(head_dim=24, max_position_embeddings=4 * ORIGINAL,
                                      rope_parameters=YARN), prompts=(40,)),
     "qwen2-yarn": Case("qwen2", dict(max_position_embeddings=4 * ORIGINAL, rope_parameters={
-        **YARN, "attention_factor": 1.25, "beta_fast": 16.0, "beta_slow": 2.0}), prompts=(40,)),
+        **YARN, "attention_factor": 1.25, "beta_fast": 16.0, "beta_slow": 2.0}), "q8_0", prompts=(40,)),
 }
 
 
@@ -212,6 +212,62 @@ def test_scaled_ropes_are_read_from_the_converted_files(converted):
         assert p.rope_scaling.attn_factor == pytest.approx(attn, rel=1e-6)
         hf_inv = converted[name].hf.model.rotary_emb.inv_freq.float()
         assert torch.allclose(yarn_inv_freq(p.rotary_dims, p.rope_theta, p.rope_scaling), hf_inv, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["phi3-longrope", "qwen2-yarn"])
+def test_the_c_layer_chain_rotates_with_the_scaled_tables(converted, name):
+    """q8_0 files under `--weights auto` (every matrix the file's blocks): decode steps run as
+    one C call (cpu_layer_chain.py) and, decoding past the original context, give the fp32
+    layer loop's logits."""
+    from workers.weights.block_kernels import block_kernels
+    from workers.weights.path_plan import PathPlan
+    from workers.weights.paths import load_model
+
+    if block_kernels() is None:
+        pytest.skip("no C compiler: no block kernels")
+    gguf = GGUFFile(str(converted[name].path))
+    chained = load_model(gguf, weights="auto", progress=False, plan=PathPlan.only("blocks"))
+    assert chained.layer_chain is not None
+    runs = []
+    chain_run = chained.layer_chain.run
+    chained.layer_chain.run = lambda *args: runs.append(1) or chain_run(*args)  # type: ignore[method-assign]
+    seqs = Seqs({"a": ORIGINAL + 6}, VOCAB, seed=7)
+    chunks = [seqs.chunk("a", 0, ORIGINAL - 4)] + [seqs.chunk("a", p, 1) for p in range(ORIGINAL - 4, ORIGINAL + 6)]
+    logits = {}
+    for model in (chained, load_model(gguf, weights="fp32", progress=False)):
+        runner = make_runner(model, kernel=True)
+        logits[model] = torch.cat([all_row_logits(runner, i, [c], [seqs.new("a")] if i == 0 else [])[0][-1:]
+                                   for i, c in enumerate(chunks)])
+    assert len(runs) == len(chunks) - 1  # every decode step
+    first, second = logits.values()
+    torch.testing.assert_close(first, second, atol=1e-4 * float(second.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("name", ["phi3-longrope", "qwen3-yarn"])
+def test_the_triton_kernels_rotate_with_the_scaled_tables(converted, name, monkeypatch):
+    """The GPU forward's small-op kernels (Triton's CPU interpreter) on a prefill past the
+    original context: the same logits as the torch forms, rotary included."""
+    pytest.importorskip("triton")
+    from workers.model import ffn, forward
+    from workers.model.triton_attention import is_interpreted
+    from workers.model.triton_layer_ops import TritonLayerOps
+
+    if not is_interpreted():
+        pytest.skip("runs the kernels in Triton's interpreter (TRITON_INTERPRET=1)")
+    engine = LLMEngine(str(converted[name].path), weights="fp32", kv_cache_dtype="float32", progress=False)
+    seqs = Seqs({"a": ORIGINAL + 8}, VOCAB, seed=8)
+    chunk = [seqs.chunk("a", 0, ORIGINAL + 8)]
+    results, rotations = [], []
+    for ops in (None, TritonLayerOps()):
+        if ops is not None:
+            rotary = ops.rotary
+            ops.rotary = lambda *args: rotations.append(1) or rotary(*args)  # type: ignore[method-assign]
+        monkeypatch.setattr(forward, "ops_for", lambda device, ops=ops: ops)
+        monkeypatch.setattr(ffn, "ops_for", lambda device, ops=ops: ops)
+        results.append(all_row_logits(make_runner(engine.model), 0, chunk, [seqs.new("a")])[0])
+    assert len(rotations) == engine.model.params.num_layers
+    torch.testing.assert_close(results[1], results[0], atol=1e-4 * float(results[0].abs().max()), rtol=0)
+    assert_matches(results[0], hf_logits(converted[name].hf, seqs.tokens["a"]))
 
 
 def test_mistral_files_carry_no_window(converted):
