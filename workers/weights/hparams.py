@@ -280,7 +280,7 @@ def _longrope(gguf: GGUFFile) -> RopeScaling:
     context = _int(gguf, "context_length")
     original = _int(gguf, "rope.scaling.original_context_length", context)
     factor = context / original
-    derived = math.sqrt(1.0 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    derived = math.sqrt(1.0 + math.log(factor) / math.log(original)) if factor > 1.0 and original > 1 else 1.0
     return RopeScaling(kind="longrope", original_context=original,
                        attn_factor=_float(gguf, "rope.scaling.attn_factor", derived))
 
