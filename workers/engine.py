@@ -72,7 +72,7 @@ class LLMEngine:
                  max_batched_tokens: int = 2048, max_context: int = 0,
                  seed: int | None = None, progress: bool = True, weights: str = "fp32",
                  speculative: SpecConfig | None = None, cuda_graphs: bool = True,
-                 kv_cache_dtype: str | None = None) -> None:
+                 kv_cache_dtype: str | None = None, allow_unused_tensors: bool = False) -> None:
         """kv_cache_dtype: as `justapi serve --kv-cache-dtype` (auto = bfloat16, float32,
         bfloat16). None: the compute dtype (fp32 on CPU, bf16 on GPUs). Like `weights`, the
         default is not serve's: the model tests compare this engine's logits with independent
@@ -89,7 +89,8 @@ class LLMEngine:
         self.path = resolve_model(model)
         self.gguf = GGUFFile(self.path)
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-        self.model = load_model(self.gguf, device, dtype, weights, progress)  # weights: fp32|q4|auto
+        self.model = load_model(self.gguf, device, dtype, weights, progress,  # weights: fp32|q4|auto
+                                allow_unused_tensors=allow_unused_tensors)
         p = self.model.params
         self.max_context = min(max_context or p.max_context, p.max_context)
         if num_blocks <= 0:

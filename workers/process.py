@@ -93,7 +93,8 @@ class Worker:
         self.device = self.link.claim_device(spec)
         gguf = GGUFFile(spec.model_path)
         dtype = torch.bfloat16 if self.device != "cpu" else torch.float32
-        self.model = load_model(gguf, self.device, dtype, spec.config.model.weights, progress=False)
+        self.model = load_model(gguf, self.device, dtype, spec.config.model.weights, progress=False,
+                                allow_unused_tensors=spec.config.model.allow_unused_tensors)
         sched, speculative = spec.config.scheduler, spec.config.speculative
         sampled_rows = _max_sampled_rows(sched.max_seqs, sched.max_batched_tokens, speculative)
         self.model.warm_up(sched.max_batched_tokens, sampled_rows)

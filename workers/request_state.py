@@ -16,6 +16,9 @@ class RequestState:
     params: SamplingParams
     num_prompt_tokens: int
     token_ids: list[int] = field(default_factory=list)  # every token known, position-indexed
+    num_known_tokens: int = 0
+    """Tokens known when the request was announced (its prompt; after a preemption, the output
+    too): the sequence length a LongRoPE model picks the table of that prefill by."""
     last_sampled: tuple[int, int] | None = None
     """(position, token) this worker sampled last: what a placeholder at that position in the
     next plan stands for (overlap: planned before the scheduler saw the token)."""

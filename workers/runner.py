@@ -31,6 +31,7 @@ from justapi.wire.protocol import (
 from workers.kv.pool import KVPool
 from workers.model.attention import AttentionBackend, AttentionBatch
 from workers.model.forward import DecoderModel
+from workers.model.rotary import long_rope_rows
 from workers.plan_check import PlanLimits, check_plan
 from workers.request_state import RequestState
 from workers.sampler import Sampler, SamplerOutput, SamplingRow, apply_token_bitmask
@@ -121,18 +122,30 @@ class ModelRunner:
         batch = AttentionBatch(plan.start_positions.astype(np.int64), plan.num_tokens.astype(np.int64),
                                plan.num_blocks.astype(np.int64), plan.block_ids, self.block_size,
                                tree)
+        long_rows = self._long_rope_rows(plan, batch)
         self.timeline.mark("forward_start", plan.step_id, plan.num_seqs)
         with torch.inference_mode():
-            logits = self.graphs.run(batch, tokens, logit_rows(plan)) if self.graphs else None
+            # graphs rotate by position alone: a long prompt's LongRoPE prefill runs eagerly
+            logits = self.graphs.run(batch, tokens, logit_rows(plan)) if self.graphs and long_rows is None else None
             if logits is None:
                 meta = self.backend.prepare(batch)
                 token_ids = torch.from_numpy(tokens.astype(np.int64)).to(self.model.device)
                 kv_layers = [self.pool.layer(i) for i in range(self.pool.shape.num_layers)]
-                hidden = self.model.forward(token_ids, kv_layers, self.backend, meta)
+                hidden = self.model.forward(token_ids, kv_layers, self.backend, meta, long_rows)
                 rows = torch.from_numpy(logit_rows(plan)).to(hidden.device)
                 logits = self.model.logits(hidden[rows])
         self.timeline.mark("forward_end", plan.step_id, len(plan.token_ids))
         return logits
+
+    def _long_rope_rows(self, plan: StepPlan, batch: AttentionBatch) -> torch.Tensor | None:
+        """LongRoPE: the rows of sequences announced longer than the original context (all
+        rotated with the long table), where some of them are within it; else None (rotary.py)."""
+        scaling = self.model.params.rope_scaling
+        if scaling.kind != "longrope":
+            return None
+        known = np.array([self.requests[rid].num_known_tokens for rid in plan.request_ids], np.int64)
+        rows = long_rope_rows(scaling, batch.positions(), batch.num_tokens, known)
+        return None if rows is None else torch.from_numpy(rows).to(self.model.device)
 
     # ------------------------------------------------------------------ request state
 
@@ -159,7 +172,7 @@ class ModelRunner:
     def _learn(self, plan: StepPlan, token_ids: np.ndarray) -> None:
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(
-                new.sampling, new.num_prompt_tokens, [int(t) for t in new.token_ids])
+                new.sampling, new.num_prompt_tokens, [int(t) for t in new.token_ids], len(new.token_ids))
             if self.draft is not None:  # relearned (preemption): its proposal is stale
                 self.draft.forget([new.request_id])
         tok_off = offsets(plan.num_tokens)

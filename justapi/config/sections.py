@@ -139,6 +139,11 @@ class ModelConfig:
                                   "exact.",
                           choices=WEIGHT_MODES)
     max_context: int = option(0, "Cap on the model's context length; 0 takes the model's own.")
+    allow_unused_tensors: bool = option(
+        False, "Load a GGUF even where it holds tensors the loader does not read (each named in a "
+               "warning). For experiments: such a file is a variant the model code does not know, "
+               "and its output is likely wrong. Without it the file is refused, naming them.",
+        decls=("--allow-unused-tensors",))
     cuda_graphs: bool = option(True, "GPU: replay decode (and uniform verification) steps from "
                                      "CUDA graphs captured per batch size at start; "
                                      "--no-cuda-graphs launches each kernel from Python.")
@@ -148,6 +153,7 @@ class ModelConfig:
         check_choice(self.weights, "weights", WEIGHT_MODES)
         check_number(self.max_context, "max-context", low=0, integer=True)
         check_bool(self.cuda_graphs, "cuda-graphs")
+        check_bool(self.allow_unused_tensors, "allow-unused-tensors")
 
 
 @dataclass(frozen=True)

@@ -167,10 +167,13 @@ def _default_cache() -> PlanCache | None:
 
 
 def load_model(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               weights: str = "fp32", progress: bool = True, plan: PathPlan | None = None) -> DecoderModel:
-    """The model of a GGUF file with the weights kept and computed as `weights` says."""
+               weights: str = "fp32", progress: bool = True, plan: PathPlan | None = None,
+               allow_unused_tensors: bool = False) -> DecoderModel:
+    """The model of a GGUF file with the weights kept and computed as `weights` says (a file
+    with tensors the loader does not read is refused unless `allow_unused_tensors`)."""
     paths = WeightPaths(weights, device, plan)
-    loaded = load_weights(gguf, device, dtype, progress, keep_quantized=paths.form)
+    loaded = load_weights(gguf, device, dtype, progress, keep_quantized=paths.form,
+                          allow_unused_tensors=allow_unused_tensors)
     model = DecoderModel(loaded, paths)
     model.layer_chain = LayerChain.of(model)
     if paths.planner is not None and paths.planner.measured:
