@@ -80,7 +80,11 @@ class SchedulerConfig:
               "tokens first. -1 (auto): prefill up to 5x the step's decode time; 0: off (every "
               "step takes max-batched-tokens, oldest prefill first).")
     policy: str = option("fcfs", "Waiting-queue order: fcfs, priority, or lpm (longest cached "
-                                 "prefix first).", choices=POLICIES)
+                                 "prefix first). priority (vLLM's --scheduling-policy priority): a "
+                                 "request's `priority` field orders the queue, lower first, and a "
+                                 "waiting request preempts running ones of a lower priority when "
+                                 "it lacks a seat or KV blocks.", choices=POLICIES,
+                         decls=("--policy", "--scheduling-policy"))
     scheduled: bool = option(True, "Continuous batching; --no-scheduled: static batching (a "
                                    "batch runs until all of it finishes; the benchmark baseline).")
     lpm_max_waiting: int = option(128, "lpm orders by cached prefix only while at most this many "

@@ -46,7 +46,8 @@ def settings_of(spec: ChildSpec) -> FrontendSettings:
         max_request_bytes=server.max_request_bytes,
         max_in_flight=running_capacity + server.max_queue,
         log_requests=server.log_requests,
-        sampling_defaults=spec.config.sampling.given())
+        sampling_defaults=spec.config.sampling.given(),
+        scheduling_policy=spec.config.scheduler.policy)
 
 
 async def serve(spec: ChildSpec) -> None:

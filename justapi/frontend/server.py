@@ -62,6 +62,8 @@ class FrontendSettings:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     """Sampling defaults set by flag or TOML (SamplingConfig.given()); the GGUF's, else
     llama-server's, fill in the rest."""
+    scheduling_policy: str = "fcfs"
+    """The scheduler's policy (requests' `priority` counts under "priority" only)."""
 
 
 def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettings) -> Serving:
@@ -82,7 +84,8 @@ def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettin
     logger.info("sampling defaults for fields a request leaves out: %s", defaults.describe())
     config = ServingConfig(model_name=name, max_context=max_context, model_aliases=aliases,
                            max_in_flight=settings.max_in_flight,
-                           log_requests=settings.log_requests, sampling_defaults=defaults)
+                           log_requests=settings.log_requests, sampling_defaults=defaults,
+                           scheduling_policy=settings.scheduling_policy)
     tool_format = detect_tool_format(template.source)
     logger.info("tool calls in the %s format", tool_format.name)
     return Serving(engine, tokenizer, template.render, config, metrics, tool_format=tool_format)

@@ -49,6 +49,8 @@ class ServingConfig:
     """Log each request's prompt and parameters (off: prompts never reach the logs)."""
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults.resolve)
     """What the sampling fields a request leaves out get (default: llama-server's)."""
+    scheduling_policy: str = "fcfs"
+    """The scheduler's policy: only "priority" takes a request's `priority` field."""
 
 
 class Serving:
@@ -91,6 +93,14 @@ class Serving:
                            f"{self.config.model_name!r})", param="model", code="model_not_found",
                            status=404, error_type=NOT_FOUND)
 
+    def check_priority(self, priority: int) -> int:
+        """A request's priority; 400 for a value other than 0 unless the scheduler orders by
+        priority (as vLLM refuses it)."""
+        if priority and self.config.scheduling_policy != "priority":
+            raise ApiError(f"priority {priority} needs a server started with "
+                           "--scheduling-policy priority", param="priority")
+        return priority
+
     def check_available(self, num_requests: int = 1) -> None:
         """503 (draining, scheduler lost) or 429 (queue full) unless the requests may start."""
         self.admission.check(num_requests)
@@ -113,12 +123,12 @@ class Serving:
 
     # ---------------------------------------------------------------- running
     def start(self, prompt_ids: list[int], sampling: SamplingParams, options: TextOptions,
-              arrival_s: float) -> Generation:
+              arrival_s: float, priority: int = 0) -> Generation:
         """Submit one scheduler request. arrival_s: time.perf_counter() when the API request
-        arrived (for TTFT / e2e)."""
+        arrived (for TTFT / e2e); priority: checked by check_priority."""
         request = SubmitRequest(request_id=self.new_id("req"),
                                 prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32),
                                 sampling=sampling, arrival_time_s=time.time(),
-                                cache_salt=self.config.cache_salt)
+                                priority=priority, cache_salt=self.config.cache_salt)
         timer = self.metrics.start_request(len(prompt_ids), arrival_s)
         return Generation(self.engine, request, self.tokenizer, options, timer)

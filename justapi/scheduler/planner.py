@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator
 from justapi.scheduler.batch import StepBatch
 from justapi.scheduler.overlap import can_plan_ahead
 from justapi.scheduler.policy import AdmissionOrder, choose_victim, has_newer_holder
+from justapi.scheduler.priority import PriorityPreemption
 from justapi.scheduler.request import Request, RequestStatus
 from justapi.scheduler.state import SchedulerState
 from justapi.scheduler.step_budget import StepBudget, prefill_rank
@@ -51,6 +52,8 @@ class StepPlanner:
         self.kv = state.kv
         self.order = AdmissionOrder(state.config, state.kv)
         self.budget = StepBudget(state.config.itl_target_ms)
+        self.priority = PriorityPreemption(state)
+        self._held: set[str] = set()  # priority: victims left out of this plan (priority.py)
         self._prefill_propose = 0  # draft-model tokens a prompt finishing this step asks for
 
     def plan(self, worker: WorkerState) -> StepBatch:
@@ -59,6 +62,7 @@ class StepPlanner:
         if self.state.structured is not None:
             self._fit_grammar_drafts(worker)
         admits = self.state.admits(worker)  # draining or PD decode: only runs what it has
+        self._held = self.priority.make_room(worker) if self.priority.is_enabled else set()
         if admits and not self.config.scheduled and not worker.running:
             self._admit_static(worker, batch)
         prefills = self._schedule_decodes(worker, batch)
@@ -83,6 +87,8 @@ class StepPlanner:
                 continue  # preempted while this loop ran
             if req.is_in_flight and not can_plan_ahead(req):
                 continue  # overlap: it waits for its step in flight to land
+            if self._held and req.request_id in self._held:
+                continue  # priority: to be preempted once its step lands
             num_computed = req.num_computed_tokens
             if num_computed < len(req.token_ids) - 1 - req.num_jumped:
                 prefills.append(req)

@@ -444,6 +444,9 @@ class SubmitGeneration:
     """With `messages`: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` as one JSON
     object's text (JSON Schemas nest deeper than the codec allows a message to); "" for none.
     The chunks then carry the calls in `tool_calls`."""
+    priority: int = 0
+    """Scheduling priority (server started with --scheduling-policy priority): lower is
+    served sooner and may preempt running requests of a higher value. vLLM's field."""
 
 
 @register("AbortGeneration")

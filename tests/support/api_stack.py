@@ -90,7 +90,8 @@ class Stack:
 async def serving_stack(script: Script = seeded_script, *, max_context: int = 256,
                         tokens_per_step: int = 1, step_s: float = 0.001,
                         tmp_dir: str | None = None,
-                        sampling_defaults: SamplingDefaults | None = None) -> AsyncIterator[Stack]:
+                        sampling_defaults: SamplingDefaults | None = None,
+                        scheduling_policy: str = "fcfs") -> AsyncIterator[Stack]:
     runtime_dir = tmp_dir or transport.make_runtime_dir("justapi-test-")
     fake = FakeScheduler(runtime_dir, script, eos_token_ids=tuple(tokenizer().eog_token_ids),
                          tokens_per_step=tokens_per_step, step_s=step_s).start()
@@ -99,7 +100,8 @@ async def serving_stack(script: Script = seeded_script, *, max_context: int = 25
     metrics = FrontendMetrics(MODEL, lambda: engine.stats)
     template = chat_template()
     config = ServingConfig(MODEL, max_context,
-                           sampling_defaults=sampling_defaults or SamplingDefaults.resolve())
+                           sampling_defaults=sampling_defaults or SamplingDefaults.resolve(),
+                           scheduling_policy=scheduling_policy)
     serving = Serving(engine, tokenizer(), template.render, config, metrics)
     app = build_app(serving)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
