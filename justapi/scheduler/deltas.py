@@ -28,6 +28,8 @@ class DeltaBuilder:
         self.num_cached_tokens: list[int] = []
         self.source_index: list[int] = []  # flat index into the StepResult per emitted token
         self.errors: dict[str, str] = {}
+        self.embedding_request_ids: list[str] = []
+        self.embeddings: list[np.ndarray] = []  # float32 [hidden] each (a pooled state)
 
     def add(self, req: Request, tokens: list[int], reason: str, first_index: int = 0,
             num_forced: int = 0) -> None:
@@ -53,6 +55,11 @@ class DeltaBuilder:
         self.num_cached_tokens.append(0 if req.has_reported else req.num_cached_tokens)
         req.has_reported = True
 
+    def add_embedding(self, request_id: str, pooled_state: np.ndarray) -> None:
+        """A pooling request's result (its row also needs add())."""
+        self.embedding_request_ids.append(request_id)
+        self.embeddings.append(pooled_state)
+
     def add_error(self, req: Request, reason: str, message: str) -> None:
         self.add(req, [], reason)
         self.errors[req.request_id] = message
@@ -76,7 +83,13 @@ class DeltaBuilder:
             finish_reasons=self.finish_reasons,
             num_cached_tokens=np.asarray(self.num_cached_tokens, dtype=np.int32),
             logprobs=logprobs, top_logprob_ids=top_ids, top_logprobs=top_lps,
-            errors=self.errors)
+            errors=self.errors, **self._embeddings())
+
+    def _embeddings(self) -> dict[str, object]:
+        if not self.embeddings:
+            return {}
+        return {"embedding_request_ids": self.embedding_request_ids,
+                "embeddings": np.stack(self.embeddings).astype(np.float32, copy=False)}
 
 
 def _gather_logprobs(result: StepResult | None, index: list[int],

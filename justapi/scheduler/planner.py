@@ -90,7 +90,7 @@ class StepPlanner:
             if self._held and req.request_id in self._held:
                 continue  # priority: to be preempted once its step lands
             num_computed = req.num_computed_tokens
-            if num_computed < len(req.token_ids) - 1 - req.num_jumped:
+            if num_computed < len(req.token_ids) - 1 - req.num_jumped or req.pooling:
                 prefills.append(req)
                 continue
             if not batch.has_decode_room:
@@ -285,7 +285,7 @@ class StepPlanner:
             if (len(worker.running) >= min(max_seqs, share) or not batch.has_prefill_room):
                 return
             cached = None
-            if prefilling:
+            if prefilling and not req.needs_every_position:  # (it takes no cache hits)
                 cached = self._cached_blocks(req)  # probed once: a ranked order reuses it
                 if self._joins_a_prefill(req, cached, prefilling):
                     continue  # not taken: a ranked order offers the next, queue order stops here

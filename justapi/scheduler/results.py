@@ -14,6 +14,8 @@ Owns: those rules. Does not own: the step's choice (planner.py) or the message s
 """
 from __future__ import annotations
 
+import numpy as np
+
 from justapi.scheduler.deltas import DeltaBuilder
 from justapi.scheduler.overlap import finish_or_hold, land, later_step
 from justapi.scheduler.request import Request
@@ -96,6 +98,8 @@ class ResultApplier:
         self.kv.cache_computed(req, num_written, later.deferred_blocks if later else None)
 
     def _apply_chunks(self, step: InFlightStep, result: StepResult, deltas: DeltaBuilder) -> None:
+        pooled = dict(zip(result.pooled_request_ids, result.pooled_states)) \
+            if result.pooled_request_ids else None
         sampled = result.sampled_token_ids.tolist()
         counts = iter(result.num_sampled.tolist())
         proposals = _proposals(result) if len(result.num_proposed) else None
@@ -112,6 +116,8 @@ class ResultApplier:
                     self._finish(req, FINISH_ABORT, [], deltas)
                 else:
                     self._cache(req, end)
+                    if req.pooling and end >= req.num_prompt_tokens:
+                        self._pooled(req, pooled, deltas)
                 continue
             count = next(counts)
             index += 1
@@ -142,6 +148,21 @@ class ResultApplier:
             if proposals is not None and index in proposals and not req.is_finished:
                 assert self.state.spec is not None, "a worker proposed drafts with speculation off"
                 self.state.spec.record_proposal(req, *proposals[index])
+
+    def _pooled(self, req: Request, pooled: dict[str, np.ndarray] | None,
+                 deltas: DeltaBuilder) -> None:
+        """A pooling request's prompt is computed: it finishes with its pooled state (its
+        blocks go; the full ones stay in the prefix cache)."""
+        state = pooled.get(req.request_id) if pooled is not None else None
+        if state is None:
+            self.state.counters.num_errors += 1
+            finish_or_hold(self.state, req, FINISH_ERROR)
+            deltas.add_error(req, FINISH_ERROR, f"step {deltas.step_id}: the worker returned no "
+                                                "pooled state for the request")
+            return
+        finish_or_hold(self.state, req, FINISH_STOP)
+        deltas.add(req, [], FINISH_STOP)
+        deltas.add_embedding(req.request_id, state)
 
     def _accept(self, req: Request, num_drafts: int, tokens: list[int],
                 deltas: DeltaBuilder, first_index: int) -> None:
