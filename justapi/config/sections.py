@@ -25,6 +25,8 @@ WEIGHT_MODES = ("fp32", "bf16", "q4", "auto")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 LAUNCHERS = ("local", "ray")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+POOLING_CHOICES = ("auto", "none", "last", "mean", "cls")
+MATRYOSHKA_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -144,8 +146,20 @@ class ModelConfig:
     cuda_graphs: bool = option(True, "GPU: replay decode (and uniform verification) steps from "
                                      "CUDA graphs captured per batch size at start; "
                                      "--no-cuda-graphs launches each kernel from Python.")
+    pooling: str = option("auto", "/v1/embeddings: how a prompt's hidden states become one "
+                                  "vector. auto: the GGUF's pooling_type (a file without one "
+                                  "serves no embeddings); last, mean, cls: that pooling (as "
+                                  "llama-server's --pooling); none: no embeddings.",
+                          choices=POOLING_CHOICES)
+    matryoshka: str = option("auto", "/v1/embeddings `dimensions` (a Matryoshka-trained model's "
+                                     "leading dimensions, renormalized). auto: on for the "
+                                     "Qwen3-Embedding family (trained so), else off, where only "
+                                     "the full size is accepted.",
+                             choices=MATRYOSHKA_CHOICES)
 
     def __post_init__(self) -> None:
+        check_choice(self.pooling, "pooling", POOLING_CHOICES)
+        check_choice(self.matryoshka, "matryoshka", MATRYOSHKA_CHOICES)
         check_choice(self.device, "device", DEVICES)
         check_choice(self.weights, "weights", WEIGHT_MODES)
         check_number(self.max_context, "max-context", low=0, integer=True)

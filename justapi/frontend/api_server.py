@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: FastAPI app factory, routes, error bodies, uvicorn server.
 
-Routes: /v1/completions, /v1/chat/completions (SSE when stream=true), /v1/models, /tokenize,
-/detokenize, /health, /metrics (and FastAPI's /openapi.json). Every refusal is an
+Routes: /v1/completions, /v1/chat/completions (SSE when stream=true), /v1/embeddings,
+/v1/models, /tokenize, /detokenize, /health, /metrics (and FastAPI's /openapi.json). Every refusal is an
 OpenAI-style error body (validation errors are 400, like vLLM, not FastAPI's 422). A client
 that disconnects, streaming or not, gets its scheduler requests aborted at once.
 Owns: the HTTP surface. Does not own: request semantics (serving*.py, prompts.py, choices.py,
@@ -32,6 +32,7 @@ from justapi.frontend.errors import (
     error_body,
     from_validation_errors,
 )
+from justapi.frontend.embedding_models import EmbeddingRequest, EmbeddingResponse
 from justapi.frontend.guards import DEFAULT_MAX_REQUEST_BYTES, HttpGuards
 from justapi.frontend.openai_models import (
     ChatCompletionRequest,
@@ -49,6 +50,7 @@ from justapi.frontend.openai_models import (
 from justapi.frontend.serving import Serving
 from justapi.frontend.serving_chat import chat_prompt, create_chat_completion
 from justapi.frontend.serving_completions import create_completion
+from justapi.frontend.serving_embeddings import create_embedding
 from justapi.wire.protocol import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ def build_app(serving: Serving, *, api_key: str = "",
                        rejections=serving.admission.rejections)
     _add_error_handlers(app)
     _add_generation_routes(app, serving)
+    _add_embedding_routes(app, serving)
     _add_model_routes(app, serving)
     _add_ops_routes(app, serving)
     return app
@@ -133,6 +136,12 @@ def _add_generation_routes(app: FastAPI, serving: Serving) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(request, create_chat_completion(serving, body,
                                                               time.perf_counter()))
+
+
+def _add_embedding_routes(app: FastAPI, serving: Serving) -> None:
+    @app.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **ERRORS})
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await _respond(request, create_embedding(serving, body, time.perf_counter()))
 
 
 async def _respond(request: Request, work: Awaitable[dict | AsyncIterator[bytes]]) -> Response:

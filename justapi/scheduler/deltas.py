@@ -7,6 +7,8 @@ Owns: the delta columns. Does not own: finishing decisions (results.py).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from justapi.scheduler.request import Request
@@ -76,20 +78,18 @@ class DeltaBuilder:
     def build(self, result: StepResult | None = None) -> TokenDeltas:
         self._fill_ones()
         logprobs, top_ids, top_lps = _gather_logprobs(result, self.source_index, self.token_ids)
-        return TokenDeltas(
+        deltas = TokenDeltas(
             step_id=self.step_id, request_ids=self.request_ids,
             num_new_tokens=np.asarray(self.num_new_tokens, dtype=np.int32),
             token_ids=np.asarray(self.token_ids, dtype=np.int32),
             finish_reasons=self.finish_reasons,
             num_cached_tokens=np.asarray(self.num_cached_tokens, dtype=np.int32),
             logprobs=logprobs, top_logprob_ids=top_ids, top_logprobs=top_lps,
-            errors=self.errors, **self._embeddings())
-
-    def _embeddings(self) -> dict[str, object]:
+            errors=self.errors)
         if not self.embeddings:
-            return {}
-        return {"embedding_request_ids": self.embedding_request_ids,
-                "embeddings": np.stack(self.embeddings).astype(np.float32, copy=False)}
+            return deltas
+        return dataclasses.replace(deltas, embedding_request_ids=self.embedding_request_ids,
+                                   embeddings=np.stack(self.embeddings).astype(np.float32))
 
 
 def _gather_logprobs(result: StepResult | None, index: list[int],

@@ -25,7 +25,7 @@ from justapi.model.gguf_file import GGUFFile, default_model_path
 from justapi.sampling import SamplingDefaults
 from justapi.wire import transport
 from justapi.wire.protocol import SubmitRequest
-from tests.support.api_fake_scheduler import FakeScheduler, Script
+from tests.support.api_fake_scheduler import FAKE_HIDDEN, FakeScheduler, Script
 
 MODEL = "smollm2-test"
 TEXTS = (" Hello world! The quick brown fox jumps over the lazy dog.",
@@ -91,7 +91,8 @@ async def serving_stack(script: Script = seeded_script, *, max_context: int = 25
                         tokens_per_step: int = 1, step_s: float = 0.001,
                         tmp_dir: str | None = None,
                         sampling_defaults: SamplingDefaults | None = None,
-                        scheduling_policy: str = "fcfs") -> AsyncIterator[Stack]:
+                        scheduling_policy: str = "fcfs", pooling: str = "last",
+                        is_matryoshka: bool = False) -> AsyncIterator[Stack]:
     runtime_dir = tmp_dir or transport.make_runtime_dir("justapi-test-")
     fake = FakeScheduler(runtime_dir, script, eos_token_ids=tuple(tokenizer().eog_token_ids),
                          tokens_per_step=tokens_per_step, step_s=step_s).start()
@@ -101,7 +102,8 @@ async def serving_stack(script: Script = seeded_script, *, max_context: int = 25
     template = chat_template()
     config = ServingConfig(MODEL, max_context,
                            sampling_defaults=sampling_defaults or SamplingDefaults.resolve(),
-                           scheduling_policy=scheduling_policy)
+                           scheduling_policy=scheduling_policy, pooling=pooling,
+                           is_matryoshka=is_matryoshka, hidden_size=FAKE_HIDDEN)
     serving = Serving(engine, tokenizer(), template.render, config, metrics)
     app = build_app(serving)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
