@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from justapi.scheduler.kv.events import BlockHasher, external_hash
-from tests.support.kv_router import Subscriber
+from tools.kv_router import Subscriber
 from tools.harness import TINY_MODEL, ServedPool, free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -16,7 +16,7 @@ from justapi.scheduler.kv.events import BlockHasher, KvEventLog, cbor, external_
 from justapi.scheduler.kv.publisher import KvEventPublisher
 from justapi.scheduler.kv.radix_cache import RadixPrefixCache
 from justapi.scheduler.sim.harness import Harness, build_scheduler
-from tests.support.kv_router import RouterView, Subscriber
+from tools.kv_router import RouterView, Subscriber
 
 BLOCK_SIZE = 4
 

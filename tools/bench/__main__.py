@@ -29,6 +29,7 @@ SCENARIOS = {
     "attention": "the CPU decode attention kernel over an fp32 and a bf16 KV pool, in turns",
     "timeline": "where a served step's time goes (per-process timelines); serving vs offline",
     "structured": "structured outputs: constrained vs free decoding, grammar compile times",
+    "api-2026": "embeddings vs llama-server, TTFT with priorities, the cost of KV events",
 }
 USAGE = "usage: python -m tools.bench SCENARIO [flags]   (python -m tools.bench SCENARIO --help)"
 
