@@ -44,13 +44,18 @@ def texts(count: int, seed: int = 0) -> list[str]:
 
 # ------------------------------------------------------------------ embed
 class LlamaServer:
-    def __init__(self, binary: str, model: str, threads: int, parallel: int) -> None:
+    def __init__(self, binary: str, model: str, threads: int, parallel: int,
+                 poll: int = 0) -> None:
+        """poll: llama.cpp's --poll (its threads' busy-wait level; 50 by default). 0: they
+        sleep while waiting, as ours do - on a shared machine a spinning thread takes the
+        core another process needs, and the comparison would measure that instead."""
+        self.poll = poll
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [binary, "-m", model, "--embedding", "--pooling", "last", "--port", str(self.port),
              "-t", str(threads), "-np", str(parallel), "-c", str(parallel * 256), "-b", "4096",
-             "-ub", "4096", "--log-disable"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "-ub", "4096", "--poll", str(self.poll), "--log-disable"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for _ in range(600):
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
@@ -85,7 +90,7 @@ def embed(args: argparse.Namespace) -> None:
     model = args.model or default_model_path()
     ours = ServedPool("--model", model, "--pooling", "last", "--max-seqs", "64",
                       "--max-prefill", "64", "--log-level", "warning")
-    theirs = LlamaServer(args.llama_server, model, args.threads, 64)
+    theirs = LlamaServer(args.llama_server, model, args.threads, 64, args.poll)
     rows: dict[str, dict[int, list[float]]] = {"justapi": {1: [], 64: []},
                                                "llama-server": {1: [], 64: []}}
     cosines: list[float] = []
@@ -97,6 +102,8 @@ def embed(args: argparse.Namespace) -> None:
                 b, vb = embed_rate(theirs.url, inputs, batch)
                 rows["justapi"][batch].append(a)
                 rows["llama-server"][batch].append(b)
+                print(f"turn {turn} batch {batch}: justapi {a:.1f} emb/s, llama-server "
+                      f"{b:.1f} emb/s", flush=True)
                 cosines += [float(np.dot(x, y) / np.linalg.norm(x) / np.linalg.norm(y))
                             for x, y in zip(va, vb)]
     finally:
@@ -149,6 +156,7 @@ def probe_under_load(policy: str, args: argparse.Namespace) -> list[float]:
         samples = []
         for i, prompt in enumerate(texts(args.probes, seed=7)):
             samples.append(ttft_s(pool.base_url, prompt, 0 if policy == "priority" else None))
+            print(f"{policy} probe {i}: TTFT {samples[-1]:.3f} s", flush=True)
             time.sleep(0.5)
         stop.set()
     return samples
@@ -185,6 +193,8 @@ def kv_events(args: argparse.Namespace) -> None:
             summary = run_bench(pool.base_url, bench)["summary"]
             duration += time.perf_counter() - start
             rows["on"].append(summary["output_throughput"])
+            print(f"turn: off {rows['off'][-1]:.1f}, on {rows['on'][-1]:.1f} output tok/s",
+                  flush=True)
             router.catch_up(0)
             router.poll(500)
             stored += router.view.num_stored + router.view.num_removed
@@ -224,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="", help="GGUF (default: the embedded SmolLM2)")
     parser.add_argument("--llama-server", default="", help="embed: llama-server's binary")
     parser.add_argument("--threads", type=int, default=2, help="embed: llama-server -t")
+    parser.add_argument("--poll", type=int, default=0, help="embed: llama-server --poll")
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--batch1-inputs", type=int, default=32)
     parser.add_argument("--batch64-requests", type=int, default=3)
