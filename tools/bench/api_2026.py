@@ -89,7 +89,8 @@ def embed(args: argparse.Namespace) -> None:
     from justapi.model.gguf_file import default_model_path
     model = args.model or default_model_path()
     ours = ServedPool("--model", model, "--pooling", "last", "--max-seqs", "64",
-                      "--max-prefill", "64", "--log-level", "warning")
+                      "--max-prefill", "64", "--threads", str(args.threads),
+                      "--log-level", "warning")
     theirs = LlamaServer(args.llama_server, model, args.threads, 64, args.poll)
     rows: dict[str, dict[int, list[float]]] = {"justapi": {1: [], 64: []},
                                                "llama-server": {1: [], 64: []}}
@@ -109,7 +110,8 @@ def embed(args: argparse.Namespace) -> None:
     finally:
         ours.stop()
         theirs.stop()
-    print(f"\n## /v1/embeddings, {model} (last pooling), best of {args.turns} turns")
+    print(f"\n## /v1/embeddings, {model} (last pooling), {args.threads} thread(s) each, "
+          f"best of {args.turns} turns")
     print(f"{'server':<14} {'batch 1 emb/s':>14} {'batch 64 emb/s':>15}")
     for name, by_batch in rows.items():
         print(f"{name:<14} {max(by_batch[1]):>14.1f} {max(by_batch[64]):>15.1f}")
@@ -130,10 +132,7 @@ def ttft_s(url: str, prompt: str, priority: int | None) -> float:
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as reply:
         for line in reply.iter_lines():
             if line.startswith("data: ") and '"text"' in line:
-                first = time.perf_counter() - start
-                for _ in reply.iter_lines():
-                    pass
-                return first
+                return time.perf_counter() - start  # (closing the stream aborts the rest)
     raise RuntimeError("no token")
 
 
@@ -147,7 +146,10 @@ def probe_under_load(policy: str, args: argparse.Namespace) -> list[float]:
             if policy == "priority":
                 body["priority"] = 10
             while not stop.is_set():
-                httpx.post(f"{pool.base_url}/v1/completions", json=body, timeout=600)
+                try:
+                    httpx.post(f"{pool.base_url}/v1/completions", json=body, timeout=600)
+                except httpx.HTTPError:
+                    return  # the server stopped
         load = [threading.Thread(target=batch_stream, args=(i,), daemon=True)
                 for i in range(args.max_seqs * 3)]
         for thread in load:
@@ -233,7 +235,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("part", choices=("embed", "priority", "kv-events"))
     parser.add_argument("--model", default="", help="GGUF (default: the embedded SmolLM2)")
     parser.add_argument("--llama-server", default="", help="embed: llama-server's binary")
-    parser.add_argument("--threads", type=int, default=2, help="embed: llama-server -t")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="embed: each server's compute threads (ours: --threads, "
+                             "llama-server: -t); 1 on a loaded machine, where two threads "
+                             "meeting at a barrier wait for a descheduled one at every op")
     parser.add_argument("--poll", type=int, default=0, help="embed: llama-server --poll")
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--batch1-inputs", type=int, default=32)
