@@ -7,6 +7,7 @@ Owns: the fields. Does not own: when they change.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from justapi.sampling import SamplingParams
 
@@ -22,3 +23,8 @@ class RequestState:
     last_sampled: tuple[int, int] | None = None
     """(position, token) this worker sampled last: what a placeholder at that position in the
     next plan stands for (overlap: planned before the scheduler saw the token)."""
+    pooling: str = ""
+    """A pooling request's pooling (protocol.POOLINGS); "" for a generation."""
+    pooled: Any = None
+    """Its state between chunks (workers/pooling.py): mean: (sum [hidden], positions); cls:
+    the first position's row."""

@@ -33,6 +33,7 @@ from workers.model.attention import AttentionBackend, AttentionBatch
 from workers.model.forward import DecoderModel
 from workers.model.rotary import long_rope_rows
 from workers.plan_check import PlanLimits, check_plan
+from workers.pooling import pool_step
 from workers.request_state import RequestState
 from workers.sampler import Sampler, SamplerOutput, SamplingRow, apply_token_bitmask
 from workers.spec.draft import DraftModel
@@ -67,6 +68,8 @@ class ModelRunner:
         p = model.params
         self.limits = PlanLimits(pool.shape.num_blocks, pool.shape.block_size, p.vocab_size,
                                  p.max_context)  # every plan is checked against them
+        self.pooling_ids: set[str] = set()  # pooling (embedding) requests this worker holds
+        self._pooled: tuple[list[str], np.ndarray] | None = None  # this step's (pooling.py)
 
     @property
     def block_size(self) -> int:
@@ -91,6 +94,10 @@ class ModelRunner:
             result = speculative_result(context, plan, logits)
         else:
             result = self._sample(plan, logits)
+        if self._pooled is not None and self._pooled[0]:
+            result = dataclasses.replace(result, pooled_request_ids=self._pooled[0],
+                                         pooled_states=self._pooled[1])
+        self._pooled = None
         self.forget(plan.finished_request_ids)
         self.timeline.mark("sample_end", plan.step_id)
         return result
@@ -124,14 +131,18 @@ class ModelRunner:
                                tree)
         long_rows = self._long_rope_rows(plan, batch)
         self.timeline.mark("forward_start", plan.step_id, plan.num_seqs)
+        pools = bool(self.pooling_ids) and not self.pooling_ids.isdisjoint(plan.request_ids)
         with torch.inference_mode():
             # graphs rotate by position alone: a long prompt's LongRoPE prefill runs eagerly
-            logits = self.graphs.run(batch, tokens, logit_rows(plan)) if self.graphs and long_rows is None else None
+            logits = self.graphs.run(batch, tokens, logit_rows(plan)) \
+                if self.graphs and long_rows is None and not pools else None
             if logits is None:
                 meta = self.backend.prepare(batch)
                 token_ids = torch.from_numpy(tokens.astype(np.int64)).to(self.model.device)
                 kv_layers = [self.pool.layer(i) for i in range(self.pool.shape.num_layers)]
                 hidden = self.model.forward(token_ids, kv_layers, self.backend, meta, long_rows)
+                if pools:  # embeddings: their rows pooled before the head reads its own
+                    self._pooled = pool_step(plan, hidden, self.requests, self.model.final_norm)
                 rows = torch.from_numpy(logit_rows(plan)).to(hidden.device)
                 logits = self.model.logits(hidden[rows])
         self.timeline.mark("forward_end", plan.step_id, len(plan.token_ids))
@@ -172,7 +183,10 @@ class ModelRunner:
     def _learn(self, plan: StepPlan, token_ids: np.ndarray) -> None:
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(
-                new.sampling, new.num_prompt_tokens, [int(t) for t in new.token_ids], len(new.token_ids))
+                new.sampling, new.num_prompt_tokens, [int(t) for t in new.token_ids],
+                len(new.token_ids), pooling=new.pooling)
+            if new.pooling:
+                self.pooling_ids.add(new.request_id)
             if self.draft is not None:  # relearned (preemption): its proposal is stale
                 self.draft.forget([new.request_id])
         tok_off = offsets(plan.num_tokens)
@@ -191,6 +205,7 @@ class ModelRunner:
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.requests.pop(request_id, None)
+            self.pooling_ids.discard(request_id)
         if self.draft is not None:
             self.draft.forget(request_ids)
 

@@ -27,6 +27,8 @@ LAUNCHERS = ("local", "ray")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
 """--reasoning-parser (justapi/frontend/reasoning/formats.py PARSER_CHOICES)."""
+POOLING_CHOICES = ("auto", "none", "last", "mean", "cls")
+MATRYOSHKA_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,11 @@ class SchedulerConfig:
               "tokens first. -1 (auto): prefill up to 5x the step's decode time; 0: off (every "
               "step takes max-batched-tokens, oldest prefill first).")
     policy: str = option("fcfs", "Waiting-queue order: fcfs, priority, or lpm (longest cached "
-                                 "prefix first).", choices=POLICIES)
+                                 "prefix first). priority (vLLM's --scheduling-policy priority): a "
+                                 "request's `priority` field orders the queue, lower first, and a "
+                                 "waiting request preempts running ones of a lower priority when "
+                                 "it lacks a seat or KV blocks.", choices=POLICIES,
+                         decls=("--policy", "--scheduling-policy"))
     scheduled: bool = option(True, "Continuous batching; --no-scheduled: static batching (a "
                                    "batch runs until all of it finishes; the benchmark baseline).")
     lpm_max_waiting: int = option(128, "lpm orders by cached prefix only while at most this many "
@@ -147,8 +153,20 @@ class ModelConfig:
     cuda_graphs: bool = option(True, "GPU: replay decode (and uniform verification) steps from "
                                      "CUDA graphs captured per batch size at start; "
                                      "--no-cuda-graphs launches each kernel from Python.")
+    pooling: str = option("auto", "/v1/embeddings: how a prompt's hidden states become one "
+                                  "vector. auto: the GGUF's pooling_type (a file without one "
+                                  "serves no embeddings); last, mean, cls: that pooling (as "
+                                  "llama-server's --pooling); none: no embeddings.",
+                          choices=POOLING_CHOICES)
+    matryoshka: str = option("auto", "/v1/embeddings `dimensions` (a Matryoshka-trained model's "
+                                     "leading dimensions, renormalized). auto: on for the "
+                                     "Qwen3-Embedding family (trained so), else off, where only "
+                                     "the full size is accepted.",
+                             choices=MATRYOSHKA_CHOICES)
 
     def __post_init__(self) -> None:
+        check_choice(self.pooling, "pooling", POOLING_CHOICES)
+        check_choice(self.matryoshka, "matryoshka", MATRYOSHKA_CHOICES)
         check_choice(self.device, "device", DEVICES)
         check_choice(self.weights, "weights", WEIGHT_MODES)
         check_number(self.max_context, "max-context", low=0, integer=True)

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API: FastAPI app factory, routes, error bodies, uvicorn server.
 
 Routes: /v1/completions, /v1/chat/completions (SSE when stream=true), /v1/responses,
-/v1/messages (+ /count_tokens; errors in Anthropic's shape there), /v1/models, /tokenize,
-/detokenize, /health, /metrics (and FastAPI's /openapi.json). Every refusal is an
+/v1/messages (+ /count_tokens; errors in Anthropic's shape there), /v1/embeddings,
+/v1/models, /tokenize, /detokenize, /health, /metrics (and FastAPI's /openapi.json). Every refusal is an
 OpenAI-style error body (validation errors are 400, like vLLM, not FastAPI's 422). A client
 that disconnects, streaming or not, gets its scheduler requests aborted at once.
 Owns: the HTTP surface. Does not own: request semantics (serving*.py, prompts.py, choices.py,
@@ -33,6 +33,7 @@ from justapi.frontend.errors import (
     anthropic_error_body,
     from_validation_errors,
 )
+from justapi.frontend.embedding_models import EmbeddingRequest, EmbeddingResponse
 from justapi.frontend.guards import DEFAULT_MAX_REQUEST_BYTES, HttpGuards
 from justapi.frontend.openai_models import (
     ChatCompletionRequest,
@@ -54,6 +55,7 @@ from justapi.frontend.responses.output import create_response
 from justapi.frontend.serving import Serving
 from justapi.frontend.serving_chat import chat_prompt, create_chat_completion
 from justapi.frontend.serving_completions import create_completion
+from justapi.frontend.serving_embeddings import create_embedding
 from justapi.wire.protocol import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -80,6 +82,7 @@ def build_app(serving: Serving, *, api_key: str = "",
                        rejections=serving.admission.rejections)
     _add_error_handlers(app)
     _add_generation_routes(app, serving)
+    _add_embedding_routes(app, serving)
     _add_model_routes(app, serving)
     _add_ops_routes(app, serving)
     return app
@@ -159,6 +162,12 @@ def _add_generation_routes(app: FastAPI, serving: Serving) -> None:
     @app.post(f"{MESSAGES_PATH}/count_tokens", responses=ERRORS)
     async def count_message_tokens(body: CountTokensRequest) -> Response:
         return json_response(count_tokens(serving, body))
+
+
+def _add_embedding_routes(app: FastAPI, serving: Serving) -> None:
+    @app.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **ERRORS})
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await _respond(request, create_embedding(serving, body, time.perf_counter()))
 
 
 async def _respond(request: Request, work: Awaitable[dict | AsyncIterator[bytes]]) -> Response:

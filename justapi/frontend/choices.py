@@ -54,6 +54,7 @@ def start_choices(serving: Serving, request: GenerationFields, prompts: list[Pro
         raise ApiError(f"prompts x n must be at most {MAX_CHOICES}, got "
                        f"{len(prompts)} x {request.n}", param="n")
     rules = serving.sampling_rules
+    priority = serving.check_priority(request.priority)
     stop = rules.stop_strings(request.stop)
     plans = []
     for prompt, limit in zip(prompts, max_tokens, strict=True):
@@ -65,7 +66,8 @@ def start_choices(serving: Serving, request: GenerationFields, prompts: list[Pro
             plans.append((prompt.token_ids, sampling, options))
     serving.check_available(len(plans))  # everything validated: only now submit
     serving.log_request("HTTP", prompts, plans[0][1])
-    return [serving.start(ids, sampling, options, arrival_s) for ids, sampling, options in plans]
+    return [serving.start(ids, sampling, options, arrival_s, priority)
+            for ids, sampling, options in plans]
 
 
 def close_all(generations: Sequence[Generation]) -> None:

@@ -44,6 +44,7 @@ class RequestDelta:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     error: str | None = None
+    embedding: np.ndarray | None = None  # a pooling request's pooled state, float32 [hidden]
 
 
 class RequestStream:
@@ -78,7 +79,7 @@ class RequestStream:
                 num_cached_tokens=delta.num_cached_tokens + nxt.num_cached_tokens,
                 logprobs=delta.logprobs + nxt.logprobs,
                 top_logprobs=delta.top_logprobs + nxt.top_logprobs,
-                error=nxt.error)
+                error=nxt.error, embedding=nxt.embedding)
         return delta
 
 
@@ -174,6 +175,8 @@ class EngineClient:
         tok_off = offsets(deltas.num_new_tokens)
         has_logprobs = len(deltas.logprobs) > 0
         cached = deltas.num_cached_tokens
+        embeddings = dict(zip(deltas.embedding_request_ids, deltas.embeddings)) \
+            if deltas.embedding_request_ids else None
         for i, request_id in enumerate(deltas.request_ids):
             stream = self._streams.get(request_id)
             if stream is None:
@@ -184,6 +187,8 @@ class EngineClient:
                 finish_reason=deltas.finish_reasons[i],
                 num_cached_tokens=int(cached[i]) if len(cached) else 0,
                 error=deltas.errors.get(request_id))
+            if embeddings is not None:
+                delta.embedding = embeddings.get(request_id)
             if has_logprobs:
                 delta.logprobs = deltas.logprobs[lo:hi].tolist()
                 delta.top_logprobs = _top_pairs(deltas, lo, hi)

@@ -103,6 +103,9 @@ class GenerationFields(OutputConstraintFields):
     """Accepted and ignored."""
     logit_bias: dict[str, float] | None = None
     """Token id (as a string) -> bias in [-100, 100], added to that token's logit."""
+    priority: int = 0
+    """vLLM's: with --scheduling-policy priority, lower is served sooner (and may preempt
+    running requests of a higher value); any other value than 0 is refused otherwise."""
 
 
 class CompletionRequest(GenerationFields):

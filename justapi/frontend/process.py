@@ -47,7 +47,9 @@ def settings_of(spec: ChildSpec) -> FrontendSettings:
         max_in_flight=running_capacity + server.max_queue,
         log_requests=server.log_requests,
         sampling_defaults=spec.config.sampling.given(),
-        reasoning_parser=server.reasoning_parser)
+        reasoning_parser=server.reasoning_parser,
+        scheduling_policy=spec.config.scheduler.policy,
+        pooling=spec.config.model.pooling, matryoshka=spec.config.model.matryoshka)
 
 
 async def serve(spec: ChildSpec) -> None:

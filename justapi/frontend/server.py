@@ -24,7 +24,7 @@ from justapi.frontend.text.tokenizer import Tokenizer
 from justapi.frontend.tools.formats import detect_tool_format
 from justapi.frontend.zmq_server import ZmqServer
 from justapi.model.gguf_file import GGUFFile
-from justapi.model.info import model_sampling_defaults
+from justapi.model.info import is_matryoshka, model_pooling, model_sampling_defaults
 from justapi.sampling import SamplingDefaults
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,12 @@ class FrontendSettings:
     llama-server's, fill in the rest."""
     reasoning_parser: str = "auto"
     """How replies are split into thinking and answer (auto: from the chat template)."""
+    scheduling_policy: str = "fcfs"
+    """The scheduler's policy (requests' `priority` counts under "priority" only)."""
+    pooling: str = "auto"
+    """ModelConfig.pooling: /v1/embeddings' pooling (auto: the GGUF's pooling_type)."""
+    matryoshka: str = "auto"
+    """ModelConfig.matryoshka: whether `dimensions` may truncate."""
 
 
 def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettings) -> Serving:
@@ -85,7 +91,11 @@ def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettin
     logger.info("sampling defaults for fields a request leaves out: %s", defaults.describe())
     config = ServingConfig(model_name=name, max_context=max_context, model_aliases=aliases,
                            max_in_flight=settings.max_in_flight,
-                           log_requests=settings.log_requests, sampling_defaults=defaults)
+                           log_requests=settings.log_requests, sampling_defaults=defaults,
+                           scheduling_policy=settings.scheduling_policy,
+                           pooling=model_pooling(gguf, settings.pooling),
+                           is_matryoshka=is_matryoshka(gguf, settings.matryoshka),
+                           hidden_size=int(gguf.arch_get("embedding_length", 0) or 0))
     tool_format = detect_tool_format(template.source)
     reasoning = ReasoningSetup.from_template(template.source, tokenizer, settings.reasoning_parser)
     logger.info("tool calls in the %s format; reasoning parser: %s", tool_format.name,

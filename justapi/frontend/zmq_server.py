@@ -132,6 +132,7 @@ class ZmqServer:
     def _start(self, submit: SubmitGeneration) -> tuple[Generation, ToolReply | None]:
         serving = self._serving
         rules = serving.sampling_rules
+        priority = serving.check_priority(submit.priority)
         token_ids, plan, output = self._prompt(submit)
         filled = rules.defaults.apply(submit.sampling, submit.unset_sampling)
         sampling = rules.check_sampling(_constrained(filled, output.structured))
@@ -140,7 +141,7 @@ class ZmqServer:
         serving.check_available()
         serving.log_request("ZMQ", [Prompt(token_ids, submit.prompt or None)], sampling)
         options = rules.text_options(sampling, stop, output.show_special_tokens)
-        generation = serving.start(token_ids, sampling, options, time.perf_counter())
+        generation = serving.start(token_ids, sampling, options, time.perf_counter(), priority)
         return generation, ToolReply(plan.tool_format) if plan else None
 
     def _prompt(self, submit: SubmitGeneration) -> tuple[list[int], ToolPlan | None, OutputRules]:

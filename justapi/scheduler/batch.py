@@ -105,7 +105,7 @@ class StepBatch:
         self.starts.append(start)
         self.num_tokens.append(num_tokens)
         self.num_drafts.append(max(0, num_tokens - known))
-        self.is_sampled.append(num_tokens >= known)
+        self.is_sampled.append(num_tokens >= known and not req.pooling)
         self.is_prefill.append(is_prefill)
         self.num_blocks.append((start + num_tokens + self.block_size - 1) // self.block_size)
         self.num_propose.append(0)
@@ -237,4 +237,4 @@ def _empty() -> np.ndarray:
 def _new_request(req: Request) -> NewRequest:
     return NewRequest(request_id=req.request_id, sampling=req.sampling,
                       num_prompt_tokens=req.num_prompt_tokens,
-                      token_ids=np.array(req.token_ids, dtype=np.int32))
+                      token_ids=np.array(req.token_ids, dtype=np.int32), pooling=req.pooling)

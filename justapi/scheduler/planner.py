@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator
 from justapi.scheduler.batch import StepBatch
 from justapi.scheduler.overlap import can_plan_ahead
 from justapi.scheduler.policy import AdmissionOrder, choose_victim, has_newer_holder
+from justapi.scheduler.priority import PriorityPreemption
 from justapi.scheduler.request import Request, RequestStatus
 from justapi.scheduler.state import SchedulerState
 from justapi.scheduler.step_budget import StepBudget, prefill_rank
@@ -53,6 +54,8 @@ class StepPlanner:
         self.budget = StepBudget(state.config.itl_target_ms)
         self.faults = state.faults
         self.batch = StepBatch(state.config, state.block_size)  # the one being planned (or last)
+        self.priority = PriorityPreemption(state)
+        self._held: set[str] = set()  # priority: victims left out of this plan (priority.py)
         self._prefill_propose = 0  # draft-model tokens a prompt finishing this step asks for
 
     def plan(self, worker: WorkerState) -> StepBatch:
@@ -61,6 +64,7 @@ class StepPlanner:
         if self.state.structured is not None:
             self._fit_grammar_drafts(worker)
         admits = self.state.admits(worker)  # draining or PD decode: only runs what it has
+        self._held = self.priority.make_room(worker) if self.priority.is_enabled else set()
         if admits and not self.config.scheduled and not worker.running:
             self._admit_static(worker, batch)
         prefills = self._schedule_decodes(worker, batch)
@@ -84,7 +88,9 @@ class StepPlanner:
                 continue  # preempted while this loop ran
             if req.is_in_flight and not can_plan_ahead(req):
                 continue  # overlap: it waits for its step in flight to land
-            if req.num_computed_tokens < len(req.token_ids) - 1 - req.num_jumped:
+            if self._held and req.request_id in self._held:
+                continue  # priority: to be preempted once its step lands
+            if req.num_computed_tokens < len(req.token_ids) - 1 - req.num_jumped or req.pooling:
                 prefills.append(req)
                 continue
             if not batch.has_decode_room:
@@ -299,7 +305,7 @@ class StepPlanner:
             if (len(worker.running) >= min(max_seqs, share) or not batch.has_prefill_room):
                 return
             cached = None
-            if prefilling:
+            if prefilling and not req.needs_every_position:  # (it takes no cache hits)
                 try:
                     cached = self._cached_blocks(req)  # probed once: a ranked order reuses it
                     joins = self._joins_a_prefill(req, cached, prefilling)

@@ -25,6 +25,7 @@ from justapi.launch.child import ChildSpec, StopFlag, report, start_child
 from justapi.ops.timeline import Timeline
 from justapi.scheduler.admin import AdminServer
 from justapi.scheduler.factory import build_scheduler
+from justapi.scheduler.kv.publisher import KvEvents, open_kv_events
 from justapi.scheduler.worker_links import open_links
 from justapi.wire import transport
 from justapi.wire.ids import heartbeat_identity, worker_identity
@@ -75,6 +76,7 @@ class SchedulerProcess:
         os.set_blocking(self._wake_write, False)
         self.poller.register(self._wake_read, zmq.POLLIN)
         self.core: Any = None
+        self.kv_events: KvEvents | None = None  # --kv-events (kv/publisher.py)
         self._last_stats_s = 0.0
         self.timeline = Timeline.from_env("scheduler")
 
@@ -93,6 +95,8 @@ class SchedulerProcess:
         self.core = build_scheduler(self.spec.config, list(self.readies.values()),
                                     {**self.spec.extra, "model_path": self.spec.model_path},
                                     on_grammar=self._wake)
+        self.kv_events = open_kv_events(self.spec.config.ops, self.spec.config.model.device,
+                                        self.core.state.kv)
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> None:
@@ -107,11 +111,13 @@ class SchedulerProcess:
             for sender, message in transport.drain(self.workers, routed=True):
                 self._on_worker(sender, message)  # update: results -> deltas
             for part in (self._take_grammars, self._between_steps, self._schedule,
-                         self._maybe_push_stats):
+                         self._flush_kv_events, self._maybe_push_stats):
                 try:
                     part()
                 except Exception:
                     logger.exception("%s failed; the loop goes on", part.__name__.strip("_"))
+        if self.kv_events is not None:
+            self.kv_events.close()
         self._stop_workers()
 
     def _schedule(self) -> None:
@@ -120,6 +126,11 @@ class SchedulerProcess:
             self._execute(worker_id, order)
             self.timeline.mark("plan_out", getattr(order, "step_id", -1), worker_id)
         self._send_deltas(self.core.take_failures())
+
+    def _flush_kv_events(self) -> None:
+        """--kv-events: this iteration's block events out as one batch per pool."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     def _wake(self) -> None:
         """A grammar compile finished (called in the compile thread)."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from justapi.scheduler.deltas import DeltaBuilder
 from justapi.scheduler.overlap import finish_or_hold, land, later_step
 from justapi.scheduler.request import Request
@@ -105,6 +107,8 @@ class ResultApplier:
         self.kv.cache_computed(req, num_written, later.deferred_blocks if later else None)
 
     def _apply_chunks(self, step: InFlightStep, result: StepResult, deltas: DeltaBuilder) -> None:
+        pooled = dict(zip(result.pooled_request_ids, result.pooled_states)) \
+            if result.pooled_request_ids else None
         sampled = result.sampled_token_ids.tolist()
         counts = iter(result.num_sampled.tolist())
         proposals = _proposals(result) if len(result.num_proposed) else None
@@ -117,7 +121,7 @@ class ResultApplier:
             count = 0
             try:  # a request's failure here is its own (faults.py), not the step's
                 if not is_sampled:  # a prefill chunk short of the prompt's end
-                    self._unsampled(req, end, deltas)
+                    self._unsampled(req, end, pooled, deltas)
                     continue
                 count = next(counts)
                 index += 1
@@ -151,14 +155,33 @@ class ResultApplier:
                 self.state.faults.fail(req, "results", exc, deltas)
             position += count
 
-    def _unsampled(self, req: Request, end: int, deltas: DeltaBuilder) -> None:
-        """A chunk that samples nothing (a prompt's part): its KV below `end` is written."""
+    def _unsampled(self, req: Request, end: int, pooled: dict[str, np.ndarray] | None,
+                   deltas: DeltaBuilder) -> None:
+        """A chunk that samples nothing (a prompt's part, or a pooling request's): its KV below
+        `end` is written; a pooling request whose prompt is done finishes with its state."""
         if req.is_finishing:
             self._drop(req)
         elif req.is_abort_pending:
             self._finish(req, FINISH_ABORT, [], deltas)
         else:
             self._cache(req, end)
+            if req.pooling and end >= req.num_prompt_tokens:
+                self._pooled(req, pooled, deltas)
+
+    def _pooled(self, req: Request, pooled: dict[str, np.ndarray] | None,
+                 deltas: DeltaBuilder) -> None:
+        """A pooling request's prompt is computed: it finishes with its pooled state (its
+        blocks go; the full ones stay in the prefix cache)."""
+        state = pooled.get(req.request_id) if pooled is not None else None
+        if state is None:
+            self.state.counters.num_errors += 1
+            finish_or_hold(self.state, req, FINISH_ERROR)
+            deltas.add_error(req, FINISH_ERROR, f"step {deltas.step_id}: the worker returned no "
+                                                "pooled state for the request")
+            return
+        finish_or_hold(self.state, req, FINISH_STOP)
+        deltas.add(req, [], FINISH_STOP)
+        deltas.add_embedding(req.request_id, state)
 
     def _accept(self, req: Request, num_drafts: int, tokens: list[int],
                 deltas: DeltaBuilder, first_index: int) -> None:

@@ -93,9 +93,12 @@ class Scheduler:
             raise ValueError(f"request id {rid!r} is already in flight")
         tokens = _token_array(request.prompt_token_ids, rid)
         limit = state.limits.max_context
-        if len(tokens) + 1 > limit:
+        if len(tokens) + (0 if request.pooling else 1) > limit:
             raise ValueError(f"request {rid!r}: prompt of {len(tokens)} tokens leaves no room "
                              f"for output in the context of {limit} tokens")
+        if request.pooling and (request.sampling.structured is not None or not len(tokens)):
+            raise ValueError(f"request {rid!r}: a pooling request needs a prompt and no "
+                             "output constraint")
         if request.sampling.structured is not None and state.structured is None:
             raise ValueError(f"request {rid!r}: structured outputs need the model's tokenizer, "
                              "which this server does not have")
@@ -104,6 +107,7 @@ class Scheduler:
         req.sort_key = sort_key(state.config.policy, req.priority, req.seq)
         req.arrival_time_s = float(request.arrival_time_s)
         req.cache_salt = str(request.cache_salt)
+        req.pooling = request.pooling
         req.stop_ids = frozenset(request.sampling.stop_token_ids) | (
             frozenset() if request.sampling.ignore_eos else state.eos_token_ids)
         pool_id = self.router.choose_pool(req)

@@ -135,7 +135,8 @@ class SchedulerState:
         """Bind a waiting request to a pool (routing); its context cap follows the pool."""
         req.pool_id = pool_id
         req.max_len = min(self.limits.max_context, self.pool_capacity_tokens(pool_id))
-        req.final_len = min(req.max_len, req.num_prompt_tokens + req.sampling.max_tokens)
+        req.final_len = min(req.max_len, req.num_prompt_tokens + (
+            0 if req.pooling else req.sampling.max_tokens))
 
     def enqueue(self, req: Request) -> None:
         req.status = RequestStatus.WAITING

@@ -27,7 +27,7 @@ from justapi.model.gguf_file import GGUFFile, default_model_path
 from justapi.sampling import SamplingDefaults
 from justapi.wire import transport
 from justapi.wire.protocol import SubmitRequest
-from tests.support.api_fake_scheduler import FakeScheduler, Script
+from tests.support.api_fake_scheduler import FAKE_HIDDEN, FakeScheduler, Script
 
 MODEL = "smollm2-test"
 TEXTS = (" Hello world! The quick brown fox jumps over the lazy dog.",
@@ -95,7 +95,9 @@ async def serving_stack(script: Script = seeded_script, *, max_context: int = 25
                         sampling_defaults: SamplingDefaults | None = None,
                         template: ChatTemplate | None = None,
                         tool_format: ToolFormat = GENERIC,
-                        reasoning: ReasoningSetup = NO_REASONING) -> AsyncIterator[Stack]:
+                        reasoning: ReasoningSetup = NO_REASONING,
+                        scheduling_policy: str = "fcfs", pooling: str = "last",
+                        is_matryoshka: bool = False) -> AsyncIterator[Stack]:
     """The stack over SmolLM2's tokenizer; `template` (default: SmolLM2's own), `tool_format`
     and `reasoning` as build_serving would find them for another template."""
     runtime_dir = tmp_dir or transport.make_runtime_dir("justapi-test-")
@@ -106,7 +108,9 @@ async def serving_stack(script: Script = seeded_script, *, max_context: int = 25
     metrics = FrontendMetrics(MODEL, lambda: engine.stats)
     template = template or chat_template()
     config = ServingConfig(MODEL, max_context,
-                           sampling_defaults=sampling_defaults or SamplingDefaults.resolve())
+                           sampling_defaults=sampling_defaults or SamplingDefaults.resolve(),
+                           scheduling_policy=scheduling_policy, pooling=pooling,
+                           is_matryoshka=is_matryoshka, hidden_size=FAKE_HIDDEN)
     serving = Serving(engine, tokenizer(), template.render, config, metrics,
                       tool_format=tool_format, reasoning=reasoning)
     app = build_app(serving)

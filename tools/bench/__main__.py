@@ -30,6 +30,7 @@ SCENARIOS = {
     "timeline": "where a served step's time goes (per-process timelines); serving vs offline",
     "structured": "structured outputs: constrained vs free decoding, grammar compile times",
     "plan-check": "what checking each plan against the pool and model costs a decode step",
+    "api-2026": "embeddings vs llama-server, TTFT with priorities, the cost of KV events",
 }
 USAGE = "usage: python -m tools.bench SCENARIO [flags]   (python -m tools.bench SCENARIO --help)"
 

@@ -277,6 +277,11 @@ class DecoderModel:
             out = out + layer.attn_out_bias
         return out if layer.post_attn_norm is None else rms_norm(out, layer.post_attn_norm, p.rms_eps)
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> the final norm's output [N, hidden] in fp32: what the head
+        reads, and what embeddings pool (llama.cpp's and HF's last_hidden_state)."""
+        return rms_norm(hidden, self.output_norm, self.params.rms_eps).float()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (rows to sample) -> fp32 logits [N, vocab]."""
         p = self.params
