@@ -4,6 +4,8 @@ CPU workers map the launcher's shared-memory pool (all CPU workers share one poo
 --pd-separate-pools one per side); a GPU worker allocates its own pool on its device and
 exports a CUDA IPC handle in its Ready. A PD decode worker also executes CopyBlocks orders.
 A heartbeat thread (own socket) reports every HEARTBEAT_INTERVAL_S with process figures.
+A restarted scheduler attaches to it (AttachWorker): it forgets every request and sends
+its Ready again.
 Where it runs is a link passed in (link.py): a process the launcher started here
 (LocalLink, this module's main) or a Ray actor on some host (RayLink).
 Owns: its model, its ModelRunner state, its sockets. Does not own: which blocks hold what.
@@ -31,6 +33,7 @@ from justapi.ops.timeline import Timeline
 from justapi.wire import transport
 from justapi.wire.ids import HEARTBEAT_INTERVAL_S, heartbeat_identity, worker_identity
 from justapi.wire.protocol import (
+    AttachWorker,
     CopyBlocks,
     Heartbeat,
     PoolInfo,
@@ -150,6 +153,8 @@ class Worker:
     def _on_message(self, message: Any) -> None:
         if isinstance(message, Shutdown):
             self.stop.set()
+        elif isinstance(message, AttachWorker):
+            self.attach(message)
         elif isinstance(message, StepPlan):
             self.timeline.mark_cpu(message.step_id)
             self.timeline.mark("plan_in", message.step_id, message.num_seqs)
@@ -162,6 +167,17 @@ class Worker:
                 transport.send(self.sock, reply)
         else:
             logger.warning("ignored unexpected %s", type(message).__name__)
+
+    def attach(self, order: AttachWorker) -> None:
+        """A restarted scheduler takes this worker over. Every request the dead one planned is
+        forgotten (the new one announces what it resubmits as new requests, and a stale
+        sampled token must never fill a new plan's placeholder). The dead scheduler's last
+        plans already ran (they were queued before this order): their KV writes precede any
+        plan of the new scheduler, which plans nothing before every worker's Ready."""
+        logger.warning("scheduler (pid %d) took over; forgetting %d request(s)",
+                       order.scheduler_pid, len(self.runner.requests))
+        self.runner.forget(list(self.runner.requests))
+        transport.send(self.sock, self.ready_message())
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step; its result reports the time it took (the scheduler's step costs)."""

@@ -414,3 +414,5 @@ class HealthResponse(ResponseModel):
     warnings: list[str] = []
     workers: list[HealthWorker] = []
     hosts: list[HealthHost] = []
+    scheduler_restarts: int = 0
+    """Schedulers that took the open requests over after the one before died."""

@@ -8,7 +8,8 @@ a control socket. On SIGINT/SIGTERM it stops frontend (which first lets in-fligh
 finish, shutdown-grace-s), then scheduler, then workers; stragglers are killed; then the
 placement closes (pools, remote workers) and the runtime dir goes.
 A local worker that dies while serving goes to the supervisor (supervisor.py), which logs
-it and, with --restart-workers, starts a replacement.
+it and, with --restart-workers, starts a replacement. A scheduler that dies is started again
+(--restart-scheduler, on by default); the pool stops only when it may not be.
 Owns: child processes, the runtime dir, the control socket. Does not own: what the children
 do, where the workers run (the placement).
 """
@@ -28,7 +29,7 @@ import zmq
 from justapi.config.serve import API_KEY_ENV, ServeConfig
 from justapi.launch.child import ChildSpec, Endpoints
 from justapi.launch.placement import LocalPlacement, Placement
-from justapi.launch.supervisor import WorkerSupervisor
+from justapi.launch.supervisor import SchedulerSupervisor, WorkerSupervisor
 from justapi.model.info import ModelInfo
 from justapi.wire import transport
 from justapi.wire.protocol import FenceWorker, ProcessFailed, ProcessReady
@@ -42,6 +43,7 @@ ROLE_MODULES = {
 }
 STOP_ORDER = ("frontend", "scheduler", "worker")
 STOP_GRACE_S = 10.0
+WAIT_POLL_S = 0.05  # how soon a dead scheduler is noticed (and its successor started)
 
 
 class LaunchError(RuntimeError):
@@ -86,6 +88,7 @@ class Launcher:
         self.children: list[Child] = []
         self.pool: dict[str, Any] = {}
         self.supervisor = WorkerSupervisor(config.ops, self._respawn)
+        self.scheduler_supervisor = SchedulerSupervisor(config.ops)
         self._context = zmq.Context()
         self._control = transport.make_socket(self._context, zmq.PULL, self.endpoints.control,
                                               bind=True)
@@ -121,6 +124,7 @@ class Launcher:
         extra: dict[str, Any] = {"num_workers": self.config.server.workers}
         if role == "scheduler":  # how it reaches the workers (Ray: tcp + CURVE, its host)
             extra.update(self.placement.scheduler_extra())
+            extra["num_restarts"] = self.scheduler_supervisor.num_restarts
         if role == "frontend":  # it watches the scheduler's process (a SIGKILL -> 503s at once)
             extra["scheduler_pid"] = next((c.process.pid for c in self.children
                                            if c.role == "scheduler"), 0)
@@ -193,9 +197,10 @@ class Launcher:
         worker is the supervisor's or the placement's (restart or not), and the scheduler's
         (fence, re-queue)."""
         while not stop_requested():
-            for child in self.children:
-                if child.role != "worker" and child.process.poll() is not None:
-                    return f"{child.name} exited with code {child.process.returncode}"
+            dead = next((c for c in self.children
+                         if c.role != "worker" and c.process.poll() is not None), None)
+            if dead is not None and not self._restart_scheduler(dead):
+                return f"{dead.name} exited with code {dead.process.returncode}"
             self.supervisor.check(self.children)
             self.placement.check(starting=False)
             for _, message in transport.drain(self._control):
@@ -203,8 +208,17 @@ class Launcher:
                     logger.error("%s %d failed: %s", message.role, message.index, message.error)
                 else:
                     self._on_control(message)  # a replacement worker's ProcessReady
-            time.sleep(0.2)
+            time.sleep(WAIT_POLL_S)
         return "stop requested"
+
+    def _restart_scheduler(self, child: Child) -> bool:
+        """A dead scheduler's successor, when the supervisor allows one (False: stop the pool).
+        The workers and the frontend stay; the new scheduler takes them over."""
+        if child.role != "scheduler" or not self.scheduler_supervisor.on_exit(
+                child.process.pid, child.process.returncode):
+            return False
+        self._respawn(child)
+        return True
 
     def _respawn(self, child: Any) -> None:
         self.children.remove(child)

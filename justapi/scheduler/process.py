@@ -6,6 +6,9 @@ SchedulerStats back to the frontend; answers the admin socket between steps (adm
 How it reaches the workers is chosen from its spec (worker_links.py): on this host, or on
 other hosts (launcher = "ray": CURVE, KV copies relayed, fences through the launcher).
 Never busy-polls: it blocks on its sockets, and every change of state arrives as a message.
+A scheduler the launcher restarted (the old one died) starts with an empty core: it takes
+its running workers over (AttachWorker -> Ready), then tells the frontend (SchedulerStarted),
+which resubmits every open request with the tokens it already delivered.
 Owns: sockets, clocks, the workers' Ready table. Does not own: scheduling decisions
 (the core), health verdicts and fencing (justapi/health/watch.py), tokens-to-text.
 """
@@ -31,10 +34,12 @@ from justapi.wire.ids import heartbeat_identity, worker_identity
 from justapi.wire.protocol import (
     FINISH_ERROR,
     AbortRequest,
+    AttachWorker,
     BlockData,
     BlocksCopied,
     Heartbeat,
     Ready,
+    SchedulerStarted,
     SchedulerStats,
     Shutdown,
     StepPlan,
@@ -46,6 +51,7 @@ from justapi.wire.protocol import (
 logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_MS = 100
+ATTACH_POLL_MS = 10  # a restarted scheduler looks for its workers' reconnections this often
 STATS_INTERVAL_S = 0.5
 
 
@@ -54,6 +60,7 @@ class SchedulerProcess:
         self.spec = spec
         self.stop = stop
         self.num_workers = int(spec.extra.get("num_workers", spec.config.server.workers))
+        self.num_restarts = int(spec.extra.get("num_restarts", 0))  # 0: the pool's first scheduler
         ctx = zmq.Context()
         self.context = ctx
         self.inbox = transport.make_socket(ctx, zmq.PULL, spec.endpoints.scheduler_in, bind=True)
@@ -80,19 +87,45 @@ class SchedulerProcess:
 
     # ---------------------------------------------------------------- start-up
     def wait_for_workers(self, timeout_s: float) -> None:
+        """Every worker's Ready, then the core. A restarted scheduler (num_restarts > 0) finds
+        its workers running: it asks each for a Ready (AttachWorker) as soon as that worker's
+        socket has reconnected; what they still send for the dead scheduler before it (results
+        of its last plans, heartbeats) is dropped here."""
         deadline = time.monotonic() + timeout_s
+        attached: set[int] = set()
         while len(self.readies) < self.num_workers and not self.stop.is_set:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.num_workers)) - set(self.readies))
                 raise RuntimeError(f"no Ready from worker(s) {missing} in {timeout_s:.0f}s")
-            if self.poller.poll(POLL_TIMEOUT_MS):
+            if self.num_restarts:
+                self._attach_workers(attached)
+            if self.poller.poll(ATTACH_POLL_MS if self.num_restarts else POLL_TIMEOUT_MS):
                 for sender, message in transport.drain(self.workers, routed=True):
-                    if isinstance(message, Ready):
+                    if isinstance(message, Ready) and self._is_own(sender, message):
                         self.readies[message.worker_id] = message
                         self.health.on_ready(message)
         self.core = build_scheduler(self.spec.config, list(self.readies.values()),
                                     {**self.spec.extra, "model_path": self.spec.model_path},
                                     on_grammar=self._wake)
+        if self.num_restarts:  # queued for the dead scheduler: the frontend resubmits it all
+            stale = transport.drain(self.inbox)
+            if stale:
+                logger.info("dropped %d message(s) sent to the previous scheduler", len(stale))
+        # the frontend resubmits what it holds to a scheduler it has not seen
+        transport.send(self.outbox, SchedulerStarted(os.getpid(), self.num_restarts))
+
+    def _attach_workers(self, attached: set[int]) -> None:
+        """AttachWorker once to each worker whose socket is connected (the ROUTER refuses a
+        send to one that is not yet: tried again next turn)."""
+        for worker_id in range(self.num_workers):
+            if worker_id in attached:
+                continue
+            try:
+                transport.send(self.workers, AttachWorker(os.getpid()),
+                               to=worker_identity(worker_id), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:  # not reconnected yet
+                continue
+            attached.add(worker_id)
 
     # ---------------------------------------------------------------- the loop
     def run(self) -> None:
@@ -150,10 +183,10 @@ class SchedulerProcess:
     def _check_vocab(self, request: SubmitRequest) -> None:
         """A token id past the vocabulary would fail the whole step it is batched in."""
         vocab_size = min((r.vocab_size for r in self.readies.values()), default=0)
-        ids = request.prompt_token_ids
-        if vocab_size and len(ids) and int(np.max(ids)) >= vocab_size:
-            raise ValueError(f"request {request.request_id!r}: token id {int(np.max(ids))} "
-                             f"is not in the vocabulary [0, {vocab_size})")
+        for ids in (request.prompt_token_ids, request.output_token_ids):
+            if vocab_size and len(ids) and int(np.max(ids)) >= vocab_size:
+                raise ValueError(f"request {request.request_id!r}: token id {int(np.max(ids))} "
+                                 f"is not in the vocabulary [0, {vocab_size})")
 
     def _on_worker(self, sender: bytes | None, message: Any) -> None:
         if not self._is_own(sender, message):

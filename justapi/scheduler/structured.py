@@ -2,6 +2,7 @@
 to it, the token bitmasks of a step, and forced tokens.
 
     add_request -> hold (compile on the pool) -> ready: queued as usual | failed: "error"
+                   (a resubmitted request's delivered tokens are replayed into it first)
     before a step: drafts cut at the first node the grammar refuses
     the step:      one mask row per constrained logits row (root + drafts), in the plan
     the result:    each emitted token is consumed once; a complete grammar finishes "stop";
@@ -76,7 +77,8 @@ class StructuredOutputs:
         out = []
         for rid, grammar in grammars.items():
             if grammar.is_compiled:
-                error = grammar.start()
+                req = self.pending[rid]
+                error = grammar.start() or grammar.replay(req.token_ids[req.num_prompt_tokens:])
                 self.num_failed += bool(error)
                 out.append((self.pending.pop(rid), error))
         return out

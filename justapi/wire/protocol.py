@@ -236,6 +236,16 @@ class Shutdown:
     reason: str = ""
 
 
+@register("AttachWorker")
+@dataclass(frozen=True)
+class AttachWorker:
+    """A restarted scheduler takes the worker over: the worker forgets every request it knew
+    (the old scheduler's, recomputed from the frontend's resubmissions) and answers with its
+    Ready. Sent once per worker, only by a scheduler that is not the pool's first."""
+
+    scheduler_pid: int
+
+
 # --------------------------------------------------------------------------------------
 # worker -> scheduler
 # --------------------------------------------------------------------------------------
@@ -513,7 +523,9 @@ FINISH_ERROR = "error"  # could not be served (see TokenDeltas.errors)
 @dataclass(frozen=True)
 class SubmitRequest:
     """A tokenized request. `cache_salt` namespaces the prefix cache (model, adapter, tenant):
-    requests with different salts never share cached blocks."""
+    requests with different salts never share cached blocks. `output_token_ids` are tokens
+    already delivered to the client (a resubmission after a scheduler restart): they continue
+    the output (max_tokens, penalties, seeds, a grammar count them), they are not prompt."""
 
     request_id: str
     prompt_token_ids: np.ndarray  # int32 [num_prompt_tokens]
@@ -521,6 +533,7 @@ class SubmitRequest:
     arrival_time_s: float = 0.0
     priority: int = 0
     cache_salt: str = ""
+    output_token_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [delivered]
 
 
 @register("AbortRequest")
@@ -557,6 +570,17 @@ class TokenDeltas:
             raise ProtocolError("TokenDeltas columns must have one entry per request")
         if int(np.sum(self.num_new_tokens)) != len(self.token_ids):
             raise ProtocolError("TokenDeltas.token_ids length disagrees with num_new_tokens")
+
+
+@register("SchedulerStarted")
+@dataclass(frozen=True)
+class SchedulerStarted:
+    """A scheduler process has its workers and takes requests. The frontend holds every open
+    request while the scheduler is down; a SchedulerStarted with another pid than the one it
+    knows is a restarted scheduler, to which it resubmits them (prompt + delivered tokens)."""
+
+    pid: int
+    num_restarts: int  # the pool's scheduler restarts before this one (0: the first)
 
 
 @register("SchedulerStats")
