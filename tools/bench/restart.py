@@ -1,0 +1,188 @@
+"""Scheduler restart figures of a real `justapi serve` pool: a streaming load, the scheduler
+SIGKILLed mid-way, and how long until the first token of its successor reaches a client
+(the clients' pause), whether every request still completed, and whether each output equals
+the uninterrupted run's (greedy and seeded requests continue exactly). Prints one row per
+trial and a summary.
+
+The first row runs the same load with no kill: the outputs every trial is compared with.
+The first token after the death is the end of the longest silence after the kill, over every
+stream's events (tokens the dead scheduler had sent still arrive in its first milliseconds).
+Usage: python -m tools.bench restart [--model SPEC] [--trials 3] [--requests 16]
+                                     [--max-tokens 64]
+Owns: this measurement. Does not own: the pool (justapi serve) or its restarts.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import httpx
+
+from justapi.ops.admin_cli import table
+from tools.harness import ServedPool, child_pids, pid_alive
+
+PROG = "python -m tools.bench restart"
+PROMPT = "Tell me a long story about a lighthouse keeper and a storm, number "
+STREAMING_S = 1.0  # how long every request streams before the kill
+RESUBMIT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) frontend0 WARNING .*"
+                      r"a new scheduler \(pid (\d+)")
+
+
+@dataclass
+class Stream:
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+    event_times: list[float] = field(default_factory=list)  # time.time() of each event
+
+
+async def _stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: int) -> Stream:
+    body: dict[str, Any] = {"prompt": f"{PROMPT}{i}.", "max_tokens": max_tokens,
+                            "ignore_eos": True, "stream": True, "temperature": 0}
+    if i % 2:  # seeded sampling: it must continue exactly too
+        body.update(temperature=0.8, seed=i)
+    out = Stream()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                out.event_times.append(time.time())
+                if "error" in event:
+                    out.error = str(event["error"])
+                    continue
+                out.text += event["choices"][0]["text"]
+                out.finish_reason = event["choices"][0]["finish_reason"] or out.finish_reason
+    except httpx.HTTPError as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+async def _load(url: str, num_requests: int, max_tokens: int) -> list[Stream]:
+    limits = httpx.Limits(max_connections=2 * num_requests)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        return list(await asyncio.gather(*(_stream(client, url, i, max_tokens)
+                                           for i in range(num_requests))))
+
+
+def scheduler_pid(pool: ServedPool) -> int:
+    for pid in child_pids(pool.proc.pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            if b"justapi.scheduler.process" in handle.read():
+                return pid
+    raise SystemExit(f"{PROG}: no scheduler process")
+
+
+def trial(pool: ServedPool, kill: bool, num_requests: int, max_tokens: int,
+          expected: list[Stream] | None) -> tuple[dict[str, Any], list[Stream]]:
+    """One load; kill: SIGKILL the scheduler once every request streams."""
+    row: dict[str, Any] = {"kill": kill, "resubmit_s": None, "first_token_s": None}
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        future = executor.submit(asyncio.run, _load(pool.base_url, num_requests, max_tokens))
+        if kill:
+            row.update(_kill_when_streaming(pool, future, num_requests))
+        streams = future.result()
+    complete = [s.error is None and s.finish_reason == "length" for s in streams]
+    row["completed"] = f"{sum(complete)}/{num_requests}"
+    row["lost"] = num_requests - sum(complete)
+    row["errors"] = sum(s.error is not None for s in streams)
+    if expected is not None:
+        row["same_output"] = f"{sum(a.text == b.text for a, b in zip(streams, expected))}/{num_requests}"
+    if row.get("killed_at") is not None:
+        row["first_token_s"] = first_token_after(streams, row["killed_at"])
+    return row, streams
+
+
+def _kill_when_streaming(pool: ServedPool, future: concurrent.futures.Future,
+                         num_requests: int) -> dict[str, Any]:
+    """Once every request runs (the scheduler's own count, on /metrics) and has had
+    STREAMING_S to stream, SIGKILL the scheduler; when the frontend resubmitted (its log)."""
+    deadline = time.monotonic() + 600
+    while _num_running(pool) < num_requests and not future.done() \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(STREAMING_S)
+    victim = scheduler_pid(pool)
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    while pid_alive(victim):
+        time.sleep(0.005)
+    while not future.done() and _resubmit_time(pool, victim) is None:
+        time.sleep(0.05)
+    resubmitted = _resubmit_time(pool, victim)
+    return {"killed_at": killed_at,
+            "resubmit_s": None if resubmitted is None else resubmitted - killed_at}
+
+
+def _num_running(pool: ServedPool) -> float:
+    return pool.metrics(["justapi:num_requests_running"])["justapi:num_requests_running"]
+
+
+def _resubmit_time(pool: ServedPool, old_pid: int) -> float | None:
+    """When the frontend resubmitted to the scheduler that followed old_pid (its log line)."""
+    for line in pool.log().splitlines():
+        match = RESUBMIT.match(line)
+        if match and f"took over from pid {old_pid}:" in line:
+            stamp = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S,%f")
+            return stamp.timestamp()
+    return None
+
+
+def first_token_after(streams: list[Stream], killed_at: float) -> float | None:
+    """Seconds from the kill to the end of the longest silence after it (all streams'
+    events together): the first event the successor caused."""
+    times = sorted(t for s in streams for t in s.event_times if t >= killed_at)
+    if not times:
+        return None
+    edges = [killed_at, *times]
+    gaps = [(later - earlier, later) for earlier, later in zip(edges, edges[1:])]
+    return max(gaps)[1] - killed_at
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cli = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    cli.add_argument("--model", default="", help="GGUF file or synthetic:SPEC (default: SmolLM2)")
+    cli.add_argument("--trials", type=int, default=3, help="loads with one kill each")
+    cli.add_argument("--requests", type=int, default=16, help="concurrent streams per load")
+    cli.add_argument("--max-tokens", type=int, default=64)
+    args = cli.parse_args(argv)
+    if args.trials < 1 or args.requests < 1 or args.max_tokens < 4:
+        cli.error("needs --trials >= 1, --requests >= 1 and --max-tokens >= 4")
+    model = ["--model", args.model] if args.model else []
+    pool = ServedPool("--log-level", "warning", *model, "--max-seqs", str(max(32, args.requests)))
+    try:
+        baseline, expected = trial(pool, False, args.requests, args.max_tokens, None)
+        rows = [baseline] + [trial(pool, True, args.requests, args.max_tokens, expected)[0]
+                             for _ in range(args.trials)]
+    finally:
+        code = pool.stop()
+    print(table(["scheduler", "resubmitted s", "first token s", "completed", "lost", "errors",
+                 "same output"],
+                [["killed" if r["kill"] else "kept", _round(r["resubmit_s"], 2),
+                  _round(r["first_token_s"], 2), r["completed"], r["lost"], r["errors"],
+                  r.get("same_output", "-")] for r in rows]))
+    firsts = [r["first_token_s"] for r in rows if r["first_token_s"] is not None]
+    if firsts:
+        print(f"first token after the scheduler's death: {min(firsts):.2f}..{max(firsts):.2f} s "
+              f"over {len(firsts)} trial(s) (target <= 3 s); requests lost: "
+              f"{sum(r['lost'] for r in rows)} (target 0); server exit code {code}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
