@@ -38,15 +38,16 @@ logger = logging.getLogger(__name__)
 
 
 def build_scheduler(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, Any],
-                    on_grammar: Callable[[], None] | None = None) -> Scheduler:
+                    on_grammar: Callable[[], None] | None = None,
+                    tokenizer: Tokenizer | None = None) -> Scheduler:
     """Scheduler, or PdScheduler with `pd` set (roles by worker index, pool handles from Ready);
     for workers on several hosts (launcher = "ray", pools per host) a Scheduler with hosts.
     With the model's tokenizer at hand it serves structured outputs; on_grammar is called (in
-    a compile thread) whenever a grammar compile finishes."""
-    tokenizer = None
+    a compile thread) whenever a grammar compile finishes. tokenizer: the model's, loaded
+    ahead (a standby scheduler); else loaded here."""
     if extra.get("eos_token_ids") is None and readies:
         model = str(extra.get("model_path") or config.model.model)
-        tokenizer = load_tokenizer(model)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
         extra = {**extra, "eos_token_ids": _eos_of(tokenizer, model)}
     core = _build_core(config, readies, extra)
     if tokenizer is not None:

@@ -6,19 +6,21 @@ SchedulerStats back to the frontend; answers the admin socket between steps (adm
 How it reaches the workers is chosen from its spec (worker_links.py): on this host, or on
 other hosts (launcher = "ray": CURVE, KV copies relayed, fences through the launcher).
 Never busy-polls: it blocks on its sockets, and every change of state arrives as a message.
-A scheduler the launcher restarted (the old one died) starts with an empty core: it takes
-its running workers over (AttachWorker -> Ready), then tells the frontend (SchedulerStarted),
-which resubmits every open request with the tokens it already delivered.
+A scheduler the launcher restarted (the old one died; usually a standby it started ahead,
+standby.py) starts with an empty core: it takes its running workers over (AttachWorker ->
+Ready), then tells the frontend (SchedulerStarted), which resubmits every open request with
+the tokens it already delivered.
 Owns: sockets, clocks, the workers' Ready table. Does not own: scheduling decisions
 (the core), health verdicts and fencing (justapi/health/watch.py), tokens-to-text.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zmq
@@ -27,7 +29,8 @@ from justapi.health.watch import HealthWatch
 from justapi.launch.child import ChildSpec, StopFlag, report, start_child
 from justapi.ops.timeline import Timeline
 from justapi.scheduler.admin import AdminServer
-from justapi.scheduler.factory import build_scheduler
+from justapi.scheduler.factory import build_scheduler, load_tokenizer
+from justapi.scheduler.standby import wait_for_takeover
 from justapi.scheduler.worker_links import open_links
 from justapi.wire import transport
 from justapi.wire.ids import heartbeat_identity, worker_identity
@@ -48,6 +51,9 @@ from justapi.wire.protocol import (
     TokenDeltas,
 )
 
+if TYPE_CHECKING:
+    from justapi.frontend.text.tokenizer import Tokenizer
+
 logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_MS = 100
@@ -56,9 +62,11 @@ STATS_INTERVAL_S = 0.5
 
 
 class SchedulerProcess:
-    def __init__(self, spec: ChildSpec, stop: StopFlag) -> None:
+    def __init__(self, spec: ChildSpec, stop: StopFlag, tokenizer: Tokenizer | None = None) -> None:
+        """tokenizer: the model's, loaded ahead by a standby (standby.py); else at start-up."""
         self.spec = spec
         self.stop = stop
+        self.tokenizer = tokenizer
         self.num_workers = int(spec.extra.get("num_workers", spec.config.server.workers))
         self.num_restarts = int(spec.extra.get("num_restarts", 0))  # 0: the pool's first scheduler
         ctx = zmq.Context()
@@ -106,7 +114,7 @@ class SchedulerProcess:
                         self.health.on_ready(message)
         self.core = build_scheduler(self.spec.config, list(self.readies.values()),
                                     {**self.spec.extra, "model_path": self.spec.model_path},
-                                    on_grammar=self._wake)
+                                    on_grammar=self._wake, tokenizer=self.tokenizer)
         if self.num_restarts:  # queued for the dead scheduler: the frontend resubmits it all
             stale = transport.drain(self.inbox)
             if stale:
@@ -295,8 +303,16 @@ class SchedulerProcess:
 
 def main() -> None:
     spec, stop = start_child()
+    tokenizer = None
+    if spec.extra.get("standby"):  # started ahead: load what takes long, then wait
+        tokenizer = load_tokenizer(spec.model_path)
+        num_restarts = wait_for_takeover(stop)
+        if num_restarts is None:
+            return
+        spec = dataclasses.replace(spec, extra={**spec.extra, "num_restarts": num_restarts})
+        logger.info("standby scheduler taking over (restart %d)", num_restarts)
     try:
-        process = SchedulerProcess(spec, stop)
+        process = SchedulerProcess(spec, stop, tokenizer)
     except Exception as exc:  # e.g. the worker address is taken: one line, then exit
         report(spec, error=f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None

@@ -95,16 +95,12 @@ def wait_for(predicate, timeout_s: float = 120.0) -> None:
         time.sleep(0.01)
 
 
-def scheduler_pid(pool: ServedPool) -> int:
-    for pid in child_pids(pool.proc.pid):
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            if b"justapi.scheduler.process" in handle.read():
-                return pid
-    raise AssertionError("no scheduler process")
+def health(pool: ServedPool) -> dict:
+    return httpx.get(f"{pool.base_url}/health", timeout=10).json()
 
 
 def restarts(pool: ServedPool) -> int:
-    return int(httpx.get(f"{pool.base_url}/health", timeout=10).json()["scheduler_restarts"])
+    return int(health(pool)["scheduler_restarts"])
 
 
 def kill_twice(load: Load) -> None:
@@ -114,7 +110,8 @@ def kill_twice(load: Load) -> None:
     wait_for(lambda: min(load.events) >= 1 and min(load.events[:2]) >= 3)
     for attempt in (1, 2):
         load.open_at_kills.append([i for i in range(NUM_REQUESTS) if not load.done[i]])
-        victim = scheduler_pid(pool)
+        victim = int(health(pool)["scheduler_pid"])
+        assert victim in child_pids(pool.proc.pid)
         os.kill(victim, signal.SIGKILL)
         wait_for(lambda: not pid_alive(victim))
         wait_for(lambda: restarts(pool) == attempt)
@@ -143,6 +140,7 @@ def test_kill_9_of_the_scheduler_twice_under_load_loses_nothing():
             "justapi:scheduler_restarts_total": 2.0}
         log = pool.log()
         assert log.count("starting a new one, the frontend holds the open requests") == 2
+        assert "standby scheduler taking over (restart 1)" in log  # the second one: cold
         pool.children = child_pids(pool.proc.pid)  # the schedulers started since
         assert pool.stop() == 0
         assert pool.leftovers() == []

@@ -5,10 +5,13 @@ the uninterrupted run's (greedy and seeded requests continue exactly). Prints on
 trial and a summary.
 
 The first row runs the same load with no kill: the outputs every trial is compared with.
+Two pools side by side, kills in turns: "standby" (the default: each kill waits for the
+pool's scheduler started ahead; the column says whether one was there) and "cold"
+(--no-standby-scheduler: the successor starts after the death).
 The first token after the death is the end of the longest silence after the kill, over every
 stream's events (tokens the dead scheduler had sent still arrive in its first milliseconds).
-Usage: python -m tools.bench restart [--model SPEC] [--trials 3] [--requests 16]
-                                     [--max-tokens 64]
+Usage: python -m tools.bench restart [--model SPEC] [--trials 3] [--modes standby,cold]
+                                     [--requests 16] [--max-tokens 64]
 Owns: this measurement. Does not own: the pool (justapi serve) or its restarts.
 """
 from __future__ import annotations
@@ -34,6 +37,7 @@ from tools.harness import ServedPool, child_pids, pid_alive
 PROG = "python -m tools.bench restart"
 PROMPT = "Tell me a long story about a lighthouse keeper and a storm, number "
 STREAMING_S = 1.0  # how long every request streams before the kill
+STANDBY_WAIT_S = 60.0  # how long a trial waits for the pool's standby scheduler
 RESUBMIT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) frontend0 WARNING .*"
                       r"a new scheduler \(pid (\d+)")
 
@@ -77,17 +81,22 @@ async def _load(url: str, num_requests: int, max_tokens: int) -> list[Stream]:
 
 
 def scheduler_pid(pool: ServedPool) -> int:
-    for pid in child_pids(pool.proc.pid):
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            if b"justapi.scheduler.process" in handle.read():
-                return pid
-    raise SystemExit(f"{PROG}: no scheduler process")
+    """The scheduler serving now (the frontend's /health knows it)."""
+    pid = int(httpx.get(f"{pool.base_url}/health", timeout=10).json()["scheduler_pid"])
+    if pid not in child_pids(pool.proc.pid):
+        raise SystemExit(f"{PROG}: /health names scheduler pid {pid}, not a child of the pool")
+    return pid
 
 
 def trial(pool: ServedPool, kill: bool, num_requests: int, max_tokens: int,
-          expected: list[Stream] | None) -> tuple[dict[str, Any], list[Stream]]:
-    """One load; kill: SIGKILL the scheduler once every request streams."""
-    row: dict[str, Any] = {"kill": kill, "resubmit_s": None, "first_token_s": None}
+          expected: list[Stream] | None, *,
+          standby: bool = False) -> tuple[dict[str, Any], list[Stream]]:
+    """One load; kill: SIGKILL the scheduler once every request streams (standby: once the
+    pool has its standby scheduler again)."""
+    row: dict[str, Any] = {"kill": kill, "resubmit_s": None, "first_token_s": None,
+                           "standby": None}
+    if kill and standby:  # the one the last kill used is replaced a while after it
+        _wait_for(lambda: _num_schedulers(pool) > 1, STANDBY_WAIT_S)
     with concurrent.futures.ThreadPoolExecutor(1) as executor:
         future = executor.submit(asyncio.run, _load(pool.base_url, num_requests, max_tokens))
         if kill:
@@ -113,6 +122,10 @@ def _kill_when_streaming(pool: ServedPool, future: concurrent.futures.Future,
             and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(STREAMING_S)
+    standby = _num_schedulers(pool) > 1
+    if future.done():  # nothing left to kill it under (raise --max-tokens)
+        print(f"{PROG}: the load ended before the kill; trial void", file=sys.stderr)
+        return {"standby": standby}
     victim = scheduler_pid(pool)
     killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
@@ -121,8 +134,20 @@ def _kill_when_streaming(pool: ServedPool, future: concurrent.futures.Future,
     while not future.done() and _resubmit_time(pool, victim) is None:
         time.sleep(0.05)
     resubmitted = _resubmit_time(pool, victim)
-    return {"killed_at": killed_at,
+    return {"killed_at": killed_at, "standby": standby,
             "resubmit_s": None if resubmitted is None else resubmitted - killed_at}
+
+
+def _num_schedulers(pool: ServedPool) -> int:
+    """Scheduler processes of the pool: the serving one, and a standby started ahead."""
+    count = 0
+    for pid in child_pids(pool.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                count += b"justapi.scheduler.process" in handle.read()
+        except OSError:
+            continue
+    return count
 
 
 def _num_running(pool: ServedPool) -> float:
@@ -150,38 +175,68 @@ def first_token_after(streams: list[Stream], killed_at: float) -> float | None:
     return max(gaps)[1] - killed_at
 
 
+def _wait_for(predicate: Any, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _round(value: float | None, digits: int) -> float | None:
     return None if value is None else round(value, digits)
+
+
+MODES = {"standby": (), "cold": ("--no-standby-scheduler",)}
+"""standby: the successor was started ahead (the default); cold: it starts after the death."""
 
 
 def main(argv: list[str] | None = None) -> int:
     cli = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     cli.add_argument("--model", default="", help="GGUF file or synthetic:SPEC (default: SmolLM2)")
-    cli.add_argument("--trials", type=int, default=3, help="loads with one kill each")
+    cli.add_argument("--trials", type=int, default=3, help="kills per mode, modes in turns")
+    cli.add_argument("--modes", default="standby,cold", help=f"of {', '.join(MODES)}")
     cli.add_argument("--requests", type=int, default=16, help="concurrent streams per load")
     cli.add_argument("--max-tokens", type=int, default=64)
     args = cli.parse_args(argv)
-    if args.trials < 1 or args.requests < 1 or args.max_tokens < 4:
-        cli.error("needs --trials >= 1, --requests >= 1 and --max-tokens >= 4")
+    modes = [m for m in args.modes.split(",") if m]
+    if args.trials < 1 or args.requests < 1 or args.max_tokens < 4 \
+            or not modes or not set(modes) <= set(MODES):
+        cli.error(f"needs --trials >= 1, --requests >= 1, --max-tokens >= 4, --modes of {MODES}")
     model = ["--model", args.model] if args.model else []
-    pool = ServedPool("--log-level", "warning", *model, "--max-seqs", str(max(32, args.requests)))
+    pools: dict[str, ServedPool] = {}
+    rows: list[dict[str, Any]] = []
     try:
-        baseline, expected = trial(pool, False, args.requests, args.max_tokens, None)
-        rows = [baseline] + [trial(pool, True, args.requests, args.max_tokens, expected)[0]
-                             for _ in range(args.trials)]
+        for mode in modes:  # one pool per mode, side by side; kills in turns
+            pools[mode] = ServedPool("--log-level", "warning", *model, "--max-seqs",
+                                     str(max(32, args.requests)), *MODES[mode])
+        expected = {}
+        for mode, pool in pools.items():
+            row, expected[mode] = trial(pool, False, args.requests, args.max_tokens, None)
+            rows.append({**row, "mode": mode})
+        for _ in range(args.trials):
+            for mode, pool in pools.items():
+                row, _ = trial(pool, True, args.requests, args.max_tokens, expected[mode],
+                               standby=mode == "standby")
+                rows.append({**row, "mode": mode})
     finally:
-        code = pool.stop()
-    print(table(["scheduler", "resubmitted s", "first token s", "completed", "lost", "errors",
-                 "same output"],
-                [["killed" if r["kill"] else "kept", _round(r["resubmit_s"], 2),
-                  _round(r["first_token_s"], 2), r["completed"], r["lost"], r["errors"],
-                  r.get("same_output", "-")] for r in rows]))
-    firsts = [r["first_token_s"] for r in rows if r["first_token_s"] is not None]
-    if firsts:
-        print(f"first token after the scheduler's death: {min(firsts):.2f}..{max(firsts):.2f} s "
-              f"over {len(firsts)} trial(s) (target <= 3 s); requests lost: "
-              f"{sum(r['lost'] for r in rows)} (target 0); server exit code {code}")
+        codes = [pool.stop() for pool in pools.values()]
+    _report(rows, codes)
     return 0
+
+
+def _report(rows: list[dict[str, Any]], codes: list[int]) -> None:
+    print(table(["pool", "scheduler", "standby", "resubmitted s", "first token s", "completed",
+                 "lost", "errors", "same output"],
+                [[r["mode"], "killed" if r["kill"] else "kept", r["standby"],
+                  _round(r["resubmit_s"], 2), _round(r["first_token_s"], 2), r["completed"],
+                  r["lost"], r["errors"], r.get("same_output", "-")] for r in rows]))
+    for mode in MODES:
+        firsts = [r["first_token_s"] for r in rows
+                  if r["mode"] == mode and r["first_token_s"] is not None]
+        if firsts:
+            print(f"{mode}: first token after the scheduler's death {min(firsts):.2f}.."
+                  f"{max(firsts):.2f} s over {len(firsts)} kill(s) (target <= 3 s)")
+    print(f"requests lost: {sum(r['lost'] for r in rows)} (target 0); "
+          f"server exit codes {codes}")
 
 
 if __name__ == "__main__":
