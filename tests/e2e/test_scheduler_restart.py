@@ -69,7 +69,8 @@ class Load:
                     out["errors"].append(event["error"])
                     continue
                 choice = event["choices"][0]
-                out["text"] += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                delta = choice.get("delta") or {}
+                out["text"] += choice.get("text") or delta.get("content") or ""
                 out["finish_reason"] = choice["finish_reason"] or out["finish_reason"]
         self.done[i] = True
         return out

@@ -107,7 +107,8 @@ def trial(pool: ServedPool, kill: bool, num_requests: int, max_tokens: int,
     row["lost"] = num_requests - sum(complete)
     row["errors"] = sum(s.error is not None for s in streams)
     if expected is not None:
-        row["same_output"] = f"{sum(a.text == b.text for a, b in zip(streams, expected))}/{num_requests}"
+        same = sum(a.text == b.text for a, b in zip(streams, expected))
+        row["same_output"] = f"{same}/{num_requests}"
     if row.get("killed_at") is not None:
         row["first_token_s"] = first_token_after(streams, row["killed_at"])
     return row, streams
