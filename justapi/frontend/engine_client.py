@@ -253,6 +253,8 @@ class EngineClient:
         self._streams.clear()
 
     def _dispatch(self, deltas: TokenDeltas) -> None:
+        if self.scheduler_pid and deltas.scheduler_pid not in (0, self.scheduler_pid):
+            return  # the dead scheduler's, read after its successor took over: recomputed
         tok_off = offsets(deltas.num_new_tokens)
         has_logprobs = len(deltas.logprobs) > 0
         cached = deltas.num_cached_tokens

@@ -67,6 +67,7 @@ class SchedulerProcess:
         self.spec = spec
         self.stop = stop
         self.tokenizer = tokenizer
+        self.pid = os.getpid()
         self.num_workers = int(spec.extra.get("num_workers", spec.config.server.workers))
         self.num_restarts = int(spec.extra.get("num_restarts", 0))  # 0: the pool's first scheduler
         ctx = zmq.Context()
@@ -120,7 +121,7 @@ class SchedulerProcess:
             if stale:
                 logger.info("dropped %d message(s) sent to the previous scheduler", len(stale))
         # the frontend resubmits what it holds to a scheduler it has not seen
-        transport.send(self.outbox, SchedulerStarted(os.getpid(), self.num_restarts))
+        transport.send(self.outbox, SchedulerStarted(self.pid, self.num_restarts))
 
     def _attach_workers(self, attached: set[int]) -> None:
         """AttachWorker once to each worker whose socket is connected (the ROUTER refuses a
@@ -129,7 +130,7 @@ class SchedulerProcess:
             if worker_id in attached:
                 continue
             try:
-                transport.send(self.workers, AttachWorker(os.getpid()),
+                transport.send(self.workers, AttachWorker(self.pid),
                                to=worker_identity(worker_id), flags=zmq.NOBLOCK)
             except zmq.ZMQError:  # not reconnected yet
                 continue
@@ -236,14 +237,14 @@ class SchedulerProcess:
         return self.health.monitor.is_healthy(worker_id)
 
     def _send_deltas(self, deltas: TokenDeltas | None) -> None:
-        if deltas is not None and deltas.request_ids:
-            transport.send(self.outbox, deltas)
+        if deltas is not None and deltas.request_ids:  # signed: see TokenDeltas.scheduler_pid
+            transport.send(self.outbox, dataclasses.replace(deltas, scheduler_pid=self.pid))
 
     def _reject(self, request_id: str, error: str) -> None:
         transport.send(self.outbox, TokenDeltas(
             step_id=-1, request_ids=[request_id], num_new_tokens=np.zeros(1, np.int32),
             token_ids=np.zeros(0, np.int32), finish_reasons=[FINISH_ERROR],
-            errors={request_id: error}))
+            errors={request_id: error}, scheduler_pid=self.pid))
 
     def _execute(self, worker_id: int, order: Any) -> None:
         """Send a core order the way the links route it (a copy between hosts: relayed)."""

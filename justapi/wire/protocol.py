@@ -551,7 +551,9 @@ class TokenDeltas:
     zero tokens, e.g. a finish by abort). finish_reasons[i] is "" while running. Logprob
     arrays follow StepResult's layout when any request asked for them.
     num_cached_tokens[i] is the prompt tokens served from the prefix cache (reported with
-    the request's first delta, 0 afterwards); errors maps request id -> message."""
+    the request's first delta, 0 afterwards); errors maps request id -> message.
+    scheduler_pid: the scheduler process that sent it (0: not said): the frontend drops what
+    a dead scheduler had sent once its successor took the requests over (it recomputes it)."""
 
     step_id: int
     request_ids: list[str]
@@ -563,6 +565,7 @@ class TokenDeltas:
     top_logprob_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
     top_logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
     errors: dict = field(default_factory=dict)
+    scheduler_pid: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)

@@ -1,7 +1,8 @@
 """The frontend across a scheduler restart, over real ZMQ sockets: while the scheduler is down
 open requests are held and new ones accepted; the new scheduler (its SchedulerStarted) gets
 each open request once, as prompt + the tokens already delivered, and none that finished or
-was aborted; what was queued for the dead one never reaches it; the streams go on. The
+was aborted; what was queued for the dead one never reaches it, what the dead one sent but
+is read only after the take-over is dropped (recomputed); the streams go on. The
 scheduler watch follows the new process, and fails the requests when none comes in time."""
 from __future__ import annotations
 
@@ -43,13 +44,14 @@ class Scheduler:
     def send(self, message: object) -> None:
         transport.send(self.outbox, message)
 
-    def deltas(self, tokens: dict[str, list[int]], finished: tuple[str, ...] = ()) -> None:
+    def deltas(self, tokens: dict[str, list[int]], finished: tuple[str, ...] = (),
+               pid: int = 0) -> None:
         ids = list(tokens)
         self.send(TokenDeltas(
             step_id=1, request_ids=ids,
             num_new_tokens=np.asarray([len(tokens[i]) for i in ids], np.int32),
             token_ids=np.asarray([t for i in ids for t in tokens[i]], np.int32),
-            finish_reasons=["length" if i in finished else "" for i in ids]))
+            finish_reasons=["length" if i in finished else "" for i in ids], scheduler_pid=pid))
 
     def die(self) -> None:
         self.inbox.close(0)
@@ -78,7 +80,7 @@ def test_open_requests_are_held_and_resubmitted_with_what_they_delivered(tmp_pat
         old = Scheduler(context, inbox, frontend)
         streams = {rid: engine.submit(_request(rid)) for rid in ("a", "b", "c")}
         old.send(SchedulerStarted(OLD_PID, 0))  # the first scheduler: nothing to resubmit
-        old.deltas({"a": [5, 6], "b": [7, 8], "c": [9]}, finished=("b",))
+        old.deltas({"a": [5, 6], "b": [7, 8], "c": [9]}, finished=("b",), pid=OLD_PID)
         assert await eventually(lambda: len(streams["a"].delivered) == 2)
         engine.abort("c")  # sent; the dead scheduler never confirms it
         assert len([m for m in old.receive() if isinstance(m, SubmitRequest)]) == 3
@@ -102,7 +104,8 @@ def test_open_requests_are_held_and_resubmitted_with_what_they_delivered(tmp_pat
         assert [d.finish_reason for d in await _drain(streams["c"])] == ["", "abort"]
         a = received[0]
         assert a.prompt_token_ids.tolist() == [2, 3, 4] and a.sampling.seed == 7
-        new.deltas({"a": [10]}, finished=("a",))
+        new.deltas({"a": [99]}, pid=OLD_PID)  # the dead one's, read late: recomputed, dropped
+        new.deltas({"a": [10]}, finished=("a",), pid=NEW_PID)
         assert await eventually(lambda: streams["a"].queue.qsize() == 2)
         assert [t for d in await _drain(streams["a"]) for t in d.token_ids] == [5, 6, 10]
         engine.abort("e")
