@@ -20,7 +20,7 @@ import gc
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import zmq
@@ -29,7 +29,7 @@ from justapi.health.watch import HealthWatch
 from justapi.launch.child import ChildSpec, StopFlag, report, start_child
 from justapi.ops.timeline import Timeline
 from justapi.scheduler.admin import AdminServer
-from justapi.scheduler.factory import build_scheduler, load_tokenizer
+from justapi.scheduler.factory import PreparedModel, build_scheduler, prepare_model
 from justapi.scheduler.standby import wait_for_takeover
 from justapi.scheduler.worker_links import open_links
 from justapi.wire import transport
@@ -51,9 +51,6 @@ from justapi.wire.protocol import (
     TokenDeltas,
 )
 
-if TYPE_CHECKING:
-    from justapi.frontend.text.tokenizer import Tokenizer
-
 logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_MS = 100
@@ -62,11 +59,13 @@ STATS_INTERVAL_S = 0.5
 
 
 class SchedulerProcess:
-    def __init__(self, spec: ChildSpec, stop: StopFlag, tokenizer: Tokenizer | None = None) -> None:
-        """tokenizer: the model's, loaded ahead by a standby (standby.py); else at start-up."""
+    def __init__(self, spec: ChildSpec, stop: StopFlag,
+                 prepared: PreparedModel | None = None) -> None:
+        """prepared: the model's tokenizer, loaded ahead by a standby (standby.py); else it is
+        loaded at start-up."""
         self.spec = spec
         self.stop = stop
-        self.tokenizer = tokenizer
+        self.prepared = prepared
         self.pid = os.getpid()
         self.num_workers = int(spec.extra.get("num_workers", spec.config.server.workers))
         self.num_restarts = int(spec.extra.get("num_restarts", 0))  # 0: the pool's first scheduler
@@ -115,7 +114,7 @@ class SchedulerProcess:
                         self.health.on_ready(message)
         self.core = build_scheduler(self.spec.config, list(self.readies.values()),
                                     {**self.spec.extra, "model_path": self.spec.model_path},
-                                    on_grammar=self._wake, tokenizer=self.tokenizer)
+                                    on_grammar=self._wake, prepared=self.prepared)
         if self.num_restarts:  # queued for the dead scheduler: the frontend resubmits it all
             stale = transport.drain(self.inbox)
             if stale:
@@ -304,16 +303,16 @@ class SchedulerProcess:
 
 def main() -> None:
     spec, stop = start_child()
-    tokenizer = None
+    prepared = None
     if spec.extra.get("standby"):  # started ahead: load what takes long, then wait
-        tokenizer = load_tokenizer(spec.model_path)
+        prepared = prepare_model(spec.model_path)
         num_restarts = wait_for_takeover(stop)
         if num_restarts is None:
             return
         spec = dataclasses.replace(spec, extra={**spec.extra, "num_restarts": num_restarts})
         logger.info("standby scheduler taking over (restart %d)", num_restarts)
     try:
-        process = SchedulerProcess(spec, stop, tokenizer)
+        process = SchedulerProcess(spec, stop, prepared)
     except Exception as exc:  # e.g. the worker address is taken: one line, then exit
         report(spec, error=f"{type(exc).__name__}: {exc}")
         raise SystemExit(1) from None
