@@ -10,9 +10,10 @@ pool's scheduler started ahead; the column says whether one was there) and "cold
 with no kill (the outputs every other load is compared with), the second also (the control:
 how many outputs an uninterrupted rerun reproduces - with SmolLM2 on CPU the numerics of a
 step depend on the batch and on prefix-cache hits, so not always all). A kill comes once
-every stream has had KILL_AFTER_EVENTS events; the first token after the death is the end of
-the longest silence after the kill, over every stream's events (tokens the dead scheduler
-had sent still arrive in its first milliseconds).
+every stream has had KILL_AFTER_EVENTS events; "resubmitted" is when the frontend resubmitted
+the open requests to the successor (its log line), "first token" the first event a client
+got after that (a token of the successor: the dead scheduler's had reached the clients by
+then, a new one needs a prefill step).
 Usage: python -m tools.bench restart [--model SPEC] [--trials 3] [--modes standby,cold]
                                      [--requests 16] [--max-tokens 64]
 Owns: this measurement. Does not own: the pool (justapi serve) or its restarts.
@@ -106,7 +107,7 @@ def trial(pool: ServedPool, kill: bool, num_requests: int, max_tokens: int,
         same = sum(a.text == b.text for a, b in zip(streams, expected))
         row["same_output"] = f"{same}/{num_requests}"
     if row.get("killed_at") is not None:
-        row["first_token_s"] = first_token_after(streams, row["killed_at"])
+        row["first_token_s"] = first_token_after(streams, row["killed_at"], row["resubmit_s"])
     return row, streams
 
 
@@ -164,10 +165,16 @@ def _resubmit_time(pool: ServedPool, old_pid: int) -> float | None:
     return None
 
 
-def first_token_after(streams: list[Stream], killed_at: float) -> float | None:
-    """Seconds from the kill to the end of the longest silence after it (all streams'
-    events together): the first event the successor caused."""
+def first_token_after(streams: list[Stream], killed_at: float,
+                      resubmit_s: float | None) -> float | None:
+    """Seconds from the kill to the first event a client got after the frontend resubmitted
+    its requests (what the dead scheduler had sent reached the clients before: a new token
+    needs a prefill step); without that time, to the end of the longest silence after the
+    kill (all streams' events together)."""
     times = sorted(t for s in streams for t in s.event_times if t >= killed_at)
+    if resubmit_s is not None:
+        after = [t for t in times if t > killed_at + resubmit_s]
+        return after[0] - killed_at if after else None
     if not times:
         return None
     edges = [killed_at, *times]
