@@ -8,14 +8,14 @@ Two pools side by side, kills in turns: "standby" (the default: each kill waits 
 pool's scheduler started ahead; the column says whether one was there) and "cold"
 (--no-standby-scheduler: the successor starts after the death). Per pool the first load runs
 with no kill (the outputs every other load is compared with), the second also (the control:
-how many outputs an uninterrupted rerun reproduces - with SmolLM2 on CPU the numerics of a
-step depend on the batch and on prefix-cache hits, so not always all). A kill comes once
+how many outputs an uninterrupted rerun reproduces: with SmolLM2's default weight paths the
+numerics of a step depend on the batch, so not always all; with --weights fp32 all). A kill comes once
 every stream has had KILL_AFTER_EVENTS events; "resubmitted" is when the frontend resubmitted
 the open requests to the successor (its log line), "first token" the first event a client
 got after that (a token of the successor: the dead scheduler's had reached the clients by
 then, a new one needs a prefill step).
 Usage: python -m tools.bench restart [--model SPEC] [--trials 3] [--modes standby,cold]
-                                     [--requests 16] [--max-tokens 64]
+                                     [--requests 16] [--max-tokens 64] [--weights fp32]
 Owns: this measurement. Does not own: the pool (justapi serve) or its restarts.
 """
 from __future__ import annotations
@@ -199,13 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--modes", default="standby,cold", help=f"of {', '.join(MODES)}")
     cli.add_argument("--requests", type=int, default=16, help="concurrent streams per load")
     cli.add_argument("--max-tokens", type=int, default=64)
+    cli.add_argument("--weights", default="", help="the pools' --weights (default: the "
+                     "server's, auto; fp32 makes every step's numerics independent of the "
+                     "batch, so that 'same output' measures the restart alone)")
     args = cli.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if args.trials < 1 or args.requests < 1 or args.max_tokens <= KILL_AFTER_EVENTS \
             or not modes or not set(modes) <= set(MODES):
         cli.error(f"needs --trials >= 1, --requests >= 1, --max-tokens > {KILL_AFTER_EVENTS}, "
                   f"--modes of {', '.join(MODES)}")
-    model = ["--model", args.model] if args.model else []
+    model = (["--model", args.model] if args.model else []) + \
+        (["--weights", args.weights] if args.weights else [])
     pools: dict[str, ServedPool] = {}
     rows: list[dict[str, Any]] = []
     try:
