@@ -4,6 +4,8 @@ CPU workers map the launcher's shared-memory pool (all CPU workers share one poo
 --pd-separate-pools one per side); a GPU worker allocates its own pool on its device and
 exports a CUDA IPC handle in its Ready. A PD decode worker also executes CopyBlocks orders.
 A heartbeat thread (own socket) reports every HEARTBEAT_INTERVAL_S with process figures.
+A restarted scheduler attaches to it (AttachWorker): it drops the dead scheduler's orders
+still queued, forgets every request and sends its Ready again.
 Where it runs is a link passed in (link.py): a process the launcher started here
 (LocalLink, this module's main) or a Ray actor on some host (RayLink).
 Owns: its model, its ModelRunner state, its sockets. Does not own: which blocks hold what.
@@ -32,6 +34,7 @@ from justapi.wire import transport
 from justapi.wire.codec import ProtocolError
 from justapi.wire.ids import HEARTBEAT_INTERVAL_S, heartbeat_identity, worker_identity
 from justapi.wire.protocol import (
+    AttachWorker,
     CopyBlocks,
     Heartbeat,
     PoolInfo,
@@ -147,12 +150,15 @@ class Worker:
             while not self.stop.is_set:
                 if not poller.poll(POLL_TIMEOUT_MS):
                     continue
-                for _, message in transport.drain(self.sock, on_malformed=self._refuse_unreadable):
+                drained = transport.drain(self.sock, on_malformed=self._refuse_unreadable)
+                for message in without_stale_orders([m for _, m in drained]):
                     self._on_message(message)
 
     def _on_message(self, message: Any) -> None:
         if isinstance(message, Shutdown):
             self.stop.set()
+        elif isinstance(message, AttachWorker):
+            self.attach(message)
         elif isinstance(message, StepPlan):
             self.timeline.mark_cpu(message.step_id)
             self.timeline.mark("plan_in", message.step_id, message.num_seqs)
@@ -165,6 +171,18 @@ class Worker:
                 transport.send(self.sock, reply)
         else:
             logger.warning("ignored unexpected %s", type(message).__name__)
+
+    def attach(self, order: AttachWorker) -> None:
+        """A restarted scheduler takes this worker over. Every request the dead one planned is
+        forgotten (the new one announces what it resubmits as new requests, and a stale
+        sampled token must never fill a new plan's placeholder). The dead scheduler's last
+        plans ran or were dropped (without_stale_orders) before this order: no KV write of
+        theirs can follow a plan of the new scheduler, which plans nothing before every
+        worker's Ready."""
+        logger.warning("scheduler (pid %d) took over; forgetting %d request(s)",
+                       order.scheduler_pid, len(self.runner.requests))
+        self.runner.forget(list(self.runner.requests))
+        transport.send(self.sock, self.ready_message())
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step; its result reports the time it took (the scheduler's step costs).
@@ -242,6 +260,20 @@ class Worker:
         if self.runner.draft is not None:
             self.runner.draft.pool.close()
         self.context.term()
+
+
+def without_stale_orders(messages: list[Any]) -> list[Any]:
+    """Messages to handle, in order, less the plans and copy orders that arrived before an
+    AttachWorker: a dead scheduler's, never to run (the new one plans nothing before this
+    worker's Ready, which answers the AttachWorker)."""
+    last = max((i for i, m in enumerate(messages) if isinstance(m, AttachWorker)), default=-1)
+    if last < 0:
+        return messages
+    stale = (StepPlan, CopyBlocks, ReadBlocks, WriteBlocks)
+    kept = [m for m in messages[:last] if not isinstance(m, stale)]
+    if len(kept) < last:
+        logger.warning("dropped %d order(s) of the previous scheduler", last - len(kept))
+    return kept + messages[last:]
 
 
 def _max_sampled_rows(max_seqs: int, max_batched_tokens: int, spec: SpecConfig) -> int:

@@ -1,5 +1,5 @@
-"""Operations settings of `justapi serve`: health thresholds, worker restarts, the admin socket,
-the KV events cluster routers subscribe to.
+"""Operations settings of `justapi serve`: health thresholds, worker and scheduler restarts, the
+admin socket, the KV events cluster routers subscribe to.
 
 Keys are flat like every serve key (`restart-workers`, `step-timeout-s`, ...); see
 docs/operations.md for what each one changes in practice.
@@ -24,6 +24,12 @@ class OpsConfig:
     max_restarts: int = option(5, "Most restarts of one worker slot within restart-window-s; "
                                   "past that it stays down.")
     restart_window_s: float = option(600.0, "The window max-restarts counts over.")
+    restart_scheduler: bool = option(True, "Start a new scheduler when it dies; the workers "
+                                           "stay, the frontend resubmits every open request "
+                                           "and clients see a pause (max-restarts applies).")
+    standby_scheduler: bool = option(True, "With restart-scheduler: keep a scheduler started "
+                                           "ahead (imports and tokenizer loaded, ~80 MB) to "
+                                           "take over at once instead of starting one then.")
     heartbeat_timeout_s: float = option(1.5, "A worker silent this long is unhealthy (workers "
                                              "beat every 0.5 s).")
     step_timeout_s: float = option(120.0, "A step in flight this long is hung (its worker is "
@@ -50,6 +56,8 @@ class OpsConfig:
 
     def __post_init__(self) -> None:
         check_bool(self.restart_workers, "restart-workers")
+        check_bool(self.restart_scheduler, "restart-scheduler")
+        check_bool(self.standby_scheduler, "standby-scheduler")
         check_number(self.max_restarts, "max-restarts", low=0, integer=True)
         check_number(self.restart_window_s, "restart-window-s", low=1.0)
         check_number(self.heartbeat_timeout_s, "heartbeat-timeout-s", low=0.6)

@@ -253,6 +253,8 @@ def _add_ops_routes(app: FastAPI, serving: Serving) -> None:
         if serving.admission.is_draining:  # take this instance out of the load balancer
             problems = ["the server is shutting down (draining)", *problems]
         details = _health_details(serving.engine.stats)
+        details.update(scheduler_pid=serving.engine.scheduler_pid,
+                       scheduler_restarts=serving.engine.num_restarts)
         if problems:
             return json_response({"status": "unhealthy", "problems": problems, **details}, 503)
         status = "degraded" if details["warnings"] else "ok"

@@ -163,9 +163,11 @@ def _number(value: object) -> float | None:
 class SchedulerStatsCollector(Collector):
     """Reads the latest SchedulerStats at scrape time; figures it lacks are left out."""
 
-    def __init__(self, model_name: str, source: Callable[[], SchedulerStats | None]) -> None:
+    def __init__(self, model_name: str, source: Callable[[], SchedulerStats | None],
+                 restarts: Callable[[], int] = lambda: 0) -> None:
         self._model_name = model_name
         self._source = source
+        self._restarts = restarts
         self._totals = {m.name: MonotonicTotal() for m in SCHEDULER_METRICS + PD_METRICS
                         + SPEC_METRICS + CLUSTER_METRICS if m.is_counter}
         self._position_totals: dict[str, MonotonicTotal] = {}
@@ -178,6 +180,11 @@ class SchedulerStatsCollector(Collector):
                                     labels=["model_name"])
         healthy.add_metric([self._model_name], float(bool(snapshot and snapshot.healthy)))
         yield healthy
+        restarts = CounterMetricFamily(PREFIX + "scheduler_restarts", "Schedulers that took "
+                                       "the open requests over after one died.",
+                                       labels=["model_name"])
+        restarts.add_metric([self._model_name], float(self._restarts()))
+        yield restarts
         if snapshot is None:
             return
         yield from self._scheduler_figures(snapshot.stats)
@@ -360,7 +367,8 @@ class FrontendMetrics:
     """The frontend's metrics: request counters/histograms plus the scheduler snapshot."""
 
     def __init__(self, model_name: str,
-                 stats_source: Callable[[], SchedulerStats | None] = lambda: None) -> None:
+                 stats_source: Callable[[], SchedulerStats | None] = lambda: None,
+                 restarts_source: Callable[[], int] = lambda: 0) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -381,7 +389,7 @@ class FrontendMetrics:
         self.e2e_request_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
             labels, buckets=E2E_BUCKETS_S, registry=reg).labels(model_name)
-        reg.register(SchedulerStatsCollector(model_name, stats_source))
+        reg.register(SchedulerStatsCollector(model_name, stats_source, restarts_source))
         self.failures = RequestFailures(model_name, stats_source)  # by stage (faults.py)
         reg.register(self.failures)
         reg.register(RouterGaugesCollector(model_name, stats_source))  # vllm: names

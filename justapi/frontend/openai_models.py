@@ -446,3 +446,7 @@ class HealthResponse(ResponseModel):
     warnings: list[str] = []
     workers: list[HealthWorker] = []
     hosts: list[HealthHost] = []
+    scheduler_pid: int = 0
+    """The scheduler process serving now (0: not known yet)."""
+    scheduler_restarts: int = 0
+    """Schedulers that took the open requests over after the one before died."""

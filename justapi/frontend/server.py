@@ -84,7 +84,8 @@ def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettin
     if model_context:
         max_context = min(max_context, model_context)
     name = settings.model_name or gguf.name
-    metrics = FrontendMetrics(name, lambda: engine.stats)
+    metrics = FrontendMetrics(name, lambda: engine.stats,
+                              restarts_source=lambda: engine.num_restarts)
     path = Path(gguf.path)
     aliases = tuple(a for a in dict.fromkeys((gguf.name, path.name, path.stem, str(path))) if a != name)
     defaults = SamplingDefaults.resolve(settings.sampling_defaults, model_sampling_defaults(gguf))

@@ -92,6 +92,8 @@ class Scheduler:
         if rid in state.requests or (state.structured is not None and rid in state.structured.pending):
             raise ValueError(f"request id {rid!r} is already in flight")
         tokens = _token_array(request.prompt_token_ids, rid)
+        num_prompt_tokens = len(tokens)
+        tokens.extend(_resumed_output(request))  # a resubmission after a scheduler restart
         limit = state.limits.max_context
         if len(tokens) + (0 if request.pooling else 1) > limit:
             raise ValueError(f"request {rid!r}: prompt of {len(tokens)} tokens leaves no room "
@@ -103,6 +105,8 @@ class Scheduler:
             raise ValueError(f"request {rid!r}: structured outputs need the model's tokenizer, "
                              "which this server does not have")
         req = Request(rid, request.sampling, tokens, state.next_seq, int(request.priority))
+        req.num_prompt_tokens = num_prompt_tokens
+        req.has_reported = req.num_output_tokens > 0  # its cached-prompt figure went out before
         state.next_seq += 1
         req.sort_key = sort_key(state.config.policy, req.priority, req.seq)
         req.arrival_time_s = float(request.arrival_time_s)
@@ -499,4 +503,21 @@ def _token_array(prompt_token_ids: object, request_id: str) -> array.array:
         raise ValueError(f"request {request_id!r}: token ids must be int32 values >= 0")
     out = array.array("i")
     out.frombytes(np.ascontiguousarray(prompt, dtype=np.int32).tobytes())
+    return out
+
+
+def _resumed_output(request: SubmitRequest) -> array.array:
+    """The output tokens a resubmitted request already delivered (empty for a new one)."""
+    rid = request.request_id
+    output = np.asarray(request.output_token_ids)
+    out = array.array("i")
+    if not len(output):
+        return out
+    if output.ndim != 1 or not np.issubdtype(output.dtype, np.integer) \
+            or int(output.min()) < 0 or int(output.max()) >= 2**31:
+        raise ValueError(f"request {rid!r}: delivered token ids must be int32 values >= 0")
+    if len(output) >= request.sampling.max_tokens:
+        raise ValueError(f"request {rid!r}: {len(output)} delivered tokens leave nothing of "
+                         f"max_tokens {request.sampling.max_tokens}")
+    out.frombytes(np.ascontiguousarray(output, dtype=np.int32).tobytes())
     return out

@@ -2,6 +2,7 @@
 to it, the token bitmasks of a step, and forced tokens.
 
     add_request -> hold (compile on the pool) -> ready: queued as usual | failed: "error"
+                   (a resubmitted request's delivered tokens are replayed into it first)
     before a step: drafts cut at the first node the grammar refuses
     the step:      one mask row per constrained logits row (root + drafts), in the plan
     the result:    each emitted token is consumed once; a complete grammar finishes "stop";
@@ -78,8 +79,9 @@ class StructuredOutputs:
         out = []
         for rid, grammar in grammars.items():
             if grammar.is_compiled:
+                req = self.pending[rid]
                 try:
-                    error = grammar.start()
+                    error = grammar.start() or grammar.replay(req.token_ids[req.num_prompt_tokens:])
                 except Exception as exc:  # a bug in the matcher's copy: this request fails
                     error = f"grammar start failed: {type(exc).__name__}: {exc}"
                 self.num_failed += bool(error)

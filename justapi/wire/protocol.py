@@ -252,6 +252,16 @@ class Shutdown:
     reason: str = ""
 
 
+@register("AttachWorker")
+@dataclass(frozen=True)
+class AttachWorker:
+    """A restarted scheduler takes the worker over: the worker forgets every request it knew
+    (the old scheduler's, recomputed from the frontend's resubmissions) and answers with its
+    Ready. Sent once per worker, only by a scheduler that is not the pool's first."""
+
+    scheduler_pid: int
+
+
 # --------------------------------------------------------------------------------------
 # worker -> scheduler
 # --------------------------------------------------------------------------------------
@@ -539,7 +549,9 @@ FINISH_ERROR = "error"  # could not be served (see TokenDeltas.errors)
 @dataclass(frozen=True)
 class SubmitRequest:
     """A tokenized request. `cache_salt` namespaces the prefix cache (model, adapter, tenant):
-    requests with different salts never share cached blocks."""
+    requests with different salts never share cached blocks. `output_token_ids` are tokens
+    already delivered to the client (a resubmission after a scheduler restart): they continue
+    the output (max_tokens, penalties, seeds, a grammar count them), they are not prompt."""
 
     request_id: str
     prompt_token_ids: np.ndarray  # int32 [num_prompt_tokens]
@@ -550,6 +562,7 @@ class SubmitRequest:
     pooling: str = ""
     """Embeddings: computes the prompt only and finishes ("stop") with its pooled hidden
     state in TokenDeltas.embeddings, keeping no KV but the prefix cache's; "" generates."""
+    output_token_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [delivered]
 
     def __post_init__(self) -> None:
         check_pooling(self.pooling, "SubmitRequest")
@@ -570,7 +583,9 @@ class TokenDeltas:
     zero tokens, e.g. a finish by abort). finish_reasons[i] is "" while running. Logprob
     arrays follow StepResult's layout when any request asked for them.
     num_cached_tokens[i] is the prompt tokens served from the prefix cache (reported with
-    the request's first delta, 0 afterwards); errors maps request id -> message."""
+    the request's first delta, 0 afterwards); errors maps request id -> message.
+    scheduler_pid: the scheduler process that sent it (0: not said): the frontend drops what
+    a dead scheduler had sent once its successor took the requests over (it recomputes it)."""
 
     step_id: int
     request_ids: list[str]
@@ -586,6 +601,7 @@ class TokenDeltas:
     """Pooling requests that finished in this step with their pooled hidden state..."""
     embeddings: np.ndarray = field(default_factory=lambda: _EMPTY_STATES)
     """...float32 [len(embedding_request_ids), hidden] (StepResult.pooled_states' rows)."""
+    scheduler_pid: int = 0
 
     def __post_init__(self) -> None:
         if len(self.embedding_request_ids) != len(self.embeddings) or self.embeddings.ndim != 2:
@@ -595,6 +611,17 @@ class TokenDeltas:
             raise ProtocolError("TokenDeltas columns must have one entry per request")
         if int(np.sum(self.num_new_tokens)) != len(self.token_ids):
             raise ProtocolError("TokenDeltas.token_ids length disagrees with num_new_tokens")
+
+
+@register("SchedulerStarted")
+@dataclass(frozen=True)
+class SchedulerStarted:
+    """A scheduler process has its workers and takes requests. The frontend holds every open
+    request while the scheduler is down; a SchedulerStarted with another pid than the one it
+    knows is a restarted scheduler, to which it resubmits them (prompt + delivered tokens)."""
+
+    pid: int
+    num_restarts: int  # the pool's scheduler restarts before this one (0: the first)
 
 
 @register("SchedulerStats")

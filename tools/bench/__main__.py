@@ -22,6 +22,7 @@ SCENARIOS = {
     "scheduler": "scheduler core step and prefix-cache match times (no model)",
     "frontend": "frontend streaming throughput against a stand-in scheduler",
     "failover": "worker SIGKILL / SIGSTOP: detection, rejoin, completed requests",
+    "restart": "scheduler SIGKILL under load: pause until the next token, requests lost",
     "cross-host": "KV hand-off between network namespaces (--launcher ray; needs root)",
     "soak": "many requests with disconnects and aborts; nothing may leak",
     "tokenizer": "tokenizer, detokenizer and chat template speed",
