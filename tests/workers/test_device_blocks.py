@@ -47,10 +47,11 @@ def test_every_type_decodes_and_multiplies_like_gguf(qtype, monkeypatch):
     raw, want = random_blocks(qtype, 40, 512)
     raw = raw.to(DEVICE)
     whole = expand_rows(raw, qtype, 512, torch.empty(40, 512, device=DEVICE))
-    assert torch.equal(whole.cpu(), want)  # fp32 out: bit for bit
     ids = torch.tensor([3, 0, 39, 3], device=DEVICE)
-    assert torch.equal(expand_rows(raw, qtype, 512, torch.empty(4, 512, device=DEVICE), ids).cpu(),
-                       want[ids.cpu()])
+    rows = expand_rows(raw, qtype, 512, torch.empty(4, 512, device=DEVICE), ids)
+    if DEVICE == "cpu":  # fp32 out, bit for bit (a GPU may fuse d * q - m into one FMA: 1 ulp)
+        assert torch.equal(whole, want) and torch.equal(rows, want[ids])
+    assert close(whole, want, 1e-6) and close(rows, want[ids.cpu()], 1e-6)
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
     reference = x.to(DTYPE).float() @ want.to(DTYPE).float().T
     tolerance = 1e-5 if DTYPE == torch.float32 else 2e-2
