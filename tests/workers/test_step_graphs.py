@@ -76,6 +76,20 @@ def test_static_inputs_show_the_last_step_loaded():
     assert inputs.fits(small) and not inputs.fits(dataclasses.replace(small, tables=np.zeros((2, 7), np.int32)))
 
 
+def test_a_step_sends_only_the_table_columns_its_sequences_reach():
+    """The tables travel compact ([S, used width]) and are widened on the device: each
+    sequence's blocks land in its row of the wide table, whatever the widest context."""
+    inputs = StaticInputs(max_rows=16, max_seqs=8, max_tiles=8, table_width=512, tree_capacity=32,
+                          device=torch.device("cpu"))
+    layout = pad_layout(paged_layout(_batch([5, 9, 2, 14, 0], [1] * 5), 3, 16), 8, 1)
+    assert layout.tables.shape == (8, 4)
+    inputs.load(layout, np.arange(5))
+    assert inputs.bytes_sent < inputs.offsets["compact_tables"] * 4 + 8 * 4 * 4 + 1  # not 8 x 512
+    meta = inputs.metadata(layout, has_tree=False)
+    assert meta.tables.shape == (8, 512)
+    assert np.array_equal(meta.tables[:, :4].numpy(), layout.tables)
+
+
 class CountingCapture(EagerCapture):
     """The CPU stand-in for CUDA graphs: a replay calls the captured step again."""
 
