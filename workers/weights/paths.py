@@ -114,14 +114,16 @@ class WeightPaths:
                  cache: PlanCache | None = None, device_blocks: bool | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> None:
         """device_blocks: keep `auto`'s blocks for the Triton kernels (device_linear.py); None:
-        on a CUDA device with Triton (True on a CPU runs them in Triton's interpreter: tests).
-        dtype: the compute dtype those kernels take."""
+        on a CUDA device with Triton, or where JUSTAPI_DEVICE_BLOCKS=1 (True on a CPU runs
+        them in Triton's interpreter: tests, and the GPU check's dry run). dtype: the compute
+        dtype those kernels take."""
         if mode not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {mode!r}")
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
         if device_blocks is None:
-            device_blocks = not on_cpu and mode == "auto" and importlib.util.find_spec("triton") is not None
+            device_blocks = ((not on_cpu or os.environ.get("JUSTAPI_DEVICE_BLOCKS") == "1") and mode == "auto"
+                             and importlib.util.find_spec("triton") is not None)
         self.device_blocks = device_blocks and mode == "auto"
         self.scratch_device = _device_scratch(self.device) if self.device_blocks else None
         self.compute_dtype = dtype

@@ -164,10 +164,11 @@ def write_synthetic_gguf(path: str, spec: SyntheticSpec) -> None:
     writer = GGUFWriter(path, "llama")
     _write_metadata(writer, spec)
     head_dim = spec.hidden // spec.heads
+    values = _spread if spec.type.upper() in MIXES else _dense
     embed_type = spec.embed_type or tensor_type(spec, "token_embd")
-    _add_matrix(writer, "token_embd.weight", _dense(rng, spec.vocab, spec.hidden), embed_type, rng)
+    _add_matrix(writer, "token_embd.weight", values(rng, spec.vocab, spec.hidden), embed_type, rng)
     if not spec.tied:
-        _add_matrix(writer, "output.weight", _dense(rng, spec.vocab, spec.hidden),
+        _add_matrix(writer, "output.weight", values(rng, spec.vocab, spec.hidden),
                     tensor_type(spec, "output"), rng)
     _add_norm(writer, "output_norm.weight", rng, spec.hidden)
     shapes = {"attn_q": (spec.heads * head_dim, spec.hidden), "attn_k": (spec.kv_heads * head_dim, spec.hidden),
@@ -178,7 +179,7 @@ def write_synthetic_gguf(path: str, spec: SyntheticSpec) -> None:
         _add_norm(writer, f"blk.{i}.attn_norm.weight", rng, spec.hidden)
         _add_norm(writer, f"blk.{i}.ffn_norm.weight", rng, spec.hidden)
         for name, (rows, cols) in shapes.items():
-            _add_matrix(writer, f"blk.{i}.{name}.weight", _dense(rng, rows, cols),
+            _add_matrix(writer, f"blk.{i}.{name}.weight", values(rng, rows, cols),
                         tensor_type(spec, name, i), rng)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -224,6 +225,21 @@ def _write_metadata(writer: GGUFWriter, spec: SyntheticSpec) -> None:
 
 def _dense(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     return rng.normal(0.0, 1.0 / np.sqrt(cols), (rows, cols))
+
+
+@dataclass(frozen=True)
+class _Spread:
+    """What random K-quant blocks take of a matrix: its shape and std (a mix's matrices are
+    all K-quants: a ~1B model's normal draws would take longer than its blocks)."""
+
+    shape: tuple[int, int]
+
+    def std(self) -> float:
+        return float(1.0 / np.sqrt(self.shape[1]))
+
+
+def _spread(rng: np.random.Generator, rows: int, cols: int) -> _Spread:
+    return _Spread((rows, cols))
 
 
 def _add_norm(writer: GGUFWriter, name: str, rng: np.random.Generator, size: int) -> None:
