@@ -68,12 +68,14 @@ def modes(engine: LLMEngine, device: str, wanted: tuple[str, ...] = MODES
     if paged is None:
         raise SystemExit("python -m tools.bench gpu: Triton is not installed")
     max_seqs = engine.limits.max_seqs
+    # mixed steps' graphs too (mixed_graphs.py); a dry run's interpreter captures one small one
+    tokens = engine.limits.max_batched_tokens if device != "cpu" else 32
     graphed = engine.graphs or build_step_graphs(engine.model, engine.pool, paged, max_seqs,
-                                                 engine.max_context)
+                                                 engine.max_context, max_tokens=tokens)
     out: dict[str, tuple[AttentionBackend, StepGraphs | None]] = {"graphs": (paged, graphed)}
     if "eager" in wanted:
         out["eager"] = (paged, build_step_graphs(engine.model, engine.pool, paged, max_seqs, engine.max_context,
-                                                 use_cuda_graphs=False))
+                                                 use_cuda_graphs=False, max_tokens=tokens))
     if "gathered" in wanted:
         out["gathered"] = (CudaBackend(bs, device) if device != "cpu" else TorchPagedBackend(bs, chunk_bytes=None),
                            None)

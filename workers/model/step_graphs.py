@@ -1,6 +1,7 @@
 """Uniform steps (every sequence computes the same number of rows: decodes, or verification
 chunks of one size) replayed from graphs captured per (batch-size bucket, rows per sequence)
-at start, over static input buffers; other steps (prefill, mixed) run eagerly as before.
+at start, over static input buffers; other steps (prefill, mixed) replay the graph of their
+padded token count where one was built (mixed_graphs.py), else run eagerly.
 
     static rows:  | S * q real rows | (bucket - S) * q padding rows | unused up to capacity |
     static seqs:  | S real          | padding (no keys, slots -1)   | unused               |
@@ -14,10 +15,11 @@ Owns: buckets, static buffers, the padding and copy-in. Does not own: the captur
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -28,7 +30,11 @@ from workers.model.forward import DecoderModel
 from workers.model.paged_backend import TENSOR_FIELDS, PagedMetadata, TritonPagedBackend
 from workers.model.paged_layout import PagedLayout, block_m_for, pad_layout, paged_layout
 
+if TYPE_CHECKING:
+    from workers.model.mixed_graphs import MixedGraphs
+
 StepFn = Callable[[], torch.Tensor]
+logger = logging.getLogger(__name__)
 
 
 class GraphCapture(Protocol):
@@ -75,10 +81,13 @@ class CaptureReport:
     memory_bytes: int
     batch_sizes: tuple[int, ...]
     rows_per_seq: tuple[int, ...]
+    mixed_rows: tuple[int, ...] = ()  # token buckets of the any-shape graphs (mixed_graphs.py)
 
     def line(self) -> str:
+        mixed = (f", and {len(self.mixed_rows)} for any step of up to {self.mixed_rows[-1]} rows"
+                 if self.mixed_rows else "")
         return (f"captured {self.num_graphs} step graphs (batch sizes {self.batch_sizes[0]}.."
-                f"{self.batch_sizes[-1]}, rows per sequence {list(self.rows_per_seq)}) in "
+                f"{self.batch_sizes[-1]}, rows per sequence {list(self.rows_per_seq)}{mixed}) in "
                 f"{self.seconds:.2f} s, {self.memory_bytes / 2**20:.1f} MiB")
 
 
@@ -184,6 +193,7 @@ class StepGraphs:
         self.logits = torch.empty(max_seqs * max_q, model.params.vocab_size, device=backend.device)
         self.graphs: dict[GraphKey, StepFn] = {}
         self.report: CaptureReport | None = None
+        self.mixed: MixedGraphs | None = None  # the other steps' graphs, where built (cuda_graphs.py)
 
     def _block_m(self, rows_per_seq: int) -> int:
         return block_m_for(rows_per_seq, self.backend.group)
@@ -194,11 +204,18 @@ class StepGraphs:
     def capture_all(self) -> CaptureReport:
         """Capture every (bucket, rows) graph, largest first (smaller ones reuse its memory)."""
         begin = time.perf_counter()
+        if self.mixed is not None:  # its largest graph first: the largest step
+            try:
+                self.mixed.capture_all()
+            except RuntimeError as exc:  # the uniform graphs may still be captured: keep them
+                logger.warning("mixed step graphs not captured, those steps run eagerly: %s", exc)
+                self.mixed = None
         for q in self.rows_per_seq:
             for num_seqs in reversed(self.buckets):
                 self._capture(GraphKey(num_seqs, q))
-        self.report = CaptureReport(len(self.graphs), time.perf_counter() - begin,
-                                    self.capturer.memory_bytes(), self.buckets, self.rows_per_seq)
+        mixed = tuple(self.mixed.sizes) if self.mixed is not None else ()
+        self.report = CaptureReport(len(self.graphs) + len(mixed), time.perf_counter() - begin,
+                                    self.capturer.memory_bytes(), self.buckets, self.rows_per_seq, mixed)
         return self.report
 
     def _capture(self, key: GraphKey) -> None:
@@ -230,15 +247,16 @@ class StepGraphs:
         return GraphKey(num_seqs, q)
 
     def run(self, batch: AttentionBatch, token_ids: np.ndarray, rows: np.ndarray) -> torch.Tensor | None:
-        """Logits [len(rows), vocab] of the step's flat rows `rows`, from its graph; None when
-        the step has none (not uniform, too many sequences, too long a table or tree)."""
+        """Logits [len(rows), vocab] of the step's flat rows `rows`, from its graph (a uniform
+        one, else a mixed one); None when the step has none (too many sequences or rows, too
+        long a table, a tree without a uniform graph)."""
         key = self.key_for(batch)
         if key is None or key not in self.graphs:
-            return None
+            return self.mixed.run(batch, token_ids, rows) if self.mixed is not None else None
         layout = pad_layout(paged_layout(batch, self.backend.group, self._block_m(key.rows_per_seq)),
                             key.num_seqs, key.rows_per_seq)
         if not self.inputs.fits(layout) or (layout.has_tree and key.rows_per_seq == 1):
-            return None
+            return self.mixed.run(batch, token_ids, rows) if self.mixed is not None else None
         self.inputs.load(layout, token_ids)
         logits = self.graphs[key]()  # the graph's output buffer: read before the next replay
         if np.array_equal(rows, np.arange(len(rows))):
