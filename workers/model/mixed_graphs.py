@@ -81,10 +81,12 @@ class MixedGraphs:
         self.inputs.load(layout, np.zeros(0, np.int64))
         meta = self.inputs.metadata(layout, has_tree=False)
         token_ids = self.inputs.token_ids(num_rows)
+        sampled = min(num_rows, len(self.logit_rows))  # a step of T rows samples at most T
+        logit_rows, logits = self.logit_rows[:sampled], self.logits[:sampled]
 
         def step() -> torch.Tensor:
             hidden = self.model.forward(token_ids, self.kv_layers, self.backend, meta)  # [T, hidden]
-            return self.logits.copy_(self.model.logits(hidden[self.logit_rows]))
+            return logits.copy_(self.model.logits(hidden[logit_rows]))
 
         self.graphs[num_rows] = self.capturer.capture(step)
 
