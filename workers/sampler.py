@@ -85,10 +85,10 @@ class Sampler:
         if unseeded:
             noise[_ints(unseeded, device)] = torch.empty(len(unseeded), vocab, device=device).exponential_(
                 generator=self._generator(device))
-        seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
+        seeded = [(i, r.params.seed, r.position) for i, r in enumerate(rows) if r.params.seed is not None]
         if seeded:  # drawn on the CPU (the same vectors verification uses), sent in one copy
-            drawn = torch.stack([seeded_noise(rows[i].params.seed, rows[i].position, vocab) for i in seeded])
-            noise[_ints(seeded, device)] = upload(drawn.numpy(), device)
+            drawn = torch.stack([seeded_noise(seed, position, vocab) for _, seed, position in seeded])
+            noise[_ints([i for i, _, _ in seeded], device)] = upload(drawn.numpy(), device)
         return noise
 
     def _generator(self, device: torch.device) -> torch.Generator:

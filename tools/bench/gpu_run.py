@@ -145,8 +145,8 @@ def weight_memory_bytes(engine: LLMEngine) -> int:
     model = engine.model
     tensors = [t for layer in model.layers for linear in layer.linears() for t in _linear_tensors(linear)]
     tensors += _linear_tensors(model.output) + [model.output_norm]
-    embedding = model.token_embd
-    tensors.append(embedding if isinstance(embedding, torch.Tensor) else getattr(embedding, "raw", embedding))
+    embedding: Any = model.token_embd
+    tensors += [t for t in (embedding, getattr(embedding, "raw", None)) if isinstance(t, torch.Tensor)]
     for layer in model.layers:
         tensors += [t for t in (layer.attn_norm, layer.ffn_norm, layer.qkv_bias) if t is not None]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors

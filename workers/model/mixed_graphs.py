@@ -39,7 +39,8 @@ a graph's activations (a ~1B model's gate/up at 2,048 rows: 64 MiB) stay in its 
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
     """Row counts with a mixed graph: 32, 48, 64, 96, 128, ... (x2 every two), up to the first
     one >= max_tokens."""
-    sizes, size = [], 32
+    sizes: list[int] = []
+    size = 32
     while not sizes or sizes[-1] < max_tokens:
         sizes += [size, size * 3 // 2]
         size *= 2

@@ -246,7 +246,7 @@ def _add_norm(writer: GGUFWriter, name: str, rng: np.random.Generator, size: int
     writer.add_tensor(name, rng.uniform(0.8, 1.2, size).astype(np.float32))
 
 
-def _add_matrix(writer: GGUFWriter, name: str, values: np.ndarray, type_name: str,
+def _add_matrix(writer: GGUFWriter, name: str, values: np.ndarray | _Spread, type_name: str,
                 rng: np.random.Generator) -> None:
     qtype = GGMLQuantizationType[type_name.upper()]
     block_size = GGML_QUANT_SIZES[qtype][0]
@@ -255,7 +255,10 @@ def _add_matrix(writer: GGUFWriter, name: str, values: np.ndarray, type_name: st
                          f"{qtype.name} blocks of {block_size}")
     if qtype.name in _K_QUANT_SCALE_OFFSETS:
         writer.add_tensor(name, _random_k_quant(qtype, values, rng), raw_dtype=qtype)
-    elif qtype == GGMLQuantizationType.F32:
+        return
+    if isinstance(values, _Spread):  # a mix's matrix of another type (an embed_type): drawn now
+        values = _dense(rng, *values.shape)
+    if qtype == GGMLQuantizationType.F32:
         writer.add_tensor(name, values.astype(np.float32))
     elif qtype == GGMLQuantizationType.F16:
         writer.add_tensor(name, values.astype(np.float16))
@@ -264,7 +267,8 @@ def _add_matrix(writer: GGUFWriter, name: str, values: np.ndarray, type_name: st
         writer.add_tensor(name, data, raw_dtype=qtype)
 
 
-def _random_k_quant(qtype: GGMLQuantizationType, values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def _random_k_quant(qtype: GGMLQuantizationType, values: np.ndarray | _Spread,
+                    rng: np.random.Generator) -> np.ndarray:
     """Random K-quant blocks (gguf has no K-quant quantizer) whose values have the std of
     `values`: random bytes, scale fields set to 1, then rescaled (values are linear in them)."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
