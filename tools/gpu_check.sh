@@ -56,7 +56,8 @@ timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -o addopts="" --durati
 TESTS_RC=${PIPESTATUS[0]}
 wait "$BUILD"; cat "$OUT/models.log"
 timeout "$BENCH_S" "${BENCH_ENV[@]}" "$PY" -m tools.bench gpu --weights auto --models "$MODELS" --modes graphs,eager \
-  --batches "$([ -n "$IS_DRY" ] && echo 1 || echo 1,16,64)" --rounds 1 --decode-steps 24 \
+  --batches "$([ -n "$IS_DRY" ] && echo 1 || echo 1,16,64)" --rounds 1 \
+  --decode-steps "$([ -n "$IS_DRY" ] && echo 2 || echo 24)" \
   --mixed-chunk "$([ -n "$IS_DRY" ] && echo 24 || echo 256)" --profile --json "$OUT/bench.json" \
   2>&1 | tee "$OUT/bench.log"
 BENCH_RC=${PIPESTATUS[0]}
