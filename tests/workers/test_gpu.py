@@ -1,7 +1,8 @@
 """The CUDA paths, on a machine with a GPU (skipped elsewhere): the Triton attention kernel
 against a float64 reference, the bf16 paged forward (the in-place Triton attention, and the
 gathered path) against the dense fp32 reference, greedy
-output with and without CUDA graphs, sampling on the device, a KV pool shared between two
+output with and without CUDA graphs, a graphed decode step synchronizing once (its sampled
+ids), sampling on the device, a KV pool shared between two
 processes through a CUDA IPC handle, speculative decoding's greedy identity on the GPU, and
 `justapi serve --gpu` end to end (its outputs equal the in-process GPU engine's, NVML figures
 reach /metrics, SIGTERM leaves nothing behind). JUSTAPI_TEST_GPU_DEVICE=cpu runs the file on

@@ -1,8 +1,9 @@
 """CUDA graph capture for step_graphs.StepGraphs: each step function is warmed up on a side
 stream, then captured into a torch.cuda.CUDAGraph sharing one memory pool with the others
 (captured largest batch first, so smaller graphs fit in its memory).
-`build_step_graphs` makes a GPU runner's StepGraphs at start (with EagerCapture under
-`--no-cuda-graphs`: the same padded steps, launched one kernel at a time).
+`build_step_graphs` makes a GPU runner's StepGraphs at start, uniform and mixed
+(mixed_graphs.py) steps alike (with EagerCapture under `--no-cuda-graphs`: the same padded
+steps, launched one kernel at a time).
 Owns: the torch.cuda calls of capture and replay. Does not own: what is captured.
 """
 from __future__ import annotations
