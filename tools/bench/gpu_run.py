@@ -46,16 +46,18 @@ def _sync(device: str) -> None:
 
 
 def resolve(model: str) -> tuple[str, str]:
-    """(what to load, its label): 'smollm2' is the embedded GGUF, else its shape, synthetic."""
-    if model != "smollm2":
-        if model.startswith("synthetic:"):  # built once, here: the file is what is measured
-            from workers.weights.synthetic import materialize
-            return materialize(model), model.removeprefix("synthetic:")[:48]
-        return model, os.path.basename(model)[:48]
-    try:
-        return default_model_path(), "SmolLM2-135M (GGUF, bf16 on the GPU)"
-    except GGUFError:
-        return SMOLLM2_SHAPE, "SmolLM2-135M shape (synthetic, bf16)"
+    """(the GGUF file, its label): 'smollm2' is the embedded GGUF, else its shape and types,
+    synthetic; a synthetic: spec is written once (the file is what is measured)."""
+    from workers.weights.synthetic import materialize
+
+    if model == "smollm2":
+        try:
+            return default_model_path(), "SmolLM2-135M (GGUF Q4_1)"
+        except GGUFError:
+            return materialize(SMOLLM2_SHAPE), "SmolLM2-135M shape (synthetic Q4_1)"
+    if model.startswith("synthetic:"):
+        return materialize(model), model.removeprefix("synthetic:")[:48]
+    return model, os.path.basename(model)[:48]
 
 
 def modes(engine: LLMEngine, device: str, wanted: tuple[str, ...] = MODES
