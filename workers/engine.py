@@ -42,13 +42,13 @@ DEFAULT_KV_BYTES = 2 << 30
 
 
 def _step_graphs(engine: LLMEngine, backend: AttentionBackend, max_seqs: int,
-                 use_cuda_graphs: bool) -> StepGraphs | None:
-    """GPU: decode (and verification) steps replayed from graphs captured now."""
+                 use_cuda_graphs: bool, max_tokens: int) -> StepGraphs | None:
+    """GPU: steps replayed from graphs captured now (every step of up to max_tokens rows)."""
     if engine.pool.tensor.device.type != "cuda":
         return None
     from workers.model.cuda_graphs import build_step_graphs  # Triton: GPU engines only
     return build_step_graphs(engine.model, engine.pool, backend, max_seqs, engine.max_context,
-                             engine.speculative, use_cuda_graphs)
+                             engine.speculative, use_cuda_graphs, max_tokens)
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class LLMEngine:
         if draft is not None:
             self.max_context = min(self.max_context, draft.model.params.max_context)
         backend = make_backend(device, block_size, (p.num_heads, p.num_kv_heads, p.head_dim))
-        self.graphs = _step_graphs(self, backend, max_seqs, cuda_graphs)
+        self.graphs = _step_graphs(self, backend, max_seqs, cuda_graphs, max_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, backend, Sampler(seed), draft=draft,
                                   graphs=self.graphs)
         self.tokenizer = Tokenizer.from_gguf(self.gguf)

@@ -130,7 +130,7 @@ class Worker:
         config = self.spec.config
         return build_step_graphs(self.model, self.pool, backend, config.scheduler.max_seqs,
                                  self.ready_message().max_context, config.speculative,
-                                 config.model.cuda_graphs)
+                                 config.model.cuda_graphs, config.scheduler.max_batched_tokens)
 
     def ready_message(self) -> Ready:
         p = self.model.params

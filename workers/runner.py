@@ -28,6 +28,7 @@ from justapi.wire.protocol import (
     merge_step_results,
     offsets,
 )
+from workers.device_upload import upload
 from workers.kv.pool import KVPool
 from workers.model.attention import AttentionBackend, AttentionBatch
 from workers.model.forward import DecoderModel
@@ -138,12 +139,12 @@ class ModelRunner:
                 if self.graphs and long_rows is None and not pools else None
             if logits is None:
                 meta = self.backend.prepare(batch)
-                token_ids = torch.from_numpy(tokens.astype(np.int64)).to(self.model.device)
+                token_ids = upload(tokens.astype(np.int64), self.model.device)
                 kv_layers = [self.pool.layer(i) for i in range(self.pool.shape.num_layers)]
                 hidden = self.model.forward(token_ids, kv_layers, self.backend, meta, long_rows)
                 if pools:  # embeddings: their rows pooled before the head reads its own
                     self._pooled = pool_step(plan, hidden, self.requests, self.model.final_norm)
-                rows = torch.from_numpy(logit_rows(plan)).to(hidden.device)
+                rows = upload(logit_rows(plan), hidden.device)
                 logits = self.model.logits(hidden[rows])
         self.timeline.mark("forward_end", plan.step_id, len(plan.token_ids))
         return logits

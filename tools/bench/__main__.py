@@ -14,6 +14,8 @@ from tools.harness import ServeError
 SCENARIOS = {
     "engine": "model runtime steps vs the matmul bound (in-process, torch)",
     "gpu": "GPU decode steps: CUDA graphs / eager / gathered, copy bandwidth share (needs a GPU)",
+    "gpu-serve": "justapi serve --gpu: single, 16/64 streams, prefix, burst, structured vs free",
+    "gpu-targets": "the GPU targets of docs/bench.md from the gpu and gpu-serve JSON files",
     "serve": "configurations of `justapi serve` side by side (continuous/static, cache, overhead)",
     "pd": "PD disaggregation vs colocated workers on the long-burst workload",
     "peer": "the same streaming workloads against justapi serve and llama-server (or a URL)",
