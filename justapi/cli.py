@@ -44,9 +44,11 @@ def main() -> None:
 @click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(list(KV_CACHE_DTYPES)),
               help="As justapi serve's: auto (float16 on CPU, bfloat16 on GPU), float16, bfloat16 "
                    "or float32 (the exact cache, CPU only).")
+@click.option("--allow-unused-tensors", is_flag=True,
+              help="As justapi serve's: load a GGUF holding tensors the loader does not read.")
 def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p: float,
              top_k: int, seed: int | None, chat: bool, as_json: bool, device: str,
-             ignore_eos: bool, weights: str, kv_cache_dtype: str) -> None:
+             ignore_eos: bool, weights: str, kv_cache_dtype: str, allow_unused_tensors: bool) -> None:
     """Generate a continuation of PROMPT with the in-process engine."""
     try:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -54,7 +56,8 @@ def generate(model: str, prompt: str, max_tokens: int, temperature: float, top_p
         from workers.engine import LLMEngine  # the one place the CLI reaches the data plane
 
         engine = LLMEngine(model, device=device, max_seqs=1, seed=seed, progress=not as_json,
-                           weights=weights, kv_cache_dtype=kv_cache_dtype)
+                           weights=weights, kv_cache_dtype=kv_cache_dtype,
+                           allow_unused_tensors=allow_unused_tensors)
         text = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
         output = engine.generate([text], sampling)[0]
         engine.close()

@@ -67,6 +67,7 @@ def make_submit(prompt: str | Sequence[int] | None, messages: list[dict] | None,
     request_id = options.pop("request_id", None) or uuid.uuid4().hex
     stop = options.pop("stop", None) or []
     add_special_tokens = options.pop("add_special_tokens", True)
+    priority = int(options.pop("priority", 0))
     tools = {name: options.pop(name) for name in TOOL_OPTIONS if name in options}
     unset: list[str] = []
     if sampling is None:
@@ -86,7 +87,8 @@ def make_submit(prompt: str | Sequence[int] | None, messages: list[dict] | None,
                             prompt_token_ids=token_ids, messages=list(messages or []),
                             stop=[stop] if isinstance(stop, str) else list(stop),
                             add_special_tokens=add_special_tokens, unset_sampling=unset,
-                            tool_options=json.dumps(tools) if tools else "")
+                            tool_options=json.dumps(tools) if tools else "",
+                            priority=priority)
 
 
 def gather(request_id: str, chunks: Sequence[GenerationChunk]) -> Completion:

@@ -35,6 +35,8 @@ of json.dumps), `{"a":1,"b":[1,2]}` (compact), or between tokens either nothing,
 one or two newlines and at most 20 spaces/tabs (flexible: llama.cpp's bound)."""
 MAX_STRUCTURED_SPEC_CHARS = 1 << 20
 """Longest schema / grammar text a request may carry."""
+MAX_REASONING_MARKER_CHARS = 64
+"""Longest reasoning marker (`<think>`, `</think>`) a constraint may start after."""
 
 
 @register("StructuredOutput")
@@ -54,6 +56,14 @@ class StructuredOutput:
     whitespace: str = "spaced"
     """JSON kinds only: one of JSON_WHITESPACE. A schema's own "x-guidance" options (llguidance's
     JSON options, e.g. coerce_one_of) override it."""
+    reasoning_end: str = ""
+    """A reasoning model's end of thinking: its text (`</think>`), or `<[id]>` when it is one
+    token of the vocabulary. The output is free up to it, then whitespace, then the
+    constrained answer. "": constrained from the start."""
+    reasoning_start: str = ""
+    """With reasoning_end: the start of thinking, written the same way; the output may open
+    its thinking with it or answer at once. "": the output starts inside its thinking (the
+    prompt opened it)."""
 
     def __post_init__(self) -> None:
         _check(self.kind in STRUCTURED_KINDS,
@@ -69,11 +79,18 @@ class StructuredOutput:
         _check(self.whitespace in JSON_WHITESPACE,
                f"structured output whitespace must be one of {list(JSON_WHITESPACE)}, got "
                f"{self.whitespace!r}")
+        for name in ("reasoning_end", "reasoning_start"):
+            marker = getattr(self, name)
+            _check(isinstance(marker, str) and len(marker) <= MAX_REASONING_MARKER_CHARS,
+                   f"structured output {name} must be a string of at most "
+                   f"{MAX_REASONING_MARKER_CHARS} characters")
+        _check(bool(self.reasoning_end) or not self.reasoning_start,
+               "structured output reasoning_start needs reasoning_end")
 
     @property
-    def key(self) -> tuple[str, str, str]:
+    def key(self) -> tuple[str, ...]:
         """What its compiled grammar depends on (the compile cache's key)."""
-        return (self.kind, self.spec, self.whitespace)
+        return (self.kind, self.spec, self.whitespace, self.reasoning_end, self.reasoning_start)
 
 
 @register("SamplingParams")

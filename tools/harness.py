@@ -71,10 +71,13 @@ class ServedPool:
     `private_state=True` gives the pool a state directory of its own (JUSTAPI_STATE_DIR, set in
     this process too) so that `AdminClient()` here finds this pool and no other.
     `cwd`: the directory the server starts in; `python -m` puts it first on sys.path, ahead of
-    PYTHONPATH, so a server run from another source tree must start in that tree."""
+    PYTHONPATH, so a server run from another source tree must start in that tree.
+    `wrap`: a command that runs the server's command line (e.g. `unshare -m ...` in a mount
+    namespace), which must exec it (the launcher keeps the process id)."""
 
     def __init__(self, *args: str, zmq: bool = False, private_state: bool = False,
-                 ready_timeout_s: float = READY_TIMEOUT_S, cwd: str | None = None) -> None:
+                 ready_timeout_s: float = READY_TIMEOUT_S, cwd: str | None = None,
+                 wrap: Sequence[str] = ()) -> None:
         if private_state:
             os.environ["JUSTAPI_STATE_DIR"] = tempfile.mkdtemp(prefix="justapi-state-")
         self.port = free_port()
@@ -83,7 +86,7 @@ class ServedPool:
         self._log = tempfile.NamedTemporaryFile("w+", prefix="justapi-serve-", suffix=".log",
                                                 delete=False)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "justapi.cli", "serve", "--port", str(self.port),
+            [*wrap, sys.executable, "-m", "justapi.cli", "serve", "--port", str(self.port),
              *(["--zmq", self.zmq] if self.zmq else []), *args],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
         self.children: list[int] = []

@@ -42,13 +42,13 @@ DEFAULT_KV_BYTES = 2 << 30
 
 
 def _step_graphs(engine: LLMEngine, backend: AttentionBackend, max_seqs: int,
-                 use_cuda_graphs: bool) -> StepGraphs | None:
-    """GPU: decode (and verification) steps replayed from graphs captured now."""
+                 use_cuda_graphs: bool, max_tokens: int) -> StepGraphs | None:
+    """GPU: steps replayed from graphs captured now (every step of up to max_tokens rows)."""
     if engine.pool.tensor.device.type != "cuda":
         return None
     from workers.model.cuda_graphs import build_step_graphs  # Triton: GPU engines only
     return build_step_graphs(engine.model, engine.pool, backend, max_seqs, engine.max_context,
-                             engine.speculative, use_cuda_graphs)
+                             engine.speculative, use_cuda_graphs, max_tokens)
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class LLMEngine:
                  max_batched_tokens: int = 2048, max_context: int = 0,
                  seed: int | None = None, progress: bool = True, weights: str = "fp32",
                  speculative: SpecConfig | None = None, cuda_graphs: bool = True,
-                 kv_cache_dtype: str | None = None) -> None:
+                 kv_cache_dtype: str | None = None, allow_unused_tensors: bool = False) -> None:
         """kv_cache_dtype: as `justapi serve --kv-cache-dtype` (auto = bfloat16, float32,
         bfloat16). None: the compute dtype (fp32 on CPU, bf16 on GPUs). Like `weights`, the
         default is not serve's: the model tests compare this engine's logits with independent
@@ -89,7 +89,8 @@ class LLMEngine:
         self.path = resolve_model(model)
         self.gguf = GGUFFile(self.path)
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-        self.model = load_model(self.gguf, device, dtype, weights, progress)  # weights: fp32|q4|auto
+        self.model = load_model(self.gguf, device, dtype, weights, progress,  # weights: fp32|q4|auto
+                                allow_unused_tensors=allow_unused_tensors)
         p = self.model.params
         self.max_context = min(max_context or p.max_context, p.max_context)
         if num_blocks <= 0:
@@ -104,7 +105,7 @@ class LLMEngine:
         if draft is not None:
             self.max_context = min(self.max_context, draft.model.params.max_context)
         backend = make_backend(device, block_size, (p.num_heads, p.num_kv_heads, p.head_dim))
-        self.graphs = _step_graphs(self, backend, max_seqs, cuda_graphs)
+        self.graphs = _step_graphs(self, backend, max_seqs, cuda_graphs, max_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, backend, Sampler(seed), draft=draft,
                                   graphs=self.graphs)
         self.tokenizer = Tokenizer.from_gguf(self.gguf)

@@ -4,6 +4,8 @@ CPU workers map the launcher's shared-memory pool (all CPU workers share one poo
 --pd-separate-pools one per side); a GPU worker allocates its own pool on its device and
 exports a CUDA IPC handle in its Ready. A PD decode worker also executes CopyBlocks orders.
 A heartbeat thread (own socket) reports every HEARTBEAT_INTERVAL_S with process figures.
+A restarted scheduler attaches to it (AttachWorker): it drops the dead scheduler's orders
+still queued, forgets every request and sends its Ready again.
 Where it runs is a link passed in (link.py): a process the launcher started here
 (LocalLink, this module's main) or a Ray actor on some host (RayLink).
 Owns: its model, its ModelRunner state, its sockets. Does not own: which blocks hold what.
@@ -25,12 +27,14 @@ import zmq
 
 from justapi.config.spec import SpecConfig
 from justapi.launch.child import ChildSpec, StopFlag, report, start_child
-from justapi.launch.shm_pool import available_memory_bytes
+from justapi.launch.memory_limits import available_memory_bytes
 from justapi.model.gguf_file import GGUFFile
 from justapi.ops.timeline import Timeline
 from justapi.wire import transport
+from justapi.wire.codec import ProtocolError
 from justapi.wire.ids import HEARTBEAT_INTERVAL_S, heartbeat_identity, worker_identity
 from justapi.wire.protocol import (
+    AttachWorker,
     CopyBlocks,
     Heartbeat,
     PoolInfo,
@@ -47,6 +51,7 @@ from workers.link import LocalLink, WorkerLink
 from workers.model.attention import AttentionBackend, require_cuda
 from workers.model.backends import make_backend
 from workers.model.forward import DecoderModel
+from workers.plan_check import PlanError
 from workers.runner import ModelRunner
 from workers.sampler import Sampler
 from workers.spec.draft import load_draft
@@ -91,7 +96,8 @@ class Worker:
         self.device = self.link.claim_device(spec)
         gguf = GGUFFile(spec.model_path)
         dtype = torch.bfloat16 if self.device != "cpu" else torch.float32
-        self.model = load_model(gguf, self.device, dtype, spec.config.model.weights, progress=False)
+        self.model = load_model(gguf, self.device, dtype, spec.config.model.weights, progress=False,
+                                allow_unused_tensors=spec.config.model.allow_unused_tensors)
         sched, speculative = spec.config.scheduler, spec.config.speculative
         sampled_rows = _max_sampled_rows(sched.max_seqs, sched.max_batched_tokens, speculative)
         self.model.warm_up(sched.max_batched_tokens, sampled_rows)
@@ -124,7 +130,7 @@ class Worker:
         config = self.spec.config
         return build_step_graphs(self.model, self.pool, backend, config.scheduler.max_seqs,
                                  self.ready_message().max_context, config.speculative,
-                                 config.model.cuda_graphs)
+                                 config.model.cuda_graphs, config.scheduler.max_batched_tokens)
 
     def ready_message(self) -> Ready:
         p = self.model.params
@@ -144,12 +150,15 @@ class Worker:
             while not self.stop.is_set:
                 if not poller.poll(POLL_TIMEOUT_MS):
                     continue
-                for _, message in transport.drain(self.sock):
+                drained = transport.drain(self.sock, on_malformed=self._refuse_unreadable)
+                for message in without_stale_orders([m for _, m in drained]):
                     self._on_message(message)
 
     def _on_message(self, message: Any) -> None:
         if isinstance(message, Shutdown):
             self.stop.set()
+        elif isinstance(message, AttachWorker):
+            self.attach(message)
         elif isinstance(message, StepPlan):
             self.timeline.mark_cpu(message.step_id)
             self.timeline.mark("plan_in", message.step_id, message.num_seqs)
@@ -163,18 +172,44 @@ class Worker:
         else:
             logger.warning("ignored unexpected %s", type(message).__name__)
 
+    def attach(self, order: AttachWorker) -> None:
+        """A restarted scheduler takes this worker over. Every request the dead one planned is
+        forgotten (the new one announces what it resubmits as new requests, and a stale
+        sampled token must never fill a new plan's placeholder). The dead scheduler's last
+        plans ran or were dropped (without_stale_orders) before this order: no KV write of
+        theirs can follow a plan of the new scheduler, which plans nothing before every
+        worker's Ready."""
+        logger.warning("scheduler (pid %d) took over; forgetting %d request(s)",
+                       order.scheduler_pid, len(self.runner.requests))
+        self.runner.forget(list(self.runner.requests))
+        transport.send(self.sock, self.ready_message())
+
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step; its result reports the time it took (the scheduler's step costs)."""
+        """Run one step; its result reports the time it took (the scheduler's step costs).
+        A plan that does not fit this worker's pool or model is refused before anything is
+        computed (plan_check.py); a step that fails fails its requests, not the worker."""
         try:
             start = time.perf_counter()
             result = self.runner.execute(plan)
             return dataclasses.replace(result, step_time_s=time.perf_counter() - start)
-        except Exception as exc:  # one bad step fails its requests, not the worker
+        except PlanError as exc:
+            logger.warning("refused step %d: %s", plan.step_id, exc)
+            return self._failed_step(plan.step_id, f"refused: {exc}")
+        except Exception as exc:
             logger.error("step %d failed: %s", plan.step_id, traceback.format_exc())
-            return StepResult(step_id=plan.step_id, worker_id=self.spec.index, request_ids=[],
-                              num_sampled=np.zeros(0, np.int32),
-                              sampled_token_ids=np.zeros(0, np.int32),
-                              error=f"{type(exc).__name__}: {exc}")
+            return self._failed_step(plan.step_id, f"{type(exc).__name__}: {exc}")
+
+    def _refuse_unreadable(self, exc: ProtocolError) -> None:
+        """A StepPlan that does not decode (columns of the wrong lengths, rows outside the
+        step) is answered as refused, so its step ends now instead of at the step timeout."""
+        if exc.message_type == "StepPlan" and type(exc.step_id) is int:
+            logger.warning("refused step %d: %s", exc.step_id, exc)
+            transport.send(self.sock, self._failed_step(exc.step_id, f"refused: {exc}"))
+
+    def _failed_step(self, step_id: int, error: str) -> StepResult:
+        return StepResult(step_id=step_id, worker_id=self.spec.index, request_ids=[],
+                          num_sampled=np.zeros(0, np.int32),
+                          sampled_token_ids=np.zeros(0, np.int32), error=error)
 
     def _heartbeat_loop(self) -> None:
         sock = self.link.connect(self.context, self.spec.endpoints.workers,
@@ -225,6 +260,20 @@ class Worker:
         if self.runner.draft is not None:
             self.runner.draft.pool.close()
         self.context.term()
+
+
+def without_stale_orders(messages: list[Any]) -> list[Any]:
+    """Messages to handle, in order, less the plans and copy orders that arrived before an
+    AttachWorker: a dead scheduler's, never to run (the new one plans nothing before this
+    worker's Ready, which answers the AttachWorker)."""
+    last = max((i for i, m in enumerate(messages) if isinstance(m, AttachWorker)), default=-1)
+    if last < 0:
+        return messages
+    stale = (StepPlan, CopyBlocks, ReadBlocks, WriteBlocks)
+    kept = [m for m in messages[:last] if not isinstance(m, stale)]
+    if len(kept) < last:
+        logger.warning("dropped %d order(s) of the previous scheduler", last - len(kept))
+    return kept + messages[last:]
 
 
 def _max_sampled_rows(max_seqs: int, max_batched_tokens: int, spec: SpecConfig) -> int:

@@ -6,7 +6,8 @@ the history at their positions (truncate to the chunk's start, then extend), so 
 after rejected speculative tokens, or a recompute after preemption, leaves it right. The last
 token sampled for a request is kept with its position: a PLACEHOLDER_TOKEN at that position in
 a plan made before its result (overlap) stands for it.
-Steps with speculative drafts (or a draft model) go through workers/spec/step.py.
+Steps with speculative drafts (or a draft model) go through workers/spec/step.py. Every plan
+is checked against the pool and the model first (plan_check.py): a bad one is refused whole.
 Owns: that state, turning a plan into tensors, picking logit rows. Does not own: block
 allocation or scheduling (the scheduler), the forward math (model.py), sampling (sampler.py),
 verification (verify.py).
@@ -27,9 +28,13 @@ from justapi.wire.protocol import (
     merge_step_results,
     offsets,
 )
+from workers.device_upload import upload
 from workers.kv.pool import KVPool
 from workers.model.attention import AttentionBackend, AttentionBatch
 from workers.model.forward import DecoderModel
+from workers.model.rotary import long_rope_rows
+from workers.plan_check import PlanLimits, check_plan
+from workers.pooling import pool_step
 from workers.request_state import RequestState
 from workers.sampler import Sampler, SamplerOutput, SamplingRow, apply_token_bitmask
 from workers.spec.draft import DraftModel
@@ -61,6 +66,11 @@ class ModelRunner:
         self.verifier = Verifier(self.sampler)
         self.timeline = Timeline("worker")  # off; the worker process hands in its own
         self.graphs = graphs  # GPU: uniform steps replayed from captured graphs (step_graphs.py)
+        p = model.params
+        self.limits = PlanLimits(pool.shape.num_blocks, pool.shape.block_size, p.vocab_size,
+                                 p.max_context)  # every plan is checked against them
+        self.pooling_ids: set[str] = set()  # pooling (embedding) requests this worker holds
+        self._pooled: tuple[list[str], np.ndarray] | None = None  # this step's (pooling.py)
 
     @property
     def block_size(self) -> int:
@@ -72,7 +82,9 @@ class ModelRunner:
         workers/spec/step.py, when there are any or a draft model). A multi-step plan runs its
         steps back to back, each one's sampled tokens the next one's input."""
         if plan.num_steps > 1:
+            check_plan(plan, self.limits)  # the whole plan: its tables cover every step
             return merge_step_results([self.execute(step) for step in plan.sub_steps()])
+        check_plan(plan, self.limits)  # before anything is learned, computed or written
         is_speculative = self.draft is not None or bool(np.any(plan.draft_counts > 0))
         # [sum over sampled (1 + drafts), vocab]: one row per sample without drafts
         logits = self.forward_logits(plan, tree_layout(plan) if is_speculative else None)
@@ -83,6 +95,10 @@ class ModelRunner:
             result = speculative_result(context, plan, logits)
         else:
             result = self._sample(plan, logits)
+        if self._pooled is not None and self._pooled[0]:
+            result = dataclasses.replace(result, pooled_request_ids=self._pooled[0],
+                                         pooled_states=self._pooled[1])
+        self._pooled = None
         self.forget(plan.finished_request_ids)
         self.timeline.mark("sample_end", plan.step_id)
         return result
@@ -110,23 +126,38 @@ class ModelRunner:
             self._learn(plan, plan.token_ids)
             return torch.zeros(0, self.model.params.vocab_size)
         tokens = self._resolve(plan)
-        self._check(plan, tokens)
         self._learn(plan, tokens)
         batch = AttentionBatch(plan.start_positions.astype(np.int64), plan.num_tokens.astype(np.int64),
                                plan.num_blocks.astype(np.int64), plan.block_ids, self.block_size,
                                tree)
+        long_rows = self._long_rope_rows(plan, batch)
         self.timeline.mark("forward_start", plan.step_id, plan.num_seqs)
+        pools = bool(self.pooling_ids) and not self.pooling_ids.isdisjoint(plan.request_ids)
         with torch.inference_mode():
-            logits = self.graphs.run(batch, tokens, logit_rows(plan)) if self.graphs else None
+            # graphs rotate by position alone: a long prompt's LongRoPE prefill runs eagerly
+            logits = self.graphs.run(batch, tokens, logit_rows(plan)) \
+                if self.graphs and long_rows is None and not pools else None
             if logits is None:
                 meta = self.backend.prepare(batch)
-                token_ids = torch.from_numpy(tokens.astype(np.int64)).to(self.model.device)
+                token_ids = upload(tokens.astype(np.int64), self.model.device)
                 kv_layers = [self.pool.layer(i) for i in range(self.pool.shape.num_layers)]
-                hidden = self.model.forward(token_ids, kv_layers, self.backend, meta)
-                rows = torch.from_numpy(logit_rows(plan)).to(hidden.device)
+                hidden = self.model.forward(token_ids, kv_layers, self.backend, meta, long_rows)
+                if pools:  # embeddings: their rows pooled before the head reads its own
+                    self._pooled = pool_step(plan, hidden, self.requests, self.model.final_norm)
+                rows = upload(logit_rows(plan), hidden.device)
                 logits = self.model.logits(hidden[rows])
         self.timeline.mark("forward_end", plan.step_id, len(plan.token_ids))
         return logits
+
+    def _long_rope_rows(self, plan: StepPlan, batch: AttentionBatch) -> torch.Tensor | None:
+        """LongRoPE: the rows of sequences announced longer than the original context (all
+        rotated with the long table), where some of them are within it; else None (rotary.py)."""
+        scaling = self.model.params.rope_scaling
+        if scaling.kind != "longrope":
+            return None
+        known = np.array([self.requests[rid].num_known_tokens for rid in plan.request_ids], np.int64)
+        rows = long_rope_rows(scaling, batch.positions(), batch.num_tokens, known)
+        return None if rows is None else torch.from_numpy(rows).to(self.model.device)
 
     # ------------------------------------------------------------------ request state
 
@@ -153,7 +184,10 @@ class ModelRunner:
     def _learn(self, plan: StepPlan, token_ids: np.ndarray) -> None:
         for new in plan.new_requests:
             self.requests[new.request_id] = RequestState(
-                new.sampling, new.num_prompt_tokens, [int(t) for t in new.token_ids])
+                new.sampling, new.num_prompt_tokens, [int(t) for t in new.token_ids],
+                len(new.token_ids), pooling=new.pooling)
+            if new.pooling:
+                self.pooling_ids.add(new.request_id)
             if self.draft is not None:  # relearned (preemption): its proposal is stale
                 self.draft.forget([new.request_id])
         tok_off = offsets(plan.num_tokens)
@@ -172,6 +206,7 @@ class ModelRunner:
     def forget(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.requests.pop(request_id, None)
+            self.pooling_ids.discard(request_id)
         if self.draft is not None:
             self.draft.forget(request_ids)
 
@@ -181,19 +216,6 @@ class ModelRunner:
             return SamplingRow(state.params, NO_TOKENS, state.num_prompt_tokens, position)
         history = np.asarray(state.token_ids[:position], dtype=np.int64)
         return SamplingRow(state.params, history, state.num_prompt_tokens, position)
-
-    def _check(self, plan: StepPlan, token_ids: np.ndarray) -> None:
-        p = self.model.params
-        ends = plan.start_positions.astype(np.int64) + plan.num_tokens
-        if int(ends.max()) > p.max_context:
-            bad = int(np.argmax(ends))
-            raise ValueError(f"request {plan.request_ids[bad]!r} reaches position {int(ends[bad]) - 1}, "
-                             f"beyond the context length {p.max_context}")
-        if len(token_ids) and (token_ids.min() < 0 or token_ids.max() >= p.vocab_size):
-            raise ValueError(f"token id out of range [0, {p.vocab_size}) in step {plan.step_id}")
-        if len(plan.block_ids) and (plan.block_ids.min() < 0
-                                    or plan.block_ids.max() >= self.pool.shape.num_blocks):
-            raise ValueError(f"block id out of range [0, {self.pool.shape.num_blocks}) in step {plan.step_id}")
 
 
 def logit_rows(plan: StepPlan) -> np.ndarray:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from justapi.sampling import SamplingParams
+from workers.device_upload import upload
 
 _MASK64 = (1 << 64) - 1
 
@@ -67,7 +69,7 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled:
-            index = torch.tensor(sampled, device=logits.device)
+            index = _ints(sampled, logits.device)
             probs = filtered_probs(logits[index], [rows[i].params for i in sampled])
             noise = self._exponential_noise([rows[i] for i in sampled], probs.shape[1], logits.device)
             tokens[index] = (probs / noise).argmax(dim=-1)
@@ -81,11 +83,12 @@ class Sampler:
         noise = torch.empty(len(rows), vocab, device=device)
         unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab, device=device).exponential_(
+            noise[_ints(unseeded, device)] = torch.empty(len(unseeded), vocab, device=device).exponential_(
                 generator=self._generator(device))
-        for i, row in enumerate(rows):
-            if row.params.seed is not None:
-                noise[i] = seeded_noise(row.params.seed, row.position, vocab).to(device)
+        seeded = [(i, r.params.seed, r.position) for i, r in enumerate(rows) if r.params.seed is not None]
+        if seeded:  # drawn on the CPU (the same vectors verification uses), sent in one copy
+            drawn = torch.stack([seeded_noise(seed, position, vocab) for _, seed, position in seeded])
+            noise[_ints([i for i, _, _ in seeded], device)] = upload(drawn.numpy(), device)
         return noise
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -116,7 +119,11 @@ def seeded_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
 def apply_token_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -> None:
     """Structured outputs, in place: logits[rows[r], t] = -inf unless bit t % 32 of word t // 32
     of bitmask[r] is set (tokens past the mask's words, padding rows of the vocabulary, never
-    are). logits [num_rows, vocab]; rows int32 [R]; bitmask int32 [R, words]."""
+    are). logits [num_rows, vocab]; rows int32 [R]; bitmask int32 [R, words]. On a GPU the
+    packed words go up (1/32 of the bytes of a bool mask, queued) and are unpacked there."""
+    if logits.device.type == "cuda":
+        _apply_bitmask_on_device(logits, rows, bitmask)
+        return
     vocab = logits.shape[1]
     bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=1,
                          bitorder="little")  # [R, 32 * words], 1 = allowed
@@ -130,6 +137,22 @@ def apply_token_bitmask(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndar
         else:
             index = torch.from_numpy(rows.astype(np.int64)).to(logits.device)
             logits[index] = logits[index].masked_fill(blocked_t, float("-inf"))
+
+
+def _apply_bitmask_on_device(logits: torch.Tensor, rows: np.ndarray, bitmask: np.ndarray) -> None:
+    vocab, device = logits.shape[1], logits.device
+    words = upload(np.ascontiguousarray(bitmask, dtype=np.int32), device)  # [R, words]
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words[:, :, None] >> shifts) & 1).reshape(len(rows), -1)  # [R, 32 * words]
+    blocked = torch.ones(len(rows), vocab, dtype=torch.bool, device=device)
+    width = min(vocab, allowed.shape[1])
+    blocked[:, :width] = allowed[:, :width] == 0
+    with torch.inference_mode():
+        if len(rows) == logits.shape[0] and np.array_equal(rows, np.arange(len(rows))):
+            logits.masked_fill_(blocked, float("-inf"))
+        else:
+            index = upload(rows.astype(np.int64), device)
+            logits[index] = logits[index].masked_fill(blocked, float("-inf"))
 
 
 def _wants_logprobs(rows: list[SamplingRow]) -> bool:
@@ -154,12 +177,22 @@ def logprob_columns(raw: torch.Tensor, tokens: torch.Tensor,
     return chosen.numpy().astype(np.float32), top_ids, top_values
 
 
+def _ints(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int64 [n] on `device` (torch.tensor(values, device=...) waits for a GPU to get there)."""
+    return upload(np.asarray(values, dtype=np.int64), device)
+
+
+def _floats(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    """float32 [n] on `device`, each value rounded as torch.tensor(values) rounds it."""
+    return upload(np.asarray(values, dtype=np.float32), device)
+
+
 def _padded(sequences: list[np.ndarray], pad: int, device: torch.device) -> torch.Tensor:
     width = max((len(s) for s in sequences), default=0)
     out = np.full((len(sequences), max(width, 1)), pad, dtype=np.int64)
     for i, s in enumerate(sequences):
         out[i, :len(s)] = s
-    return torch.from_numpy(out).to(device)
+    return upload(out, device)
 
 
 def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -176,7 +209,8 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
              for token_id, bias in p.logit_bias if token_id < vocab]
     if not picks:
         return logits
-    row_index, token_ids, biases = (torch.tensor(column, device=logits.device) for column in zip(*picks))
+    rows, ids, values = zip(*picks)
+    row_index, token_ids, biases = _ints(rows, logits.device), _ints(ids, logits.device), _floats(values, logits.device)
     logits = logits.clone()
     logits.index_put_((row_index, token_ids), biases.to(logits.dtype), accumulate=True)
     return logits
@@ -190,7 +224,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         return logits
     logits = logits.clone()
     vocab, device = logits.shape[1], logits.device
-    index = torch.tensor(chosen, device=device)
+    index = _ints(chosen, device)
     params = [rows[i].params for i in chosen]
     seen_ids = _padded([np.asarray(rows[i].token_ids) for i in chosen], vocab, device)
     output_ids = _padded([np.asarray(rows[i].token_ids[rows[i].num_prompt_tokens:]) for i in chosen],
@@ -199,9 +233,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
         1, seen_ids, True)[:, :vocab]
     counts = torch.zeros(len(chosen), vocab + 1, device=device).scatter_add_(
         1, output_ids, torch.ones(output_ids.shape, device=device))[:, :vocab]  # [n, vocab]
-    rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-    presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+    rep = _floats([p.repetition_penalty for p in params], device)[:, None]
+    freq = _floats([p.frequency_penalty for p in params], device)[:, None]
+    presence = _floats([p.presence_penalty for p in params], device)[:, None]
     sub = logits[index]
     penalized = torch.where(sub > 0, sub / rep, sub * rep)
     sub = torch.where(seen, penalized, sub)
@@ -214,9 +248,9 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     """[n, vocab] logits of non-greedy rows -> probabilities after temperature, min_p, top_k and
     top_p (removed tokens get probability 0, the rest renormalized)."""
     device = logits.device  # per-row parameters go there; which steps apply is read on the host
-    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    temperature = _floats([p.temperature for p in params], device)[:, None]
     logits = logits / temperature
-    min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+    min_p = _floats([p.min_p for p in params], device)[:, None]
     if any(p.min_p > 0 for p in params):
         probs = logits.softmax(dim=-1)
         too_small = probs < min_p * probs.max(dim=-1, keepdim=True).values
@@ -224,7 +258,7 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     top_k = [p.top_k if p.top_k > 0 else 0 for p in params]
     if any(top_k):
         logits = _apply_top_k(logits, top_k)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
+    top_p = _floats([p.top_p for p in params], device)
     if any(p.top_p < 1.0 for p in params):
         logits = _apply_top_p(logits, top_p)
     return logits.softmax(dim=-1)
@@ -234,7 +268,7 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     """Keep tokens whose logit is >= the row's k-th largest (ties at the boundary stay)."""
     vocab = logits.shape[1]
     per_row = [min(k, vocab) if k else vocab for k in top_k]
-    k = torch.tensor(per_row, device=logits.device)
+    k = _ints(per_row, logits.device)
     values = logits.topk(max(per_row), dim=-1).values  # [n, kmax], descending
     threshold = values.gather(1, (k - 1)[:, None])  # [n, 1]
     return logits.masked_fill(logits < threshold, float("-inf"))

@@ -1,4 +1,5 @@
-"""Operations settings of `justapi serve`: health thresholds, worker restarts, the admin socket.
+"""Operations settings of `justapi serve`: health thresholds, worker and scheduler restarts, the
+admin socket, the KV events cluster routers subscribe to.
 
 Keys are flat like every serve key (`restart-workers`, `step-timeout-s`, ...); see
 docs/operations.md for what each one changes in practice.
@@ -7,6 +8,7 @@ justapi/health/watch.py) or the restarts themselves (justapi/launch/supervisor.p
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from justapi.config.fields import ConfigError, check_bool, check_number, option, require
@@ -22,6 +24,12 @@ class OpsConfig:
     max_restarts: int = option(5, "Most restarts of one worker slot within restart-window-s; "
                                   "past that it stays down.")
     restart_window_s: float = option(600.0, "The window max-restarts counts over.")
+    restart_scheduler: bool = option(True, "Start a new scheduler when it dies; the workers "
+                                           "stay, the frontend resubmits every open request "
+                                           "and clients see a pause (max-restarts applies).")
+    standby_scheduler: bool = option(True, "With restart-scheduler: keep a scheduler started "
+                                           "ahead (imports and tokenizer loaded, ~80 MB) to "
+                                           "take over at once instead of starting one then.")
     heartbeat_timeout_s: float = option(1.5, "A worker silent this long is unhealthy (workers "
                                              "beat every 0.5 s).")
     step_timeout_s: float = option(120.0, "A step in flight this long is hung (its worker is "
@@ -33,9 +41,23 @@ class OpsConfig:
     gpu_poll_interval_s: float = option(1.0, "How often the scheduler reads NVML.")
     admin: str = option("", "Admin socket endpoint for the ops commands (none: an ipc socket in "
                             "the runtime dir); tcp must be loopback.")
+    kv_events: str = option("", "Publish vLLM-compatible KV cache events (BlockStored, "
+                                "BlockRemoved, AllBlocksCleared; msgpack) on this ZeroMQ PUB "
+                                "endpoint, e.g. tcp://*:5557, for llm-d / Dynamo routers "
+                                "(docs/kv-events.md). none: off.")
+    kv_events_replay: str = option("", "ROUTER endpoint where a reconnecting router asks for "
+                                       "the batches it missed (e.g. tcp://*:5558); none: no "
+                                       "replay.")
+    kv_events_topic: str = option("", "Topic frame of every KV events message (vLLM's "
+                                      "kv_events_config topic).")
+    kv_events_hash_seed: str = option("", "Seed of the block hashes (vLLM's PYTHONHASHSEED): a "
+                                          "router that hashes prompts itself must use the same. "
+                                          "none: PYTHONHASHSEED from the environment, else 0.")
 
     def __post_init__(self) -> None:
         check_bool(self.restart_workers, "restart-workers")
+        check_bool(self.restart_scheduler, "restart-scheduler")
+        check_bool(self.standby_scheduler, "standby-scheduler")
         check_number(self.max_restarts, "max-restarts", low=0, integer=True)
         check_number(self.restart_window_s, "restart-window-s", low=1.0)
         check_number(self.heartbeat_timeout_s, "heartbeat-timeout-s", low=0.6)
@@ -43,6 +65,18 @@ class OpsConfig:
         check_number(self.thermal_hold_s, "thermal-hold-s", low=0.0)
         check_number(self.gpu_poll_interval_s, "gpu-poll-interval-s", low=0.1)
         _check_admin_endpoint(self.admin)
+        for name in ("kv_events", "kv_events_replay"):
+            endpoint = getattr(self, name)
+            require(isinstance(endpoint, str) and (not endpoint or endpoint.startswith(
+                ("tcp://", "ipc://", "inproc://"))),
+                f"{name.replace('_', '-')} must be a tcp://, ipc:// or inproc:// endpoint, "
+                f"got {endpoint!r}")
+        require(not self.kv_events_replay or bool(self.kv_events),
+                "kv-events-replay needs kv-events")
+
+    def kv_events_seed(self) -> str:
+        """The block hash seed: kv-events-hash-seed, else PYTHONHASHSEED, else "0"."""
+        return self.kv_events_hash_seed or os.environ.get("PYTHONHASHSEED", "") or "0"
 
 
 def _check_admin_endpoint(endpoint: object) -> None:

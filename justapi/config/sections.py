@@ -27,6 +27,10 @@ AUTO_KV_CACHE_DTYPE = {"cpu": "float16", "cuda": "bfloat16"}
 """What `--kv-cache-dtype auto` is per device (the measurements behind it: docs/runtime.md)."""
 LAUNCHERS = ("local", "ray")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+REASONING_PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
+"""--reasoning-parser (justapi/frontend/reasoning/formats.py PARSER_CHOICES)."""
+POOLING_CHOICES = ("auto", "none", "last", "mean", "cls")
+MATRYOSHKA_CHOICES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,11 @@ class SchedulerConfig:
               "tokens first. -1 (auto): prefill up to 5x the step's decode time; 0: off (every "
               "step takes max-batched-tokens, oldest prefill first).")
     policy: str = option("fcfs", "Waiting-queue order: fcfs, priority, or lpm (longest cached "
-                                 "prefix first).", choices=POLICIES)
+                                 "prefix first). priority (vLLM's --scheduling-policy priority): a "
+                                 "request's `priority` field orders the queue, lower first, and a "
+                                 "waiting request preempts running ones of a lower priority when "
+                                 "it lacks a seat or KV blocks.", choices=POLICIES,
+                         decls=("--policy", "--scheduling-policy"))
     scheduled: bool = option(True, "Continuous batching; --no-scheduled: static batching (a "
                                    "batch runs until all of it finishes; the benchmark baseline).")
     lpm_max_waiting: int = option(128, "lpm orders by cached prefix only while at most this many "
@@ -143,15 +151,33 @@ class ModelConfig:
                                   "exact.",
                           choices=WEIGHT_MODES)
     max_context: int = option(0, "Cap on the model's context length; 0 takes the model's own.")
+    allow_unused_tensors: bool = option(
+        False, "Load a GGUF even where it holds tensors the loader does not read (each named in a "
+               "warning). For experiments: such a file is a variant the model code does not know, "
+               "and its output is likely wrong. Without it the file is refused, naming them.",
+        decls=("--allow-unused-tensors",))
     cuda_graphs: bool = option(True, "GPU: replay decode (and uniform verification) steps from "
                                      "CUDA graphs captured per batch size at start; "
                                      "--no-cuda-graphs launches each kernel from Python.")
+    pooling: str = option("auto", "/v1/embeddings: how a prompt's hidden states become one "
+                                  "vector. auto: the GGUF's pooling_type (a file without one "
+                                  "serves no embeddings); last, mean, cls: that pooling (as "
+                                  "llama-server's --pooling); none: no embeddings.",
+                          choices=POOLING_CHOICES)
+    matryoshka: str = option("auto", "/v1/embeddings `dimensions` (a Matryoshka-trained model's "
+                                     "leading dimensions, renormalized). auto: on for the "
+                                     "Qwen3-Embedding family (trained so), else off, where only "
+                                     "the full size is accepted.",
+                             choices=MATRYOSHKA_CHOICES)
 
     def __post_init__(self) -> None:
+        check_choice(self.pooling, "pooling", POOLING_CHOICES)
+        check_choice(self.matryoshka, "matryoshka", MATRYOSHKA_CHOICES)
         check_choice(self.device, "device", DEVICES)
         check_choice(self.weights, "weights", WEIGHT_MODES)
         check_number(self.max_context, "max-context", low=0, integer=True)
         check_bool(self.cuda_graphs, "cuda-graphs")
+        check_bool(self.allow_unused_tensors, "allow-unused-tensors")
 
 
 @dataclass(frozen=True)
@@ -191,6 +217,11 @@ class ServerConfig:
     zmq_curve_secret_key: str = option(
         "", "File with the z85 CURVE secret key of the ZMQ client endpoint (needed for tcp "
             "beyond loopback; `justapi keys` makes one).", is_path=True)
+    reasoning_parser: str = option("auto", "How replies of a reasoning model are split into "
+                                           "reasoning_content and content: auto (from the chat "
+                                           "template: <think> for Qwen3 / DeepSeek-R1), a family, "
+                                           "or none (thinking stays in the content).",
+                                   choices=REASONING_PARSERS)
 
     def __post_init__(self) -> None:
         check_number(self.port, "port", low=0, high=65535, integer=True)
@@ -205,6 +236,7 @@ class ServerConfig:
         check_number(self.max_queue, "max-queue", low=0, integer=True)
         check_number(self.shutdown_grace_s, "shutdown-grace-s", low=0.0)
         check_bool(self.log_requests, "log-requests")
+        check_choice(self.reasoning_parser, "reasoning-parser", REASONING_PARSERS)
         require(not self.zmq.startswith("tcp://") or transport.is_loopback_endpoint(self.zmq)
                 or bool(self.zmq_curve_secret_key),
                 f"zmq {self.zmq} is reachable beyond this host: it needs CURVE encryption, "

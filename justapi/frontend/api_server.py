@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: FastAPI app factory, routes, error bodies, uvicorn server.
 
-Routes: /v1/completions, /v1/chat/completions (SSE when stream=true), /v1/models, /tokenize,
-/detokenize, /health, /metrics (and FastAPI's /openapi.json). Every refusal is an
+Routes: /v1/completions, /v1/chat/completions (SSE when stream=true), /v1/responses,
+/v1/messages (+ /count_tokens; errors in Anthropic's shape there), /v1/embeddings,
+/v1/models, /tokenize, /detokenize, /health, /metrics (and FastAPI's /openapi.json). Every refusal is an
 OpenAI-style error body (validation errors are 400, like vLLM, not FastAPI's 422). A client
 that disconnects, streaming or not, gets its scheduler requests aborted at once.
 Owns: the HTTP surface. Does not own: request semantics (serving*.py, prompts.py, choices.py,
@@ -29,9 +30,10 @@ from justapi.frontend.errors import (
     NOT_FOUND,
     SERVER_ERROR,
     ApiError,
-    error_body,
+    anthropic_error_body,
     from_validation_errors,
 )
+from justapi.frontend.embedding_models import EmbeddingRequest, EmbeddingResponse
 from justapi.frontend.guards import DEFAULT_MAX_REQUEST_BYTES, HttpGuards
 from justapi.frontend.openai_models import (
     ChatCompletionRequest,
@@ -46,9 +48,14 @@ from justapi.frontend.openai_models import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from justapi.frontend.messages.models import CountTokensRequest, MessagesRequest
+from justapi.frontend.messages.output import count_tokens, create_message
+from justapi.frontend.responses.models import ResponsesRequest
+from justapi.frontend.responses.output import create_response
 from justapi.frontend.serving import Serving
 from justapi.frontend.serving_chat import chat_prompt, create_chat_completion
 from justapi.frontend.serving_completions import create_completion
+from justapi.frontend.serving_embeddings import create_embedding
 from justapi.wire.protocol import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -57,6 +64,8 @@ CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request"; nobody reads it
 ERRORS: dict[int | str, dict[str, Any]] = {400: {"model": ErrorResponse},
                                            500: {"model": ErrorResponse}}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MESSAGES_PATH = "/v1/messages"
+"""Anthropic's routes: their errors take Anthropic's shape."""
 
 
 def json_response(payload: Any, status: int = 200) -> Response:
@@ -73,6 +82,7 @@ def build_app(serving: Serving, *, api_key: str = "",
                        rejections=serving.admission.rejections)
     _add_error_handlers(app)
     _add_generation_routes(app, serving)
+    _add_embedding_routes(app, serving)
     _add_model_routes(app, serving)
     _add_ops_routes(app, serving)
     return app
@@ -100,26 +110,33 @@ def make_http_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
 # ------------------------------------------------------------------------ errors
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
-        error = from_validation_errors(exc.errors())
-        return json_response(error.body(), error.status)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _error_response(request, from_validation_errors(exc.errors()))
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, exc: ApiError) -> Response:
-        response = json_response(exc.body(), exc.status)
-        response.headers.update(exc.headers)
-        return response
+    async def api_error(request: Request, exc: ApiError) -> Response:
+        return _error_response(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
-        return json_response(error_body(str(exc.detail), kind), exc.status_code)
+        return _error_response(request, ApiError(str(exc.detail), status=exc.status_code,
+                                                 error_type=kind))
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> Response:
+    async def internal_error(request: Request, exc: Exception) -> Response:
         logger.exception("internal error")
-        return json_response(error_body(f"internal error: {type(exc).__name__}: {exc}",
-                                         SERVER_ERROR), 500)
+        return _error_response(request, ApiError(f"internal error: {type(exc).__name__}: {exc}",
+                                                 status=500, error_type=SERVER_ERROR))
+
+
+def _error_response(request: Request, error: ApiError) -> Response:
+    """OpenAI's error body, or Anthropic's on its routes."""
+    is_anthropic = request.url.path.startswith(MESSAGES_PATH)
+    response = json_response(anthropic_error_body(error) if is_anthropic else error.body(),
+                             error.status)
+    response.headers.update(error.headers)
+    return response
 
 
 # ------------------------------------------------------------------------ generation
@@ -133,6 +150,24 @@ def _add_generation_routes(app: FastAPI, serving: Serving) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await _respond(request, create_chat_completion(serving, body,
                                                               time.perf_counter()))
+
+    @app.post("/v1/responses", responses=ERRORS)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await _respond(request, create_response(serving, body, time.perf_counter()))
+
+    @app.post(MESSAGES_PATH, responses=ERRORS)
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        return await _respond(request, create_message(serving, body, time.perf_counter()))
+
+    @app.post(f"{MESSAGES_PATH}/count_tokens", responses=ERRORS)
+    async def count_message_tokens(body: CountTokensRequest) -> Response:
+        return json_response(count_tokens(serving, body))
+
+
+def _add_embedding_routes(app: FastAPI, serving: Serving) -> None:
+    @app.post("/v1/embeddings", responses={200: {"model": EmbeddingResponse}, **ERRORS})
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await _respond(request, create_embedding(serving, body, time.perf_counter()))
 
 
 async def _respond(request: Request, work: Awaitable[dict | AsyncIterator[bytes]]) -> Response:
@@ -200,8 +235,9 @@ def _tokenize(serving: Serving, body: TokenizeRequest) -> list[int]:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         return prompts.encode_text(body.prompt, add_special)
     assert body.messages is not None
+    variables = serving.reasoning.template_variables(body.chat_template_kwargs, None)
     prompt = chat_prompt(serving, body.messages, body.tools, body.add_generation_prompt,
-                         describe_tools=bool(body.tools))
+                         describe_tools=bool(body.tools), variables=variables)
     if body.add_special_tokens:  # the template's text tokenized with BOS as the model asks
         assert prompt.text is not None
         return prompts.encode_text(prompt.text, True)
@@ -217,6 +253,8 @@ def _add_ops_routes(app: FastAPI, serving: Serving) -> None:
         if serving.admission.is_draining:  # take this instance out of the load balancer
             problems = ["the server is shutting down (draining)", *problems]
         details = _health_details(serving.engine.stats)
+        details.update(scheduler_pid=serving.engine.scheduler_pid,
+                       scheduler_restarts=serving.engine.num_restarts)
         if problems:
             return json_response({"status": "unhealthy", "problems": problems, **details}, 503)
         status = "degraded" if details["warnings"] else "ok"

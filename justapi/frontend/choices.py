@@ -54,6 +54,7 @@ def start_choices(serving: Serving, request: GenerationFields, prompts: list[Pro
         raise ApiError(f"prompts x n must be at most {MAX_CHOICES}, got "
                        f"{len(prompts)} x {request.n}", param="n")
     rules = serving.sampling_rules
+    priority = serving.check_priority(request.priority)
     stop = rules.stop_strings(request.stop)
     plans = []
     for prompt, limit in zip(prompts, max_tokens, strict=True):
@@ -65,7 +66,8 @@ def start_choices(serving: Serving, request: GenerationFields, prompts: list[Pro
             plans.append((prompt.token_ids, sampling, options))
     serving.check_available(len(plans))  # everything validated: only now submit
     serving.log_request("HTTP", prompts, plans[0][1])
-    return [serving.start(ids, sampling, options, arrival_s) for ids, sampling, options in plans]
+    return [serving.start(ids, sampling, options, arrival_s, priority)
+            for ids, sampling, options in plans]
 
 
 def close_all(generations: Sequence[Generation]) -> None:
@@ -129,14 +131,19 @@ async def collect_choices(serving: Serving, generations: Sequence[Generation],
     return outputs
 
 
-def usage(prompt_lengths: Sequence[int], generations: Sequence[Generation]) -> dict:
+def usage(prompt_lengths: Sequence[int], generations: Sequence[Generation],
+          reasoning_tokens: int | None = None) -> dict:
     """OpenAI usage: each prompt counted once, every choice's tokens. cached_tokens: per
-    prompt, the fewest any of its choices got from the prefix cache."""
+    prompt, the fewest any of its choices got from the prefix cache. reasoning_tokens (a
+    reasoning model's, all choices'): reported in completion_tokens_details."""
     num_prompt = sum(prompt_lengths)
     num_completion = sum(g.num_output_tokens for g in generations)
     per_prompt = max(1, len(generations) // max(1, len(prompt_lengths)))
     cached = sum(min(g.num_cached_tokens for g in generations[i:i + per_prompt])
                  for i in range(0, len(generations), per_prompt))
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    out = {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+           "total_tokens": num_prompt + num_completion,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out

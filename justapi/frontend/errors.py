@@ -7,6 +7,7 @@ chat template).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,18 @@ class ApiError(ValueError):
 def error_body(message: str, error_type: str = INVALID_REQUEST, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+ANTHROPIC_TYPES = {SERVER_ERROR: "api_error", UNAVAILABLE: "overloaded_error"}
+"""Our error types that Anthropic names otherwise (invalid_request_error, not_found_error are
+the same)."""
+
+
+def anthropic_error_body(error: ApiError) -> dict[str, Any]:
+    """The error as Anthropic's API writes it (/v1/messages)."""
+    kind = "rate_limit_error" if error.status == 429 else \
+        ANTHROPIC_TYPES.get(error.error_type, error.error_type)
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 def from_validation_errors(errors: Sequence[Any]) -> ApiError:
@@ -102,3 +115,16 @@ def sampling_error(exc: ValueError, known_params: Sequence[str]) -> ApiError:
     message = str(exc)
     first_word = message.split(" ", 1)[0]
     return ApiError(message, param=first_word if first_word in known_params else None)
+
+
+def renamed(error: ApiError, renames: Sequence[tuple[str, str]]) -> ApiError:
+    """An error of the internal chat request spoken in a translated API's field names:
+    each (regex, replacement) applied to its param and message (e.g. max_completion_tokens ->
+    max_output_tokens on /v1/responses)."""
+    param, message = error.param, error.message
+    for pattern, replacement in renames:
+        if param is not None:
+            param = re.sub(pattern, replacement, param)
+        message = re.sub(pattern, replacement, message)
+    return ApiError(message, param=param, status=error.status, code=error.code,
+                    error_type=error.error_type, headers=error.headers)

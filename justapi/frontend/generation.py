@@ -9,6 +9,7 @@ shapes (serving_*.py), the request stream (EngineClient), what text a token is (
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -21,6 +22,8 @@ from justapi.frontend.text.detokenizer import (
 )
 from justapi.frontend.text.tokenizer import Tokenizer
 from justapi.wire.protocol import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, SubmitRequest
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,19 @@ class Generation:
         self._num_chars = 0
         self._stream = engine.submit(request)
 
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._matcher.matched_stop if self._matcher is not None else None
+
     async def outputs(self) -> AsyncIterator[GenerationOutput]:
         """Outputs until (and including) the one with a finish_reason. Empty deltas are skipped."""
         try:
             async for delta in self._stream:
-                output = self._process(delta)
+                try:
+                    output = self._process(delta)
+                except Exception as exc:  # this request's text failed: it alone ends
+                    output = self._failed(exc)
                 if output.text or output.token_ids or output.finish_reason:
                     yield output
                     self._engine.timeline.mark("sse_out", -1, len(output.token_ids))
@@ -134,6 +145,18 @@ class Generation:
             self._finish(output.finish_reason)
         self._num_chars += len(output.text)
         return output
+
+    def _failed(self, exc: Exception) -> GenerationOutput:
+        """Its text could not be made (a detokenizer or stop-string bug met by its tokens):
+        the scheduler request is aborted, the request ends with an error, counted by stage."""
+        logger.error("request %r failed while detokenizing it: %s: %s", self.request_id,
+                     type(exc).__name__, exc, exc_info=exc)
+        self._engine.abort(self.request_id)
+        self._finish(FINISH_ERROR)
+        if self._timer is not None:
+            self._timer.on_failure("detokenize")
+        return GenerationOutput("", [], FINISH_ERROR,
+                                error=f"detokenize failed: {type(exc).__name__}: {exc}")
 
     def _token_by_token(self, delta: RequestDelta, shown: list[int]) -> GenerationOutput:
         """Decode one token at a time so stop strings cut at the right token and each

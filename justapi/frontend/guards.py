@@ -1,7 +1,8 @@
 """HTTP guards in front of every route: the API key and the request body size limit.
 
 A pure ASGI middleware (it sees every request before FastAPI does): with an API key set,
-every route but `/health` needs `Authorization: Bearer KEY` (compared in constant time with
+every route but `/health` needs `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`
+(compared in constant time with
 hmac.compare_digest; the key and what clients sent are never logged or echoed); a body
 larger than `max_request_bytes` is refused with 413 - at once when Content-Length says so,
 else as soon as the bytes read pass the limit. Refusals are OpenAI-style error bodies.
@@ -73,11 +74,14 @@ class HttpGuards:
         await self.app(scope, self._limited(receive), send)
 
     def _authorized(self, scope: Scope) -> bool:
+        """`Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's)."""
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, given = bytes(value).partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(),
-                                                                           self._key)
+                if scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._key):
+                    return True
+            elif name == b"x-api-key" and hmac.compare_digest(bytes(value).strip(), self._key):
+                return True
         return False
 
     def _limited(self, receive: Receive) -> Receive:

@@ -27,6 +27,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from justapi.frontend.failure_metrics import RequestFailures
+from justapi.frontend.monotonic import MonotonicTotal
+from justapi.frontend.router_metrics import RouterGaugesCollector
 from justapi.wire.protocol import SchedulerStats
 
 PREFIX = "justapi:"
@@ -153,20 +156,6 @@ HEALTH_GAUGES = (
 )
 
 
-class MonotonicTotal:
-    """A scheduler total that restarts at 0 when the scheduler does -> a monotonic counter."""
-
-    def __init__(self) -> None:
-        self._base = 0.0
-        self._last = 0.0
-
-    def update(self, value: float) -> float:
-        if value < self._last:  # the source restarted: keep what was counted before
-            self._base += self._last
-        self._last = value
-        return self._base + value
-
-
 def _number(value: object) -> float | None:
     return float(value) if isinstance(value, (int, float)) else None
 
@@ -174,9 +163,11 @@ def _number(value: object) -> float | None:
 class SchedulerStatsCollector(Collector):
     """Reads the latest SchedulerStats at scrape time; figures it lacks are left out."""
 
-    def __init__(self, model_name: str, source: Callable[[], SchedulerStats | None]) -> None:
+    def __init__(self, model_name: str, source: Callable[[], SchedulerStats | None],
+                 restarts: Callable[[], int] = lambda: 0) -> None:
         self._model_name = model_name
         self._source = source
+        self._restarts = restarts
         self._totals = {m.name: MonotonicTotal() for m in SCHEDULER_METRICS + PD_METRICS
                         + SPEC_METRICS + CLUSTER_METRICS if m.is_counter}
         self._position_totals: dict[str, MonotonicTotal] = {}
@@ -189,6 +180,11 @@ class SchedulerStatsCollector(Collector):
                                     labels=["model_name"])
         healthy.add_metric([self._model_name], float(bool(snapshot and snapshot.healthy)))
         yield healthy
+        restarts = CounterMetricFamily(PREFIX + "scheduler_restarts", "Schedulers that took "
+                                       "the open requests over after one died.",
+                                       labels=["model_name"])
+        restarts.add_metric([self._model_name], float(self._restarts()))
+        yield restarts
         if snapshot is None:
             return
         yield from self._scheduler_figures(snapshot.stats)
@@ -362,12 +358,17 @@ class RequestTimer:
         metrics.e2e_request_latency.observe(now - self._arrival_s)
         metrics.request_success.labels(metrics.model_name, finish_reason or "unknown").inc()
 
+    def on_failure(self, stage: str) -> None:
+        """The request failed on its own in the frontend's `stage` (failure_metrics.py)."""
+        self._metrics.failures.count(stage)
+
 
 class FrontendMetrics:
     """The frontend's metrics: request counters/histograms plus the scheduler snapshot."""
 
     def __init__(self, model_name: str,
-                 stats_source: Callable[[], SchedulerStats | None] = lambda: None) -> None:
+                 stats_source: Callable[[], SchedulerStats | None] = lambda: None,
+                 restarts_source: Callable[[], int] = lambda: 0) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -388,7 +389,10 @@ class FrontendMetrics:
         self.e2e_request_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
             labels, buckets=E2E_BUCKETS_S, registry=reg).labels(model_name)
-        reg.register(SchedulerStatsCollector(model_name, stats_source))
+        reg.register(SchedulerStatsCollector(model_name, stats_source, restarts_source))
+        self.failures = RequestFailures(model_name, stats_source)  # by stage (faults.py)
+        reg.register(self.failures)
+        reg.register(RouterGaugesCollector(model_name, stats_source))  # vllm: names
 
     def start_request(self, num_prompt_tokens: int, arrival_s: float | None = None) -> RequestTimer:
         """arrival_s is a time.perf_counter() reading; default now."""

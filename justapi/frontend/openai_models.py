@@ -103,6 +103,9 @@ class GenerationFields(OutputConstraintFields):
     """Accepted and ignored."""
     logit_bias: dict[str, float] | None = None
     """Token id (as a string) -> bias in [-100, 100], added to that token's logit."""
+    priority: int = 0
+    """vLLM's: with --scheduling-policy priority, lower is served sooner (and may preempt
+    running requests of a higher value); any other value than 0 is refused otherwise."""
 
 
 class CompletionRequest(GenerationFields):
@@ -144,6 +147,11 @@ class ChatMessage(RequestModel):
     """tool messages: the call this is the result of."""
     tool_calls: list[MessageToolCall] | None = None
     """assistant messages: the calls it made."""
+    reasoning_content: str | None = None
+    """assistant messages: their thinking, as replies return it (templates that show past
+    thinking render it)."""
+    reasoning: str | None = None
+    """vLLM's newer name of reasoning_content."""
 
 
 class FunctionDefinition(RequestModel):
@@ -182,6 +190,12 @@ class ChatCompletionRequest(GenerationFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """Default: auto with tools, none without."""
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template, e.g. {"enable_thinking": false} (vLLM's,
+    llama-server's)."""
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    """Passed to the template as `reasoning_effort`; "none" also switches thinking off where
+    the template has Qwen3's `enable_thinking`."""
 
 
 class TokenizeRequest(RequestModel):
@@ -197,6 +211,8 @@ class TokenizeRequest(RequestModel):
     """Default: True for a prompt (BOS as the model asks), False for messages (the
     template writes it)."""
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    """With messages: extra variables for the chat template, as on chat."""
 
 
 class DetokenizeRequest(RequestModel):
@@ -216,11 +232,18 @@ class PromptTokensDetails(ResponseModel):
     """Prompt tokens served from the prefix cache."""
 
 
+class CompletionTokensDetails(ResponseModel):
+    reasoning_tokens: int
+    """Tokens spent thinking, the end-of-thinking marker included."""
+
+
 class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+    """Where a reasoning parser is active."""
 
 
 class CompletionLogprobs(ResponseModel):
@@ -275,6 +298,11 @@ class ResponseToolCall(ResponseModel):
 class AssistantMessage(ResponseModel):
     role: Literal["assistant"]
     content: str
+    reasoning_content: str | None = None
+    """A reasoning model's thinking (None: it did not think); only where a reasoning parser
+    is active."""
+    reasoning: str | None = None
+    """The same text under vLLM's newer name."""
 
 
 class AssistantToolCallsMessage(ResponseModel):
@@ -284,6 +312,8 @@ class AssistantToolCallsMessage(ResponseModel):
     content: str | None
     """Text before the calls; None when there is none."""
     tool_calls: list[ResponseToolCall]
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(ResponseModel):
@@ -319,6 +349,8 @@ class DeltaToolCall(ResponseModel):
 class ChatDelta(ResponseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -414,3 +446,7 @@ class HealthResponse(ResponseModel):
     warnings: list[str] = []
     workers: list[HealthWorker] = []
     hosts: list[HealthHost] = []
+    scheduler_pid: int = 0
+    """The scheduler process serving now (0: not known yet)."""
+    scheduler_restarts: int = 0
+    """Schedulers that took the open requests over after the one before died."""

@@ -3,7 +3,8 @@ and the link to the scheduler; reports its URL to the launcher once it listens.
 
 SIGTERM (from the launcher) drains: new requests are refused (503) while those in flight get
 up to `shutdown-grace-s` to finish; then what is left is aborted and it exits. The scheduler
-process is watched: once it is gone, open requests fail at once (503).
+process is watched: once it is gone, open requests wait for the new one the launcher starts
+(restart-scheduler), or fail at once (503).
 Owns: the frontend's event loop and its start-up handshake. Does not own: what is served
 (justapi/frontend/server.py and below).
 """
@@ -26,6 +27,8 @@ from justapi.wire.auth import read_secret_key
 
 logger = logging.getLogger(__name__)
 
+RESTART_MARGIN_S = 30.0  # a new scheduler's own start-up (imports, tokenizer) beyond its workers
+
 
 def settings_of(spec: ChildSpec) -> FrontendSettings:
     """Settings from the spec; secrets (API key, CURVE key) from the environment and the key
@@ -46,12 +49,24 @@ def settings_of(spec: ChildSpec) -> FrontendSettings:
         max_request_bytes=server.max_request_bytes,
         max_in_flight=running_capacity + server.max_queue,
         log_requests=server.log_requests,
-        sampling_defaults=spec.config.sampling.given())
+        sampling_defaults=spec.config.sampling.given(),
+        reasoning_parser=server.reasoning_parser,
+        scheduling_policy=spec.config.scheduler.policy,
+        pooling=spec.config.model.pooling, matryoshka=spec.config.model.matryoshka)
+
+
+def restart_timeout_s(spec: ChildSpec) -> float:
+    """How long open requests wait for a restarted scheduler (0: restart-scheduler is off):
+    its start-up, which waits up to ready-timeout-s for its workers, and a margin."""
+    if not spec.config.ops.restart_scheduler:
+        return 0.0
+    return spec.config.server.ready_timeout_s + RESTART_MARGIN_S
 
 
 async def serve(spec: ChildSpec) -> None:
     settings = settings_of(spec)
-    engine = EngineClient(settings.scheduler_endpoint, settings.frontend_endpoint)
+    scheduler_pid = int(spec.extra.get("scheduler_pid", 0))
+    engine = EngineClient(settings.scheduler_endpoint, settings.frontend_endpoint, scheduler_pid)
     try:
         serving = build_serving(GGUFFile(spec.model_path), engine, settings)
         server = FrontendServer(serving, settings)
@@ -68,9 +83,8 @@ async def serve(spec: ChildSpec) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stopping.set)
-    scheduler_pid = int(spec.extra.get("scheduler_pid", 0))
-    watch = asyncio.ensure_future(watch_scheduler(engine, scheduler_pid)) if scheduler_pid \
-        else None
+    watch = asyncio.ensure_future(watch_scheduler(
+        engine, scheduler_pid, restart_timeout_s(spec))) if scheduler_pid else None
     waiter = asyncio.ensure_future(server.wait())
     await asyncio.wait([waiter, asyncio.ensure_future(stopping.wait())],
                        return_when=asyncio.FIRST_COMPLETED)

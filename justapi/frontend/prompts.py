@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -17,10 +17,11 @@ from justapi.frontend.text.tokenizer import Tokenizer
 
 
 class ChatRenderer(Protocol):
-    """The chat template: messages (and tools) -> prompt text; ValueError for bad messages."""
+    """The chat template: messages (and tools, and a request's extra template variables such
+    as enable_thinking) -> prompt text; ValueError for bad messages."""
 
     def __call__(self, messages: list[dict], add_generation_prompt: bool,
-                 tools: list[dict] | None = None) -> str: ...
+                 tools: list[dict] | None = None, **variables: Any) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,10 @@ class Prompts:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool,
-                    tools: list[dict] | None = None) -> Prompt:
+                    tools: list[dict] | None = None,
+                    variables: dict[str, Any] | None = None) -> Prompt:
         try:
-            text = self.render_chat(messages, add_generation_prompt, tools)
+            text = self.render_chat(messages, add_generation_prompt, tools, **(variables or {}))
         except ValueError as exc:
             raise ApiError(str(exc), param="messages") from None
         return Prompt(self.encode_text(text, False, "messages"), text)

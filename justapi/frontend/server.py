@@ -17,13 +17,14 @@ from justapi.frontend.api_server import build_app, make_http_server
 from justapi.frontend.engine_client import EngineClient
 from justapi.frontend.guards import DEFAULT_MAX_REQUEST_BYTES
 from justapi.frontend.metrics import FrontendMetrics
+from justapi.frontend.reasoning.request import ReasoningSetup
 from justapi.frontend.serving import Serving, ServingConfig
 from justapi.frontend.text.chat_template import ChatTemplate
 from justapi.frontend.text.tokenizer import Tokenizer
 from justapi.frontend.tools.formats import detect_tool_format
 from justapi.frontend.zmq_server import ZmqServer
 from justapi.model.gguf_file import GGUFFile
-from justapi.model.info import model_sampling_defaults
+from justapi.model.info import is_matryoshka, model_pooling, model_sampling_defaults
 from justapi.sampling import SamplingDefaults
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,14 @@ class FrontendSettings:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     """Sampling defaults set by flag or TOML (SamplingConfig.given()); the GGUF's, else
     llama-server's, fill in the rest."""
+    reasoning_parser: str = "auto"
+    """How replies are split into thinking and answer (auto: from the chat template)."""
+    scheduling_policy: str = "fcfs"
+    """The scheduler's policy (requests' `priority` counts under "priority" only)."""
+    pooling: str = "auto"
+    """ModelConfig.pooling: /v1/embeddings' pooling (auto: the GGUF's pooling_type)."""
+    matryoshka: str = "auto"
+    """ModelConfig.matryoshka: whether `dimensions` may truncate."""
 
 
 def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettings) -> Serving:
@@ -75,17 +84,25 @@ def build_serving(gguf: GGUFFile, engine: EngineClient, settings: FrontendSettin
     if model_context:
         max_context = min(max_context, model_context)
     name = settings.model_name or gguf.name
-    metrics = FrontendMetrics(name, lambda: engine.stats)
+    metrics = FrontendMetrics(name, lambda: engine.stats,
+                              restarts_source=lambda: engine.num_restarts)
     path = Path(gguf.path)
     aliases = tuple(a for a in dict.fromkeys((gguf.name, path.name, path.stem, str(path))) if a != name)
     defaults = SamplingDefaults.resolve(settings.sampling_defaults, model_sampling_defaults(gguf))
     logger.info("sampling defaults for fields a request leaves out: %s", defaults.describe())
     config = ServingConfig(model_name=name, max_context=max_context, model_aliases=aliases,
                            max_in_flight=settings.max_in_flight,
-                           log_requests=settings.log_requests, sampling_defaults=defaults)
+                           log_requests=settings.log_requests, sampling_defaults=defaults,
+                           scheduling_policy=settings.scheduling_policy,
+                           pooling=model_pooling(gguf, settings.pooling),
+                           is_matryoshka=is_matryoshka(gguf, settings.matryoshka),
+                           hidden_size=int(gguf.arch_get("embedding_length", 0) or 0))
     tool_format = detect_tool_format(template.source)
-    logger.info("tool calls in the %s format", tool_format.name)
-    return Serving(engine, tokenizer, template.render, config, metrics, tool_format=tool_format)
+    reasoning = ReasoningSetup.from_template(template.source, tokenizer, settings.reasoning_parser)
+    logger.info("tool calls in the %s format; reasoning parser: %s", tool_format.name,
+                reasoning.format.name if reasoning.format else "none")
+    return Serving(engine, tokenizer, template.render, config, metrics, tool_format=tool_format,
+                   reasoning=reasoning)
 
 
 class FrontendServer:

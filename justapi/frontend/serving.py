@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from justapi.frontend.admission import Admission, RejectionCounter, unavailable
-from justapi.frontend.engine_client import EngineClient
+from justapi.frontend.engine_client import EngineClient, RequestStream
 from justapi.frontend.errors import NOT_FOUND, SERVER_ERROR, ApiError
 from justapi.frontend.generation import Generation, TextOptions
-from justapi.frontend.metrics import FrontendMetrics
+from justapi.frontend.metrics import FrontendMetrics, RequestTimer
 from justapi.frontend.prompts import ChatRenderer, Prompt, Prompts
+from justapi.frontend.reasoning.request import NO_REASONING, ReasoningSetup
 from justapi.frontend.request_sampling import SamplingRules
 from justapi.frontend.text.tokenizer import Tokenizer
 from justapi.frontend.tools.formats import GENERIC, ToolFormat
@@ -30,6 +31,8 @@ from justapi.wire.protocol import SubmitRequest
 logger = logging.getLogger(__name__)
 
 LOGGED_PROMPT_CHARS = 2000  # --log-requests: longer prompts are cut in the log
+POOLING_SAMPLING = SamplingParams(temperature=0.0, max_tokens=1)
+"""What a pooling request carries for sampling: nothing is sampled."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,14 @@ class ServingConfig:
     """Log each request's prompt and parameters (off: prompts never reach the logs)."""
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults.resolve)
     """What the sampling fields a request leaves out get (default: llama-server's)."""
+    scheduling_policy: str = "fcfs"
+    """The scheduler's policy: only "priority" takes a request's `priority` field."""
+    pooling: str = ""
+    """/v1/embeddings' pooling (protocol.POOLINGS); "" serves no embeddings."""
+    is_matryoshka: bool = False
+    """`dimensions` may ask for fewer than hidden_size leading dimensions."""
+    hidden_size: int = 0
+    """The model's hidden size: the length of a full embedding."""
 
 
 class Serving:
@@ -56,12 +67,15 @@ class Serving:
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, render_chat: ChatRenderer,
                  config: ServingConfig, metrics: FrontendMetrics, *,
-                 tool_format: ToolFormat = GENERIC) -> None:
-        """tool_format: how the chat template's model writes tool calls (formats.py)."""
+                 tool_format: ToolFormat = GENERIC,
+                 reasoning: ReasoningSetup = NO_REASONING) -> None:
+        """tool_format: how the chat template's model writes tool calls (tools/formats.py);
+        reasoning: how it thinks (reasoning/request.py)."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.config = config
         self.tool_format = tool_format
+        self.reasoning = reasoning
         self.metrics = metrics
         self.prompts = Prompts(tokenizer, render_chat, config.max_context)
         self.sampling_rules = SamplingRules(tokenizer, config.sampling_defaults)
@@ -91,6 +105,14 @@ class Serving:
                            f"{self.config.model_name!r})", param="model", code="model_not_found",
                            status=404, error_type=NOT_FOUND)
 
+    def check_priority(self, priority: int) -> int:
+        """A request's priority; 400 for a value other than 0 unless the scheduler orders by
+        priority (as vLLM refuses it)."""
+        if priority and self.config.scheduling_policy != "priority":
+            raise ApiError(f"priority {priority} needs a server started with "
+                           "--scheduling-policy priority", param="priority")
+        return priority
+
     def check_available(self, num_requests: int = 1) -> None:
         """503 (draining, scheduler lost) or 429 (queue full) unless the requests may start."""
         self.admission.check(num_requests)
@@ -113,12 +135,24 @@ class Serving:
 
     # ---------------------------------------------------------------- running
     def start(self, prompt_ids: list[int], sampling: SamplingParams, options: TextOptions,
-              arrival_s: float) -> Generation:
+              arrival_s: float, priority: int = 0) -> Generation:
         """Submit one scheduler request. arrival_s: time.perf_counter() when the API request
-        arrived (for TTFT / e2e)."""
+        arrived (for TTFT / e2e); priority: checked by check_priority."""
         request = SubmitRequest(request_id=self.new_id("req"),
                                 prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32),
                                 sampling=sampling, arrival_time_s=time.time(),
-                                cache_salt=self.config.cache_salt)
+                                priority=priority, cache_salt=self.config.cache_salt)
         timer = self.metrics.start_request(len(prompt_ids), arrival_s)
         return Generation(self.engine, request, self.tokenizer, options, timer)
+
+    def start_pooling(self, prompt_ids: list[int], arrival_s: float,
+                      priority: int = 0) -> tuple[RequestStream, RequestTimer]:
+        """Submit one pooling (embedding) request with the server's pooling; its stream ends
+        with one delta carrying the pooled state."""
+        request = SubmitRequest(request_id=self.new_id("emb"),
+                                prompt_token_ids=np.asarray(prompt_ids, dtype=np.int32),
+                                sampling=POOLING_SAMPLING, arrival_time_s=time.time(),
+                                priority=priority, cache_salt=self.config.cache_salt,
+                                pooling=self.config.pooling)
+        timer = self.metrics.start_request(len(prompt_ids), arrival_s)
+        return self.engine.submit(request), timer

@@ -1,26 +1,31 @@
 """/v1/chat/completions: messages rendered with the model's chat template -> assistant choices.
 
-The template comes from the GGUF (Prompts.chat_prompt); the rendered text is tokenized
-without adding BOS again (the template writes it). Streams open each choice with a
-`{"role": "assistant", "content": ""}` delta, like OpenAI. With tools, each choice's text is
-parsed into content and `tool_calls` (streamed as OpenAI's deltas), and a reply that called
-ends with finish_reason "tool_calls". Owns: the chat response/chunk shapes and chat logprobs.
-Does not own: limits and sampling, constraints (constraints.py, tools/), the stream loop.
+`start_chat` is the one request path every chat-like endpoint takes (/v1/responses and
+/v1/messages translate their requests into a ChatCompletionRequest first): the template
+renders the messages (with the request's template variables: enable_thinking,
+reasoning_effort...), the output constraint or tool grammar is set (after the thinking block
+for a reasoning model), and the choices start. Streams open each choice with a
+`{"role": "assistant", "content": ""}` delta, like OpenAI. Each choice's text is read by
+reply.py: thinking as `reasoning_content` (and `reasoning`), then content and `tool_calls`; a
+reply that called ends with finish_reason "tool_calls". Owns: the chat response/chunk shapes
+and chat logprobs. Does not own: limits and sampling, constraints (constraints.py, tools/), the
+reading of replies (reply.py), the stream loop (sse.py).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 
 from justapi.frontend.choices import OutputRules, collect_choices, start_choices, usage
-from justapi.frontend.constraints import request_constraint
+from justapi.frontend.constraints import Constraint, check, request_constraint
 from justapi.frontend.errors import ApiError
-from justapi.frontend.generation import GenerationOutput, TokenLogprob
+from justapi.frontend.generation import Generation, GenerationOutput, TokenLogprob
 from justapi.frontend.openai_models import ChatCompletionRequest, ChatMessage, ToolDefinition
 from justapi.frontend.prompts import Prompt
+from justapi.frontend.reply import ReplyReader, ReplyRules, whole_reply
 from justapi.frontend.serving import Serving
 from justapi.frontend.sse import stream_choices
-from justapi.frontend.tools.parser import FINISH_TOOL_CALLS, ToolReply, parse_reply
 from justapi.frontend.tools.render import chat_inputs
 from justapi.frontend.tools.request import (
     ToolPlan,
@@ -28,13 +33,32 @@ from justapi.frontend.tools.request import (
     tool_constraint,
     tool_plan,
 )
-from justapi.sampling import MAX_TOP_LOGPROBS
-from justapi.wire.protocol import FINISH_STOP
+from justapi.sampling import MAX_TOP_LOGPROBS, StructuredOutput
+
+
+@dataclass
+class ChatRun:
+    """A started chat request: its choices and how their replies are read."""
+
+    generations: list[Generation]
+    num_prompt_tokens: int
+    rules: ReplyRules
+    output: OutputRules
+    logprobs: int | None
+    """top_logprobs width; None: no logprobs."""
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Validated messages -> the plain dicts the chat template takes (it joins text parts)."""
-    return [message.model_dump(exclude_none=True) for message in messages]
+    """Validated messages -> the plain dicts the chat template takes (it joins text parts);
+    a past reply's `reasoning` is given to the template as `reasoning_content`."""
+    out = []
+    for message in messages:
+        entry = message.model_dump(exclude_none=True)
+        thinking = entry.pop("reasoning", None)
+        if thinking is not None:
+            entry.setdefault("reasoning_content", thinking)
+        out.append(entry)
+    return out
 
 
 def check_supported(request: ChatCompletionRequest) -> int | None:
@@ -51,15 +75,14 @@ def check_supported(request: ChatCompletionRequest) -> int | None:
     return request.top_logprobs or 0
 
 
-async def create_chat_completion(serving: Serving, request: ChatCompletionRequest,
-                                 arrival_s: float) -> dict | AsyncIterator[bytes]:
-    """A full response dict, or (stream=True) an async iterator of SSE event bytes."""
+def start_chat(serving: Serving, request: ChatCompletionRequest, arrival_s: float) -> ChatRun:
+    """Render, constrain and start a chat request's choices (ApiError for a bad request)."""
     serving.check_model(request.model)
     logprobs = check_supported(request)
     plan = tool_plan(request, serving.tool_format)
-    output_rules = chat_output_rules(serving, request, plan)
-    prompt = chat_prompt(serving, request.messages, request.tools, request.add_generation_prompt,
-                         describe_tools=plan is not None)
+    prompt = request_prompt(serving, request, plan)
+    rules = ReplyRules(plan, serving.reasoning, prompt.text)
+    output_rules = chat_output_rules(serving, request, rules)
     param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
     requested = request.max_completion_tokens if request.max_completion_tokens is not None \
         else request.max_tokens
@@ -67,91 +90,126 @@ async def create_chat_completion(serving: Serving, request: ChatCompletionReques
                                            prompt_param="messages")
     generations = start_choices(serving, request, [prompt], [limit], logprobs, arrival_s,
                                 output=output_rules)
+    return ChatRun(generations, len(prompt.token_ids), rules, output_rules, logprobs)
+
+
+def request_prompt(serving: Serving, request: ChatCompletionRequest,
+                   plan: ToolPlan | None) -> Prompt:
+    """The request's messages through the template, with its template variables."""
+    variables = serving.reasoning.template_variables(request.chat_template_kwargs,
+                                                     request.reasoning_effort)
+    return chat_prompt(serving, request.messages, request.tools, request.add_generation_prompt,
+                       describe_tools=plan is not None, variables=variables)
+
+
+async def create_chat_completion(serving: Serving, request: ChatCompletionRequest,
+                                 arrival_s: float) -> dict | AsyncIterator[bytes]:
+    """A full response dict, or (stream=True) an async iterator of SSE event bytes."""
+    run = start_chat(serving, request, arrival_s)
     header = {"id": serving.new_id("chatcmpl"), "object": "chat.completion",
               "created": int(time.time()), "model": serving.config.model_name}
-    num_prompt = [len(prompt.token_ids)]
-    chunks = ChatChunks(serving, logprobs, plan)
+    chunks = ChatChunks(serving, run)
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        return stream_choices(generations, chunks, {**header, "object": "chat.completion.chunk"},
-                              num_prompt, include_usage)
-    outputs = await collect_choices(serving, generations, output_rules)
+        return stream_choices(run.generations, chunks, {**header, "object": "chat.completion.chunk"},
+                              chunks.usage, include_usage)
+    outputs = await collect_choices(serving, run.generations, run.output)
     choices = [chunks.choice(index, output) for index, output in enumerate(outputs)]
-    return {**header, "choices": choices, "usage": usage(num_prompt, generations)}
+    return {**header, "choices": choices, "usage": chunks.usage()}
 
 
 def chat_output_rules(serving: Serving, request: ChatCompletionRequest,
-                      plan: ToolPlan | None) -> OutputRules:
-    """The request's one output constraint: its response format, or its tool calls."""
+                      rules: ReplyRules) -> OutputRules:
+    """The request's one output constraint: its response format, or its tool calls; for a
+    reasoning model, applied after the thinking block."""
     response = request_constraint(request)
+    plan = rules.plan
     if plan is None:
-        return OutputRules(response.structured, param=response.param) if response else OutputRules()
+        if response is None:
+            return OutputRules()
+        return OutputRules(_after_thinking(rules, response), param=response.param)
     if response is not None:
         raise ApiError(f"a request takes one output constraint; got tools and {response.param}",
                        param=response.param)
     trigger_id = special_token_id(serving.tokenizer, plan.tool_format.trigger)
-    return OutputRules(tool_constraint(plan, serving.tokenizer).structured,
+    constraint = tool_constraint(plan, serving.tokenizer)
+    return OutputRules(_after_thinking(rules, constraint),
                        show_special_tokens=trigger_id is not None, param="tools")
 
 
+def _after_thinking(rules: ReplyRules, constraint: Constraint) -> StructuredOutput:
+    structured = rules.reasoning.after_thinking(constraint.structured, rules.prompt_text)
+    if structured is None or structured is constraint.structured:
+        return constraint.structured
+    check(replace(constraint, structured=structured))
+    return structured
+
+
 def chat_prompt(serving: Serving, messages: list[ChatMessage], tools: list[ToolDefinition] | None,
-                add_generation_prompt: bool, *, describe_tools: bool) -> Prompt:
+                add_generation_prompt: bool, *, describe_tools: bool,
+                variables: dict | None = None) -> Prompt:
     """The messages (and tools) through the chat template, tool calls as its model writes them
     (describe_tools: calls may be made, so a template that knows no tools is told of them)."""
     tool_dicts = [tool.model_dump(exclude_none=True) for tool in tools or []]
     inputs, template_tools = chat_inputs(message_dicts(messages), tool_dicts, serving.tool_format,
                                          describe_tools)
-    return serving.prompts.chat_prompt(inputs, add_generation_prompt, template_tools)
+    return serving.prompts.chat_prompt(inputs, add_generation_prompt, template_tools, variables)
 
 
 class ChatChunks:
-    """Chat's `choices` entries: a role delta to open, then content (and tool call) deltas
-    with logprobs; or one whole choice."""
+    """Chat's `choices` entries: a role delta to open, then reasoning, content (and tool call)
+    deltas with logprobs; or one whole choice. Counts the replies' thinking tokens."""
 
-    def __init__(self, serving: Serving, logprobs: int | None, plan: ToolPlan | None) -> None:
+    def __init__(self, serving: Serving, run: ChatRun) -> None:
         self._serving = serving
-        self._logprobs = logprobs
-        """top_logprobs width; None: the request asked for no logprobs."""
-        self._plan = plan
-        self._replies: dict[int, ToolReply] = {}
+        self._run = run
+        self._readers: dict[int, ReplyReader] = {}
+        self._reasoning_tokens: dict[int, int] = {}
 
     def opening(self, index: int) -> dict | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""},
                 "logprobs": None, "finish_reason": None}
 
     def delta(self, index: int, output: GenerationOutput) -> dict | None:
-        if self._plan is None:
-            return {"index": index, "delta": {"content": output.text} if output.text else {},
-                    "logprobs": self.logprobs(output),
-                    "finish_reason": output.finish_reason or None}
-        reply = self._replies.setdefault(index, ToolReply(self._plan.tool_format))
-        parsed = reply.add(output.text, output.finish_reason)
-        delta: dict = {"content": parsed.content} if parsed.content else {}
+        reader = self._readers.get(index)
+        if reader is None:
+            reader = self._readers[index] = self._run.rules.reader()
+        parsed = reader.add(output)
+        self._reasoning_tokens[index] = reader.reasoning_tokens
+        delta: dict = {}
+        if parsed.reasoning:
+            delta = {"reasoning_content": parsed.reasoning, "reasoning": parsed.reasoning}
+        if parsed.content:
+            delta["content"] = parsed.content
         if parsed.tool_calls:
             delta["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
         if not (delta or output.logprobs or output.finish_reason):
-            return None  # text held back (a possible call's start)
+            return None  # text held back (a possible marker or call's start)
         return {"index": index, "delta": delta, "logprobs": self.logprobs(output),
-                "finish_reason": reply.finish_reason(output.finish_reason) or None}
+                "finish_reason": reader.finish_reason(output.finish_reason) or None}
 
     def choice(self, index: int, output: GenerationOutput) -> dict:
         """One whole choice of a full response."""
-        message: dict = {"role": "assistant", "content": output.text}
-        finish_reason = output.finish_reason
-        if self._plan is not None:
-            content, calls = parse_reply(self._plan.tool_format, output.text)
-            if calls:
-                message = {"role": "assistant", "content": content,
-                           "tool_calls": [call.to_openai() for call in calls]}
-                finish_reason = FINISH_TOOL_CALLS if finish_reason == FINISH_STOP \
-                    else finish_reason
+        reply = whole_reply(self._run.rules, output)
+        self._reasoning_tokens[index] = reply.reasoning_tokens
+        message: dict = {"role": "assistant", "content": reply.content}
+        if not reply.tool_calls:
+            message["content"] = reply.content or ""
+        else:
+            message["tool_calls"] = [call.to_openai() for call in reply.tool_calls]
+        if self._run.rules.has_reasoning:
+            message["reasoning_content"] = message["reasoning"] = reply.reasoning
         return {"index": index, "message": message, "logprobs": self.logprobs(output),
-                "finish_reason": finish_reason or None}
+                "finish_reason": reply.finish_reason or None}
+
+    def usage(self) -> dict:
+        tokens = sum(self._reasoning_tokens.values()) if self._run.rules.has_reasoning else None
+        return usage([self._run.num_prompt_tokens], self._run.generations, tokens)
 
     def logprobs(self, output: GenerationOutput) -> dict | None:
-        if self._logprobs is None:
+        if self._run.logprobs is None:
             return None
-        return chat_logprobs(self._serving, output.logprobs, self._logprobs)
+        return chat_logprobs(self._serving, output.logprobs, self._run.logprobs)
 
 
 def chat_logprobs(serving: Serving, entries: list[TokenLogprob], top_n: int) -> dict:

@@ -77,7 +77,7 @@ async def create_completion(serving: Serving, request: CompletionRequest,
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         return stream_choices(generations, CompletionChunks(serving, echoes), header,
-                              prompt_lengths, include_usage)
+                              lambda: usage(prompt_lengths, generations), include_usage)
     outputs = await collect_choices(serving, generations, output)
     with_logprobs = request.logprobs is not None
     choices = [_choice(serving, index, echoes[index] + output.text, output, len(echoes[index]),
@@ -99,7 +99,9 @@ class CompletionChunks:
             return None
         return {"index": index, "text": echo, "logprobs": None, "finish_reason": None}
 
-    def delta(self, index: int, output: GenerationOutput) -> dict:
+    def delta(self, index: int, output: GenerationOutput) -> dict | None:
+        if not (output.text or output.finish_reason or output.logprobs):
+            return None  # tokens whose text is still held back (a partial character)
         logprobs = None
         if output.logprobs:
             logprobs = completion_logprobs(self._serving, output.logprobs,

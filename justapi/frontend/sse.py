@@ -7,12 +7,12 @@ Owns: event framing and that order. Does not own: chunk shapes (ChoiceChunks, pe
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 import orjson
 
-from justapi.frontend.choices import close_all, fan_in, usage
+from justapi.frontend.choices import close_all, fan_in
 from justapi.frontend.errors import SERVER_ERROR, error_body
 from justapi.frontend.generation import Generation, GenerationOutput
 from justapi.wire.protocol import FINISH_ERROR
@@ -27,8 +27,9 @@ class ChoiceChunks(Protocol):
         """The choice's first chunk before any output (chat: the role), or None for none."""
 
     def delta(self, index: int, output: GenerationOutput) -> dict | None:
-        """The choice's chunk for one output that shows text, logprobs or a finish reason
-        (None: nothing to show yet)."""
+        """The choice's chunk for one output (None: nothing to show yet, e.g. tokens whose
+        text is held back as a partial character). Every output comes here, so a reader of
+        the tokens (thinking tokens are counted by id) sees them all."""
 
 
 def sse_event(payload: dict) -> bytes:
@@ -36,10 +37,16 @@ def sse_event(payload: dict) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+def named_sse_event(name: str, payload: dict) -> bytes:
+    """One server-sent event with an `event:` name (the Responses and Anthropic streams)."""
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+
 async def stream_choices(generations: Sequence[Generation], chunks: ChoiceChunks, header: dict,
-                         prompt_lengths: Sequence[int],
+                         usage_of: Callable[[], dict],
                          include_usage: bool) -> AsyncIterator[bytes]:
-    """Every chunk is `header` + one choice (+ `"usage": null` when the usage chunk follows)."""
+    """Every chunk is `header` + one choice (+ `"usage": null` when the usage chunk follows);
+    usage_of: the usage once every choice ended."""
     extra = {"usage": None} if include_usage else {}
 
     def event(choice: dict) -> bytes:
@@ -54,13 +61,11 @@ async def stream_choices(generations: Sequence[Generation], chunks: ChoiceChunks
             if output.finish_reason == FINISH_ERROR:
                 yield sse_event(error_body(f"generation failed: {output.error}", SERVER_ERROR))
                 break
-            if not (output.text or output.finish_reason or output.logprobs):
-                continue  # tokens whose text is still held back (a partial character)
-            choice = chunks.delta(index, output)
+            choice = chunks.delta(index, output)  # None: text still held back
             if choice is not None:
                 yield event(choice)
         if include_usage:
-            yield sse_event({**header, "choices": [], "usage": usage(prompt_lengths, generations)})
+            yield sse_event({**header, "choices": [], "usage": usage_of()})
         yield SSE_DONE
     finally:
         close_all(generations)

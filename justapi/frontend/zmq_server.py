@@ -30,6 +30,7 @@ from justapi.frontend.generation import Generation, GenerationOutput
 from justapi.frontend.openai_models import ChatCompletionRequest
 from justapi.frontend.prompts import Prompt
 from justapi.frontend.serving import Serving
+from justapi.frontend.reply import ReplyRules
 from justapi.frontend.serving_chat import chat_output_rules, chat_prompt
 from justapi.frontend.tools.parser import ToolReply
 from justapi.frontend.tools.request import ToolPlan, tool_plan
@@ -131,6 +132,7 @@ class ZmqServer:
     def _start(self, submit: SubmitGeneration) -> tuple[Generation, ToolReply | None]:
         serving = self._serving
         rules = serving.sampling_rules
+        priority = serving.check_priority(submit.priority)
         token_ids, plan, output = self._prompt(submit)
         filled = rules.defaults.apply(submit.sampling, submit.unset_sampling)
         sampling = rules.check_sampling(_constrained(filled, output.structured))
@@ -139,7 +141,7 @@ class ZmqServer:
         serving.check_available()
         serving.log_request("ZMQ", [Prompt(token_ids, submit.prompt or None)], sampling)
         options = rules.text_options(sampling, stop, output.show_special_tokens)
-        generation = serving.start(token_ids, sampling, options, time.perf_counter())
+        generation = serving.start(token_ids, sampling, options, time.perf_counter(), priority)
         return generation, ToolReply(plan.tool_format) if plan else None
 
     def _prompt(self, submit: SubmitGeneration) -> tuple[list[int], ToolPlan | None, OutputRules]:
@@ -159,10 +161,10 @@ class ZmqServer:
                                            "prompt_token_ids"), None, OutputRules()
         request = _chat_request(submit)
         plan = tool_plan(request, self._serving.tool_format)
-        output = chat_output_rules(self._serving, request, plan)
         prompt = chat_prompt(self._serving, request.messages, request.tools,
                              request.add_generation_prompt, describe_tools=plan is not None)
-        return prompt.token_ids, plan, output
+        rules = ReplyRules(plan, self._serving.reasoning, prompt.text)
+        return prompt.token_ids, plan, chat_output_rules(self._serving, request, rules)
 
     async def _pump(self, key: SessionKey, generation: Generation,
                     reply: ToolReply | None) -> None:

@@ -8,7 +8,10 @@ a control socket. On SIGINT/SIGTERM it stops frontend (which first lets in-fligh
 finish, shutdown-grace-s), then scheduler, then workers; stragglers are killed; then the
 placement closes (pools, remote workers) and the runtime dir goes.
 A local worker that dies while serving goes to the supervisor (supervisor.py), which logs
-it and, with --restart-workers, starts a replacement.
+it and, with --restart-workers, starts a replacement. A scheduler that dies is replaced
+(--restart-scheduler, on by default) by a standby scheduler started ahead (it has loaded
+what takes long and waits for the word on its stdin) or a new process; the pool stops only
+when it may not be.
 Owns: child processes, the runtime dir, the control socket. Does not own: what the children
 do, where the workers run (the placement).
 """
@@ -28,7 +31,7 @@ import zmq
 from justapi.config.serve import API_KEY_ENV, ServeConfig
 from justapi.launch.child import ChildSpec, Endpoints
 from justapi.launch.placement import LocalPlacement, Placement
-from justapi.launch.supervisor import WorkerSupervisor
+from justapi.launch.supervisor import SchedulerSupervisor, WorkerSupervisor, describe_exit
 from justapi.model.info import ModelInfo
 from justapi.wire import transport
 from justapi.wire.protocol import FenceWorker, ProcessFailed, ProcessReady
@@ -42,6 +45,8 @@ ROLE_MODULES = {
 }
 STOP_ORDER = ("frontend", "scheduler", "worker")
 STOP_GRACE_S = 10.0
+WAIT_POLL_S = 0.05  # how soon a dead scheduler is noticed (and its successor started)
+STANDBY_DELAY_S = 10.0  # a new standby scheduler starts this long after the last one took over
 
 
 class LaunchError(RuntimeError):
@@ -86,6 +91,9 @@ class Launcher:
         self.children: list[Child] = []
         self.pool: dict[str, Any] = {}
         self.supervisor = WorkerSupervisor(config.ops, self._respawn)
+        self.scheduler_supervisor = SchedulerSupervisor(config.ops)
+        self.standby: Child | None = None  # a scheduler started ahead (restart-scheduler)
+        self._standby_due_s = 0.0  # when to start one (monotonic; inf: never again)
         self._context = zmq.Context()
         self._control = transport.make_socket(self._context, zmq.PULL, self.endpoints.control,
                                               bind=True)
@@ -115,21 +123,29 @@ class Launcher:
         workers = [("worker", i) for i in self.placement.local_workers()]
         return [("scheduler", 0), *workers, ("frontend", 0)]
 
-    def _spawn(self, role: str, index: int, pool: dict[str, Any]) -> None:
+    def _spawn(self, role: str, index: int, pool: dict[str, Any], *,
+               standby: bool = False) -> Child:
+        """Start one child (a standby scheduler: not among the children until promoted)."""
         if role == "worker":
             pool = self.placement.worker_pool(index)
         extra: dict[str, Any] = {"num_workers": self.config.server.workers}
         if role == "scheduler":  # how it reaches the workers (Ray: tcp + CURVE, its host)
             extra.update(self.placement.scheduler_extra())
+            extra["num_restarts"] = self.scheduler_supervisor.num_restarts
+            extra["standby"] = standby
         if role == "frontend":  # it watches the scheduler's process (a SIGKILL -> 503s at once)
             extra["scheduler_pid"] = next((c.process.pid for c in self.children
                                            if c.role == "scheduler"), 0)
         spec = ChildSpec(role=role, index=index, config=self.config, endpoints=self.endpoints,
                          model_path=self.model.path, pool=pool, extra=extra)
         process = subprocess.Popen([sys.executable, "-m", ROLE_MODULES[role], spec.to_json()],
-                                   env=self.child_env(role), stdin=subprocess.DEVNULL,
+                                   env=self.child_env(role),
+                                   stdin=subprocess.PIPE if standby else subprocess.DEVNULL,
                                    start_new_session=True)
-        self.children.append(Child(role, index, process))
+        child = Child(role, index, process)
+        if not standby:
+            self.children.append(child)
+        return child
 
     def child_env(self, role: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -193,9 +209,11 @@ class Launcher:
         worker is the supervisor's or the placement's (restart or not), and the scheduler's
         (fence, re-queue)."""
         while not stop_requested():
-            for child in self.children:
-                if child.role != "worker" and child.process.poll() is not None:
-                    return f"{child.name} exited with code {child.process.returncode}"
+            dead = next((c for c in self.children
+                         if c.role != "worker" and c.process.poll() is not None), None)
+            if dead is not None and not self._restart_scheduler(dead):
+                return f"{dead.name} exited with code {dead.process.returncode}"
+            self._keep_standby()
             self.supervisor.check(self.children)
             self.placement.check(starting=False)
             for _, message in transport.drain(self._control):
@@ -203,18 +221,60 @@ class Launcher:
                     logger.error("%s %d failed: %s", message.role, message.index, message.error)
                 else:
                     self._on_control(message)  # a replacement worker's ProcessReady
-            time.sleep(0.2)
+            time.sleep(WAIT_POLL_S)
         return "stop requested"
+
+    def _restart_scheduler(self, child: Child) -> bool:
+        """A dead scheduler's successor, when the supervisor allows one (False: stop the pool):
+        the standby, promoted, else a new process. The workers and the frontend stay; the
+        new scheduler takes them over."""
+        if child.role != "scheduler" or not self.scheduler_supervisor.on_exit(
+                child.process.pid, child.process.returncode):
+            return False
+        self.children.remove(child)
+        standby, self.standby = self.standby, None
+        self._standby_due_s = time.monotonic() + STANDBY_DELAY_S
+        if standby is not None and _promote(standby, self.scheduler_supervisor.num_restarts):
+            self.children.append(standby)
+        else:
+            self._spawn("scheduler", 0, self.pool)
+        return True
+
+    def _keep_standby(self) -> None:
+        """With restart-scheduler, one standby scheduler started ahead (standby.py): after
+        start-up, and STANDBY_DELAY_S after each promotion (not to compete with the take-over
+        for the cores). One that exits on its own is not replaced: restarts start cold."""
+        if not (self.config.ops.restart_scheduler and self.config.ops.standby_scheduler):
+            return
+        if self.standby is None:
+            if time.monotonic() >= self._standby_due_s:
+                self.standby = self._spawn("scheduler", 0, self.pool, standby=True)
+            return
+        code = self.standby.process.poll()
+        if code is not None:
+            logger.error("the standby scheduler (pid %d) exited with %s; a restart will start "
+                         "a new scheduler instead", self.standby.process.pid, describe_exit(code))
+            _close_stdin(self.standby.process)
+            self._standby_due_s = float("inf")
+            self.standby = None
 
     def _respawn(self, child: Any) -> None:
         self.children.remove(child)
         self._spawn(child.role, child.index, self.pool)
 
+    def _stop_group(self, role: str) -> list[Child]:
+        group = [c for c in self.children if c.role == role and c.process.poll() is None]
+        if role == "scheduler" and self.standby is not None:
+            _close_stdin(self.standby.process)  # it stops on EOF as on SIGTERM
+            group.append(self.standby)
+            self.standby = None
+        return group
+
     def shutdown(self) -> None:
         """Stop children in order (SIGTERM, grace, SIGKILL); close the placement (the CPU
         pool, Ray's workers); remove the dir."""
         for role in STOP_ORDER:
-            group = [c for c in self.children if c.role == role and c.process.poll() is None]
+            group = self._stop_group(role)
             for child in group:
                 _signal(child.process, signal.SIGTERM)
             # the frontend first lets in-flight requests finish (shutdown-grace-s)
@@ -256,6 +316,29 @@ def cpu_spin_count(config: ServeConfig, model: ModelInfo, cores: int) -> int:
     threads = sum(config.cpu_worker_threads(i, workers, cores) for i in range(workers))
     weights = model.num_layers * model.hidden_size ** 2
     return AUTO_CPU_SPIN if weights >= AUTO_SPIN_MIN_WEIGHTS and threads <= cores else 0
+
+
+def _promote(standby: Child, num_restarts: int) -> bool:
+    """Tell a standby scheduler to take over (it reads the count on its stdin)."""
+    process = standby.process
+    if process.poll() is not None or process.stdin is None:
+        return False
+    try:
+        process.stdin.write(f"{num_restarts}\n".encode())
+        process.stdin.flush()
+    except OSError:  # it died meanwhile
+        _signal(process, signal.SIGKILL)
+        return False
+    _close_stdin(process)
+    return True
+
+
+def _close_stdin(process: subprocess.Popen) -> None:
+    if process.stdin is not None:
+        try:
+            process.stdin.close()
+        except OSError:
+            pass
 
 
 def _signal(process: subprocess.Popen, signum: int) -> None:

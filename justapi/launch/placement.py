@@ -61,7 +61,10 @@ class LocalPlacement:
     def place_workers(self) -> dict[str, Any]:
         if self.config.model.device != "cpu":
             return {}
-        plan = plan_cpu_pool(self.model, self.config.cache, self.config.scheduler)
+        config = self.config
+        plan = plan_cpu_pool(self.model, config.cache, config.scheduler,
+                             num_workers=config.server.workers,
+                             num_pools=2 if config.pd.pd_separate_pools else 1)
         self.segment = PoolSegments.create(plan, self.config.pd)  # one, or one per PD side
         return self.segment.describe()
 

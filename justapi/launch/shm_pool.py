@@ -6,6 +6,8 @@ All CPU workers map this one segment as the pool tensor
 except with `--pd P:D --pd-separate-pools`, where the prefill workers map pool 0 and the
 decode workers pool 1, each its own segment (PoolSegments).
 The launcher owns their lifetime: it unlinks them at shutdown even if workers were killed.
+Sized at start to what free RAM, the cgroup's memory limit and /dev/shm allow
+(memory_limits.py), or the server refuses to start with one line naming the limit and the flag.
 Owns: sizing and the segments. Does not own: the tensor view (workers/kv/pool.py) or which
 blocks are in use (scheduler BlockPool).
 """
@@ -19,10 +21,17 @@ from typing import Any
 
 from justapi.config.pd import PdConfig
 from justapi.config.sections import CacheConfig, ConfigError, SchedulerConfig
+from justapi.launch.memory_limits import MIB, MemoryLimits
 from justapi.model.info import ModelInfo
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MIN_BLOCKS = 4
+SHM_SHARE = 0.9
+"""Of /dev/shm's free space, what an automatically sized pool takes (others use it too)."""
+CONTROL_BYTES = 256 * MIB
+"""The launcher, frontend and scheduler (~175 MiB resident serving SmolLM2, docs/reliability.md)."""
+WORKER_BYTES = 192 * MIB
+"""A worker's runtime beside its weights (SmolLM2's worker: ~290 MiB resident + its 94 MiB file)."""
 
 
 @dataclass(frozen=True)
@@ -43,32 +52,88 @@ class PoolPlan:
         return self.bytes_per_block * self.num_blocks
 
 
-def available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 4 << 30
-
-
-def plan_cpu_pool(model: ModelInfo, cache: CacheConfig, sched: SchedulerConfig) -> PoolPlan:
-    """Blocks from --pool-blocks, else a fraction of free RAM capped at what max_seqs full
-    contexts could ever use."""
+def plan_cpu_pool(model: ModelInfo, cache: CacheConfig, sched: SchedulerConfig, *,
+                  num_workers: int = 1, num_pools: int = 1,
+                  limits: MemoryLimits | None = None) -> PoolPlan:
+    """Blocks from --pool-blocks, else kv-memory-fraction of the free memory (RAM, or what the
+    cgroup leaves if less), capped at what max_seqs full contexts could ever use, at what the
+    cgroup leaves beside the server's processes (process_needs_bytes) and at SHM_SHARE of
+    /dev/shm's free space; num_pools segments of that size (PD with separate pools: 2).
+    ConfigError (one line naming the limit and the flag) where they do not fit."""
+    limits = limits if limits is not None else MemoryLimits.read()
     dtype = cache.pool_dtype("cpu")
-    plan = PoolPlan(model.num_layers, 1, cache.block_size, model.num_kv_heads, model.head_dim, dtype)
-    num_blocks = cache.pool_blocks
-    if num_blocks == 0:
-        by_memory = int(available_memory_bytes() * cache.kv_memory_fraction) // plan.bytes_per_block
-        by_need = sched.max_seqs * -(-model.context_length // cache.block_size)
-        num_blocks = max(MIN_BLOCKS, min(by_memory, by_need))
-    if num_blocks * plan.bytes_per_block > available_memory_bytes():
-        raise ConfigError(f"pool-blocks={num_blocks} needs {num_blocks * plan.bytes_per_block} "
-                          "bytes, more than the free memory")
+    one = PoolPlan(model.num_layers, 1, cache.block_size, model.num_kv_heads, model.head_dim, dtype)
+    per_block = one.bytes_per_block * num_pools
+    reserve = process_needs_bytes(model.path, num_workers)
+    num_blocks = cache.pool_blocks or _auto_blocks(model, cache, sched, per_block, reserve, limits)
+    _check_fits(num_blocks, per_block, reserve, limits)
     return PoolPlan(model.num_layers, num_blocks, cache.block_size, model.num_kv_heads,
                     model.head_dim, dtype)
+
+
+def process_needs_bytes(model_path: str, num_workers: int) -> int:
+    """What the server's processes need beside the pool: the control processes, and per
+    worker its runtime and twice the model file (weights repacked beside the mapped file)."""
+    try:
+        model_bytes = os.path.getsize(model_path)
+    except OSError:
+        model_bytes = 0
+    return CONTROL_BYTES + num_workers * (WORKER_BYTES + 2 * model_bytes)
+
+
+def _auto_blocks(model: ModelInfo, cache: CacheConfig, sched: SchedulerConfig, per_block: int,
+                 reserve: int, limits: MemoryLimits) -> int:
+    cgroup = limits.cgroup
+    free = limits.available if cgroup is None else min(limits.available, cgroup.free)
+    room = int(free * cache.kv_memory_fraction)
+    if cgroup is not None:
+        room = min(room, cgroup.free - reserve)
+    if limits.shm_free is not None:
+        room = min(room, int(limits.shm_free * SHM_SHARE))
+    by_need = sched.max_seqs * -(-model.context_length // cache.block_size)
+    num_blocks = min(max(0, room) // per_block, by_need)
+    if num_blocks < MIN_BLOCKS:
+        raise ConfigError(_too_small(num_blocks, per_block, reserve, limits))
+    return num_blocks
+
+
+def _too_small(num_blocks: int, per_block: int, reserve: int, limits: MemoryLimits) -> str:
+    """Why the sized pool holds fewer than MIN_BLOCKS: the tightest limit, and what to change."""
+    cgroup = limits.cgroup
+    if limits.shm_free is not None and limits.shm_free * SHM_SHARE < MIN_BLOCKS * per_block:
+        return (f"/dev/shm has {_mib(limits.shm_free)} MiB free, room for {num_blocks} KV blocks "
+                f"of {per_block / 1024:.0f} KiB, fewer than {MIN_BLOCKS}: give /dev/shm more room "
+                "(docker run --shm-size=1g)")
+    if cgroup is not None and cgroup.free - reserve < MIN_BLOCKS * per_block:
+        return (f"the cgroup memory limit ({cgroup.path}: {_mib(cgroup.limit)} MiB, "
+                f"{_mib(cgroup.usage)} MiB in use) leaves no room for a KV pool beside the "
+                f"~{_mib(reserve)} MiB the server's processes need: raise the limit (docker run "
+                "--memory) or use fewer --workers")
+    return (f"{_mib(limits.available)} MiB of free memory leaves room for {num_blocks} KV blocks, "
+            f"fewer than {MIN_BLOCKS}: raise --kv-memory-fraction or set --pool-blocks")
+
+
+def _check_fits(num_blocks: int, per_block: int, reserve: int, limits: MemoryLimits) -> None:
+    need = num_blocks * per_block
+    what = f"the KV pool of {num_blocks} blocks needs {_mib(need)} MiB"
+    if limits.shm_free is not None and need > limits.shm_free:
+        raise ConfigError(f"{what} of /dev/shm, which has {_mib(limits.shm_free)} MiB free: lower "
+                          f"--pool-blocks (at most {limits.shm_free // per_block}) or give "
+                          "/dev/shm more room (docker run --shm-size)")
+    cgroup = limits.cgroup
+    if cgroup is not None and need + reserve > cgroup.free:
+        raise ConfigError(f"{what} beside the ~{_mib(reserve)} MiB the server's processes need, "
+                          f"and the cgroup memory limit ({cgroup.path}: {_mib(cgroup.limit)} MiB, "
+                          f"{_mib(cgroup.usage)} MiB in use) leaves {_mib(cgroup.free)} MiB: lower "
+                          f"--pool-blocks (at most {max(0, cgroup.free - reserve) // per_block}) "
+                          "or raise the limit (docker run --memory)")
+    if need > limits.available:
+        raise ConfigError(f"{what}, more than the {_mib(limits.available)} MiB of free memory: "
+                          f"lower --pool-blocks (at most {limits.available // per_block})")
+
+
+def _mib(num_bytes: int) -> int:
+    return num_bytes // MIB
 
 
 class SharedPoolSegment:

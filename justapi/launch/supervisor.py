@@ -1,11 +1,14 @@
-"""Worker restarts: what the launcher does about a worker process that exited.
+"""Restarts: what the launcher does about a worker or the scheduler process that exited.
 
-The scheduler has already fenced the worker and re-queued its requests (it sees the exit
+A worker: the scheduler has already fenced it and re-queued its requests (it sees the exit
 within 2 s on its own). Without `restart-workers` the launcher logs the exit once and the
 slot stays down. With it, a replacement with the same index is started; it maps the same
 CPU pool (or allocates its GPU pool again) and rejoins the scheduler with its Ready. A slot
 restarted `max-restarts` times within `restart-window-s` stays down: a crash loop would
 otherwise spend the machine on start-ups.
+A scheduler that died (SchedulerSupervisor, restart-scheduler, on by default) is started
+again under the same limits; its workers and the frontend wait for it (justapi/scheduler/
+process.py, justapi/frontend/lifecycle.py).
 Owns: restart decisions and their history. Does not own: spawning (launcher.py).
 """
 from __future__ import annotations
@@ -64,18 +67,50 @@ class WorkerSupervisor:
 
     def may_restart(self, index: int) -> tuple[bool, str]:
         """Whether slot `index` may be restarted now, and why (for the log line)."""
-        config = self.config
-        if not config.restart_workers:
+        if not self.config.restart_workers:
             return False, "restart-workers is off"
-        history = self._restarts.setdefault(index, deque())
-        now = self._clock()
-        while history and now - history[0] > config.restart_window_s:
-            history.popleft()
-        if len(history) >= config.max_restarts:
-            return False, (f"{len(history)} restart(s) in the last {config.restart_window_s:.0f}s "
-                           f"(max-restarts {config.max_restarts})")
-        return True, (f"restart {len(history) + 1} of at most {config.max_restarts} in "
-                      f"{config.restart_window_s:.0f}s")
+        return window_allows(self._restarts.setdefault(index, deque()), self.config,
+                             self._clock())
+
+
+class SchedulerSupervisor:
+    """What the launcher does about a scheduler that exited on its own (a crash, a signal):
+    with restart-scheduler, start a new one - the workers keep running and the frontend holds
+    every open request for it - at most max-restarts times within restart-window-s. An exit
+    with code 0 is a scheduler that was told to stop (it stopped its workers): never restarted."""
+
+    def __init__(self, config: OpsConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self._clock = clock
+        self._history: deque[float] = deque()
+        self.num_restarts = 0
+
+    def on_exit(self, pid: int, code: int) -> bool:
+        """Log the exit; True when a new scheduler is to be started."""
+        what = f"the scheduler (pid {pid}) exited with {describe_exit(code)}"
+        if not self.config.restart_scheduler or code == 0:
+            return False  # the caller stops the pool with its own line
+        allowed, why = window_allows(self._history, self.config, self._clock())
+        if not allowed:
+            logger.error("%s; not restarted: %s", what, why)
+            return False
+        logger.warning("%s; starting a new one, the frontend holds the open requests (%s)",
+                       what, why)
+        self._history.append(self._clock())
+        self.num_restarts += 1
+        return True
+
+
+def window_allows(history: deque[float], config: OpsConfig, now: float) -> tuple[bool, str]:
+    """Whether one more restart fits max-restarts within restart-window-s (history: the
+    times of the earlier restarts, pruned here), and why (for the log line)."""
+    while history and now - history[0] > config.restart_window_s:
+        history.popleft()
+    if len(history) >= config.max_restarts:
+        return False, (f"{len(history)} restart(s) in the last {config.restart_window_s:.0f}s "
+                       f"(max-restarts {config.max_restarts})")
+    return True, (f"restart {len(history) + 1} of at most {config.max_restarts} in "
+                  f"{config.restart_window_s:.0f}s")
 
 
 def describe_exit(code: int) -> str:

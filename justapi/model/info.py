@@ -93,6 +93,30 @@ def model_sampling_defaults(gguf: GGUFFile) -> dict[str, float]:
     return out
 
 
+GGUF_POOLINGS = {1: "mean", 2: "cls", 3: "last"}
+"""The GGUF's `{arch}.pooling_type` (llama.cpp's enum: 0 none, 4 rank) -> our pooling."""
+MATRYOSHKA_FAMILIES = ("qwen3-embedding",)
+"""Embedding models trained with Matryoshka representation learning (their model cards give
+output sizes from 32 to the hidden size), matched in the GGUF's general.name / basename."""
+
+
+def model_pooling(gguf: GGUFFile, choice: str = "auto") -> str:
+    """The pooling /v1/embeddings uses ("" none): `choice` (ModelConfig.pooling) unless auto,
+    then the file's pooling_type."""
+    if choice != "auto":
+        return "" if choice == "none" else choice
+    value = gguf.arch_get("pooling_type")
+    return GGUF_POOLINGS.get(value, "") if isinstance(value, int) else ""
+
+
+def is_matryoshka(gguf: GGUFFile, choice: str = "auto") -> bool:
+    """May /v1/embeddings truncate to `dimensions`? (ModelConfig.matryoshka)"""
+    if choice != "auto":
+        return choice == "on"
+    names = " ".join(str(gguf.get(key) or "") for key in ("general.name", "general.basename"))
+    return any(family in names.lower() for family in MATRYOSHKA_FAMILIES)
+
+
 def resolve_model(model: str) -> str:
     """'' -> default GGUF; 'synthetic:SPEC' -> a generated random-weight GGUF; else the path."""
     if model.startswith(SYNTHETIC_PREFIX):

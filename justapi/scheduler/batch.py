@@ -23,6 +23,7 @@ import array
 import numpy as np
 
 from justapi.config.sections import SchedulerConfig
+from justapi.scheduler.faults import RequestFailures
 from justapi.scheduler.request import Request
 from justapi.scheduler.step_cost import StepCost, StepFeatures, context_reads
 from justapi.wire.protocol import PLACEHOLDER_TOKEN, NewRequest, StepPlan
@@ -104,7 +105,7 @@ class StepBatch:
         self.starts.append(start)
         self.num_tokens.append(num_tokens)
         self.num_drafts.append(max(0, num_tokens - known))
-        self.is_sampled.append(num_tokens >= known)
+        self.is_sampled.append(num_tokens >= known and not req.pooling)
         self.is_prefill.append(is_prefill)
         self.num_blocks.append((start + num_tokens + self.block_size - 1) // self.block_size)
         self.num_propose.append(0)
@@ -161,20 +162,29 @@ class StepBatch:
         token_ids = array.array("i")
         block_ids = array.array("i")
         num_blocks = self.num_blocks
+        has_gap = False
         if num_steps > 1:
             bs = self.block_size
             num_blocks = [(start + num_steps + bs - 1) // bs for start in self.starts]
         for req, start, n, d, needed in zip(self.reqs, self.starts, self.num_tokens,
                                             self.num_drafts, num_blocks):
-            if n == 1:  # a decode; past the known tokens: the token a step in flight samples
-                token_ids.append(req.token_ids[start] if start < len(req.token_ids)
-                                 else PLACEHOLDER_TOKEN)
+            if n == 1:  # a decode
+                if start < len(req.token_ids):
+                    token_ids.append(req.token_ids[start])
+                else:  # past the known tokens: the token a step in flight samples (overlap)
+                    token_ids.append(PLACEHOLDER_TOKEN)
+                    has_gap = has_gap or start > len(req.token_ids)  # (not that token: a bug)
             else:
                 token_ids.extend(req.token_ids[start:start + n - d])
                 if d:
                     token_ids.extend(array.array("i", req.draft_token_ids[:d]))
             table = req.block_ids
             block_ids.extend(table if needed == len(table) else table[:needed])
+        if has_gap or len(token_ids) != sum(self.num_tokens) or len(block_ids) != sum(num_blocks):
+            misfits = self._misfits(num_blocks)
+            if not misfits:
+                raise ValueError(f"step {step_id}: the chunks' columns disagree")
+            raise RequestFailures("plan", misfits)
         blocks = np.frombuffer(block_ids, dtype=np.int32) if block_ids else _empty()
         if pool_base:
             blocks = blocks - np.int32(pool_base)
@@ -194,6 +204,22 @@ class StepBatch:
                          else _empty()),
             num_steps=num_steps)
 
+    def _misfits(self, num_blocks: list[int]) -> list[tuple[Request, Exception]]:
+        """The chunks that do not match their request's tokens, drafts or blocks (a bug; each
+        fails its request alone, faults.py)."""
+        out: list[tuple[Request, Exception]] = []
+        for req, start, n, d, needed in zip(self.reqs, self.starts, self.num_tokens,
+                                            self.num_drafts, num_blocks):
+            known = len(req.token_ids) - start
+            is_placeholder = n == 1 and known == 0  # overlap: the token a step in flight samples
+            if not (start >= 0 and n >= 1 and 0 <= d <= len(req.draft_token_ids)
+                    and needed <= len(req.block_ids) and (n - d <= known or is_placeholder)):
+                out.append((req, ValueError(
+                    f"a chunk of {n} tokens ({d} drafts) at position {start} does not match the "
+                    f"request: {len(req.token_ids)} tokens, {len(req.draft_token_ids)} drafts, "
+                    f"{len(req.block_ids)} blocks for the {needed} the chunk needs")))
+        return out
+
     def _draft_parents(self) -> np.ndarray:
         """Flat draft parents when some sequence's drafts are a tree; [] when all are chains."""
         if not any(req.draft_parents for req, d in zip(self.reqs, self.num_drafts) if d):
@@ -211,4 +237,4 @@ def _empty() -> np.ndarray:
 def _new_request(req: Request) -> NewRequest:
     return NewRequest(request_id=req.request_id, sampling=req.sampling,
                       num_prompt_tokens=req.num_prompt_tokens,
-                      token_ids=np.array(req.token_ids, dtype=np.int32))
+                      token_ids=np.array(req.token_ids, dtype=np.int32), pooling=req.pooling)

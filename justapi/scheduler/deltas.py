@@ -7,6 +7,8 @@ Owns: the delta columns. Does not own: finishing decisions (results.py).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from justapi.scheduler.request import Request
@@ -28,6 +30,8 @@ class DeltaBuilder:
         self.num_cached_tokens: list[int] = []
         self.source_index: list[int] = []  # flat index into the StepResult per emitted token
         self.errors: dict[str, str] = {}
+        self.embedding_request_ids: list[str] = []
+        self.embeddings: list[np.ndarray] = []  # float32 [hidden] each (a pooled state)
 
     def add(self, req: Request, tokens: list[int], reason: str, first_index: int = 0,
             num_forced: int = 0) -> None:
@@ -53,6 +57,11 @@ class DeltaBuilder:
         self.num_cached_tokens.append(0 if req.has_reported else req.num_cached_tokens)
         req.has_reported = True
 
+    def add_embedding(self, request_id: str, pooled_state: np.ndarray) -> None:
+        """A pooling request's result (its row also needs add())."""
+        self.embedding_request_ids.append(request_id)
+        self.embeddings.append(pooled_state)
+
     def add_error(self, req: Request, reason: str, message: str) -> None:
         self.add(req, [], reason)
         self.errors[req.request_id] = message
@@ -69,7 +78,7 @@ class DeltaBuilder:
     def build(self, result: StepResult | None = None) -> TokenDeltas:
         self._fill_ones()
         logprobs, top_ids, top_lps = _gather_logprobs(result, self.source_index, self.token_ids)
-        return TokenDeltas(
+        deltas = TokenDeltas(
             step_id=self.step_id, request_ids=self.request_ids,
             num_new_tokens=np.asarray(self.num_new_tokens, dtype=np.int32),
             token_ids=np.asarray(self.token_ids, dtype=np.int32),
@@ -77,6 +86,10 @@ class DeltaBuilder:
             num_cached_tokens=np.asarray(self.num_cached_tokens, dtype=np.int32),
             logprobs=logprobs, top_logprob_ids=top_ids, top_logprobs=top_lps,
             errors=self.errors)
+        if not self.embeddings:
+            return deltas
+        return dataclasses.replace(deltas, embedding_request_ids=self.embedding_request_ids,
+                                   embeddings=np.stack(self.embeddings).astype(np.float32))
 
 
 def _gather_logprobs(result: StepResult | None, index: list[int],

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from justapi.config.serve import ServeConfig
@@ -37,21 +38,43 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PreparedModel:
+    """What a scheduler's start-up reads from the model file, loaded ahead by a standby
+    scheduler (justapi/scheduler/standby.py): its tokenizer and that tokenizer as JSON."""
+
+    tokenizer: Tokenizer | None
+    document: str = ""
+
+
+def prepare_model(model: str) -> PreparedModel:
+    """Load the model's tokenizer, its JSON and the structured-output modules now."""
+    import justapi.scheduler.structured  # noqa: F401 (imported late by structured_outputs)
+    import justapi.structured.compiler  # noqa: F401
+
+    tokenizer = load_tokenizer(model)
+    return PreparedModel(tokenizer, tokenizer.to_json() if tokenizer is not None else "")
+
+
 def build_scheduler(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, Any],
-                    on_grammar: Callable[[], None] | None = None) -> Scheduler:
+                    on_grammar: Callable[[], None] | None = None,
+                    prepared: PreparedModel | None = None) -> Scheduler:
     """Scheduler, or PdScheduler with `pd` set (roles by worker index, pool handles from Ready);
     for workers on several hosts (launcher = "ray", pools per host) a Scheduler with hosts.
     With the model's tokenizer at hand it serves structured outputs; on_grammar is called (in
-    a compile thread) whenever a grammar compile finishes."""
-    tokenizer = None
+    a compile thread) whenever a grammar compile finishes. prepared: the tokenizer loaded
+    ahead (a standby scheduler); else it is loaded here."""
+    tokenizer = prepared.tokenizer if prepared is not None else None
     if extra.get("eos_token_ids") is None and readies:
         model = str(extra.get("model_path") or config.model.model)
-        tokenizer = load_tokenizer(model)
+        if prepared is None:
+            tokenizer = load_tokenizer(model)
         extra = {**extra, "eos_token_ids": _eos_of(tokenizer, model)}
     core = _build_core(config, readies, extra)
     if tokenizer is not None:
         vocab_size = min(r.vocab_size for r in readies)  # the logits' width
-        core.state.structured = structured_outputs(tokenizer, vocab_size, on_grammar)
+        document = prepared.document if prepared is not None else ""
+        core.state.structured = structured_outputs(tokenizer, vocab_size, on_grammar, document)
     return core
 
 
@@ -136,13 +159,15 @@ def load_tokenizer(model: str) -> Tokenizer | None:
 
 
 def structured_outputs(tokenizer: Tokenizer, vocab_size: int,
-                       on_grammar: Callable[[], None] | None) -> StructuredOutputs:
+                       on_grammar: Callable[[], None] | None,
+                       document: str = "") -> StructuredOutputs:
     """Grammars against the model's vocabulary, vocab_size (the logits' width) wide; its
-    llguidance tokenizer is built on the first compile (keeping only the tokenizer's JSON)."""
+    llguidance tokenizer is built on the first compile (keeping only the tokenizer's JSON,
+    `document` when it was made ahead)."""
     from justapi.scheduler.structured import StructuredOutputs
     from justapi.structured.compiler import GrammarCompiler
     from justapi.structured.tokenizer import from_json
 
-    document, eos = tokenizer.to_json(), sorted(tokenizer.eog_token_ids)
+    document, eos = document or tokenizer.to_json(), sorted(tokenizer.eog_token_ids)
     compiler = GrammarCompiler(lambda: from_json(document, vocab_size, eos), on_done=on_grammar)
     return StructuredOutputs(compiler, eos)

@@ -54,7 +54,8 @@ def check_state(state: SchedulerState) -> None:
 def _check_request(state: SchedulerState, req: Request, is_in_flight: bool) -> None:
     rid = req.request_id
     assert req.is_in_flight == is_in_flight, f"{rid}: in-flight flag disagrees with the workers"
-    assert req.num_tokens < req.max_len or req.is_in_flight, f"{rid}: past its context cap"
+    assert req.num_tokens < req.max_len + bool(req.pooling) or req.is_in_flight, \
+        f"{rid}: past its context cap"  # (a pooling request's prompt may fill it: no output)
     if req.status is RequestStatus.WAITING:
         assert req.queue_entry is not None and not req.block_ids, f"{rid}: waiting but holds blocks"
         assert req.num_computed_tokens == 0 and req.cache_node is None

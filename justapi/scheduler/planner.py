@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator
 from justapi.scheduler.batch import StepBatch
 from justapi.scheduler.overlap import can_plan_ahead
 from justapi.scheduler.policy import AdmissionOrder, choose_victim, has_newer_holder
+from justapi.scheduler.priority import PriorityPreemption
 from justapi.scheduler.request import Request, RequestStatus
 from justapi.scheduler.state import SchedulerState
 from justapi.scheduler.step_budget import StepBudget, prefill_rank
@@ -51,14 +52,19 @@ class StepPlanner:
         self.kv = state.kv
         self.order = AdmissionOrder(state.config, state.kv)
         self.budget = StepBudget(state.config.itl_target_ms)
+        self.faults = state.faults
+        self.batch = StepBatch(state.config, state.block_size)  # the one being planned (or last)
+        self.priority = PriorityPreemption(state)
+        self._held: set[str] = set()  # priority: victims left out of this plan (priority.py)
         self._prefill_propose = 0  # draft-model tokens a prompt finishing this step asks for
 
     def plan(self, worker: WorkerState) -> StepBatch:
-        batch = StepBatch(self.config, self.state.block_size)
+        batch = self.batch = StepBatch(self.config, self.state.block_size)
         self._prepare_spec(worker)
         if self.state.structured is not None:
             self._fit_grammar_drafts(worker)
         admits = self.state.admits(worker)  # draining or PD decode: only runs what it has
+        self._held = self.priority.make_room(worker) if self.priority.is_enabled else set()
         if admits and not self.config.scheduled and not worker.running:
             self._admit_static(worker, batch)
         prefills = self._schedule_decodes(worker, batch)
@@ -77,40 +83,51 @@ class StepPlanner:
         """Schedule the worker's decodes; return its running prefills (not yet scheduled)."""
         prefills: list[Request] = []
         is_capped = False
-        bs = self.state.block_size
         for req in list(worker.running.values()):
             if req.status is not RUNNING:
                 continue  # preempted while this loop ran
             if req.is_in_flight and not can_plan_ahead(req):
                 continue  # overlap: it waits for its step in flight to land
-            num_computed = req.num_computed_tokens
-            if num_computed < len(req.token_ids) - 1 - req.num_jumped:
+            if self._held and req.request_id in self._held:
+                continue  # priority: to be preempted once its step lands
+            if req.num_computed_tokens < len(req.token_ids) - 1 - req.num_jumped or req.pooling:
                 prefills.append(req)
                 continue
             if not batch.has_decode_room:
                 is_capped = True
                 continue
-            # The hot path (_schedule inlined): a decode needs a new block every block_size steps.
-            known = 1 + req.num_jumped  # the last sampled token, then tokens a grammar forced
-            num_tokens = min(known + len(req.draft_token_ids), batch.budget_tokens)
-            end = num_computed + num_tokens
-            if (end + bs - 1) // bs > len(req.block_ids):
-                if num_tokens > known and not self.allocate(req, end):
-                    num_tokens = min(known, num_tokens)  # drafts never preempt anyone
-                    end = num_computed + num_tokens
-                if not self.ensure_blocks(req, end, batch):
-                    continue
-            if req.num_jumped:
-                batch.add(req, num_tokens, is_prefill=False)
-            else:
-                batch.add_decode(req, num_tokens)
-            if req.spec_propose:
-                self._lookahead(req, batch, req.spec_propose)
+            try:
+                self._schedule_decode(req, batch)
+            except Exception as exc:  # its own failure (faults.py), not the step's
+                self.faults.fail(req, "plan", exc, batch=batch)
         if is_capped:  # round robin: the decodes served now go to the back of the line
             for req in batch.reqs:
                 if worker.running.pop(req.request_id, None) is not None:
                     worker.running[req.request_id] = req
         return prefills
+
+    def _schedule_decode(self, req: Request, batch: StepBatch) -> None:
+        """The hot path (_schedule inlined): a decode needs a new block every block_size steps.
+        Known tokens left: the last sampled one, then those a grammar forced (1 + num_jumped,
+        fewer once a budget too small for all of them computed a part; with overlap, none
+        yet: the placeholder of the step in flight counts as the one)."""
+        num_computed = req.num_computed_tokens
+        known = max(1, len(req.token_ids) - num_computed)
+        num_tokens = min(known + len(req.draft_token_ids), batch.budget_tokens)
+        end = num_computed + num_tokens
+        bs = self.state.block_size
+        if (end + bs - 1) // bs > len(req.block_ids):
+            if num_tokens > known and not self.allocate(req, end):
+                num_tokens = min(known, num_tokens)  # drafts never preempt anyone
+                end = num_computed + num_tokens
+            if not self.ensure_blocks(req, end, batch):
+                return
+        if req.num_jumped:
+            batch.add(req, num_tokens, is_prefill=False)
+        else:
+            batch.add_decode(req, num_tokens)
+        if req.spec_propose:
+            self._lookahead(req, batch, req.spec_propose)
 
     def _schedule_prefills(self, worker: WorkerState, batch: StepBatch,
                            prefills: list[Request]) -> None:
@@ -123,7 +140,10 @@ class StepPlanner:
 
     def _schedule_prefill(self, req: Request, worker: WorkerState, batch: StepBatch) -> None:
         if req.status is RUNNING and req.worker_id == worker.worker_id:  # not preempted since
-            self._schedule(req, batch, is_prefill=True)
+            try:
+                self._schedule(req, batch, is_prefill=True)
+            except Exception as exc:  # its own failure (faults.py), not the step's
+                self.faults.fail(req, "plan", exc, batch=batch)
 
     def _schedule(self, req: Request, batch: StepBatch, is_prefill: bool) -> bool:
         num_tokens = batch.chunk_len(req, is_prefill)
@@ -152,10 +172,13 @@ class StepPlanner:
         """Constrained decodes' drafts, cut at the first one the grammar refuses."""
         structured = self.state.structured
         assert structured is not None
-        for req in worker.running.values():
+        for req in list(worker.running.values()):
             if req.grammar is not None and req.draft_token_ids and req.status is RUNNING \
                     and req.is_decode:
-                structured.fit_drafts(req)
+                try:
+                    structured.fit_drafts(req)
+                except Exception as exc:  # its own failure (faults.py)
+                    self.faults.fail(req, "mask", exc)
 
     def _lookahead(self, req: Request, batch: StepBatch, num_propose: int) -> None:
         """Blocks for the positions the worker's draft model writes while proposing num_propose
@@ -250,7 +273,10 @@ class StepPlanner:
         if req is None:
             return None, 0.0
         if cached is None:
-            cached = self._cached_blocks(req)
+            try:
+                cached = self._cached_blocks(req)
+            except Exception:  # ranked as uncached: admitting it fails it (_admit_one)
+                cached = 0
         remaining = req.num_tokens - cached * self.state.block_size
         return req, prefill_rank(remaining, self.state.step_id - req.enqueued_step)
 
@@ -279,9 +305,14 @@ class StepPlanner:
             if (len(worker.running) >= min(max_seqs, share) or not batch.has_prefill_room):
                 return
             cached = None
-            if prefilling:
-                cached = self._cached_blocks(req)  # probed once: a ranked order reuses it
-                if self._joins_a_prefill(req, cached, prefilling):
+            if prefilling and not req.needs_every_position:  # (it takes no cache hits)
+                try:
+                    cached = self._cached_blocks(req)  # probed once: a ranked order reuses it
+                    joins = self._joins_a_prefill(req, cached, prefilling)
+                except Exception as exc:  # its own failure (faults.py): the next may go
+                    self.faults.fail(req, "admit", exc)
+                    continue
+                if joins:
                     continue  # not taken: a ranked order offers the next, queue order stops here
             yield req, cached
             if req.status is RUNNING:  # admitted: later candidates may wait for its prompt
@@ -321,7 +352,15 @@ class StepPlanner:
         return False
 
     def _admit_one(self, req: Request, worker: WorkerState, batch: StepBatch) -> bool:
-        """Admit req with its first chunk; False (nothing held) when its blocks do not fit."""
+        """Admit req with its first chunk; False (nothing held) when its blocks do not fit.
+        An exception fails req alone (faults.py); the next candidate may go."""
+        try:
+            return self._try_admit(req, worker, batch)
+        except Exception as exc:
+            self.faults.fail(req, "admit", exc, batch=batch)
+            return True
+
+    def _try_admit(self, req: Request, worker: WorkerState, batch: StepBatch) -> bool:
         hit = self.kv.match_prefix(req)
         num_tokens = batch.chunk_len(req, is_prefill=True)
         if not self.allocate(req, req.num_computed_tokens + num_tokens):
@@ -337,11 +376,14 @@ class StepPlanner:
         for req in self.order.candidates(queue, worker.pool_id, self.state.step_id):
             if len(worker.running) >= self.config.max_seqs:
                 return
-            hit = self.kv.match_prefix(req)
-            if not self.allocate(req, req.final_len - 1):  # the last token is never computed
-                self.kv.free(req)
-                return
-            self._admitted(req, worker, batch, hit)
+            try:
+                hit = self.kv.match_prefix(req)
+                if not self.allocate(req, req.final_len - 1):  # the last token is never computed
+                    self.kv.free(req)
+                    return
+                self._admitted(req, worker, batch, hit)
+            except Exception as exc:  # its own failure (faults.py): the next may go
+                self.faults.fail(req, "admit", exc, batch=batch)
 
     def _admitted(self, req: Request, worker: WorkerState, batch: StepBatch, hit: int) -> None:
         self.kv.record_lookup(req, hit)

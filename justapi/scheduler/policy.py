@@ -61,20 +61,26 @@ class AdmissionOrder:
             last = req
             yield req
 
+    def _probe(self, pool_id: int, req: Request) -> int:
+        """Cached blocks of req's tokens; 0 where the probe fails (ranked as uncached, its
+        admission fails it alone: planner.py)."""
+        try:
+            return self.kv.probe(pool_id, req.token_bytes(), req.cache_salt, req.num_tokens)
+        except Exception:
+            return 0
+
     def _longest_prefix_first(self, queue: WaitingQueue, pool_id: int) -> Iterator[Request]:
-        probe = self.kv.probe
-        ranked = sorted(
-            queue, key=lambda r: (-probe(pool_id, r.token_bytes(), r.cache_salt, r.num_tokens),
-                                  r.sort_key))
+        probe = self._probe
+        ranked = sorted(queue, key=lambda r: (-probe(pool_id, r), r.sort_key))
         for req in ranked:
             if req.queue_entry is not None:
                 yield req
 
     def _shortest_first(self, queue: WaitingQueue, pool_id: int, step_id: int) -> Iterator[Request]:
-        probe, block_size = self.kv.probe, self.kv.block_size
+        probe, block_size = self._probe, self.kv.block_size
         ranked = sorted(queue, key=lambda r: (prefill_rank(
-            r.num_tokens - block_size * probe(pool_id, r.token_bytes(), r.cache_salt, r.num_tokens),
-            step_id - r.enqueued_step), r.sort_key))
+            r.num_tokens - block_size * probe(pool_id, r), step_id - r.enqueued_step),
+            r.sort_key))
         for req in ranked:
             if req.queue_entry is not None:
                 yield req

@@ -51,7 +51,7 @@ class Request:
                  "is_in_flight", "is_abort_pending", "finish_reason", "num_preemptions",
                  "queue_entry", "enqueued_step", "draft_parents", "spec_acceptance",
                  "spec_idle_steps", "spec_propose", "last_step_id", "waits_for_token",
-                 "grammar", "num_jumped")
+                 "grammar", "num_jumped", "pooling")
 
     def __init__(self, request_id: str, sampling: SamplingParams, prompt_token_ids: array.array,
                  seq: int, priority: int = 0) -> None:
@@ -97,6 +97,10 @@ class Request:
         # without a model call, computed with the next chunk: jump-forward).
         self.grammar: RequestGrammar | None = None
         self.num_jumped = 0
+        # Embeddings: a pooling request ("last", "mean", "cls"; "" generates) computes its
+        # prompt only, in prefill chunks that are never sampled, and finishes when the chunk
+        # ending the prompt lands with its pooled hidden state (results.py).
+        self.pooling = ""
 
     @property
     def num_tokens(self) -> int:
@@ -118,8 +122,15 @@ class Request:
     @property
     def is_decode(self) -> bool:
         """Only the last sampled token (then any tokens jumped after it, and drafts) is left
-        to compute."""
-        return self.num_computed_tokens >= len(self.token_ids) - 1 - self.num_jumped
+        to compute. Never for a pooling request (it has no sampled token)."""
+        return (self.num_computed_tokens >= len(self.token_ids) - 1 - self.num_jumped
+                and not self.pooling)
+
+    @property
+    def needs_every_position(self) -> bool:
+        """A pooling request that reads every prompt position's hidden state (mean) or the
+        first one's (cls): prefix-cache hits would skip them, so it takes none."""
+        return self.pooling in ("mean", "cls")
 
     @property
     def is_finished(self) -> bool:

@@ -14,6 +14,10 @@ Owns: those rules. Does not own: the step's choice (planner.py) or the message s
 """
 from __future__ import annotations
 
+import logging
+
+import numpy as np
+
 from justapi.scheduler.deltas import DeltaBuilder
 from justapi.scheduler.overlap import finish_or_hold, land, later_step
 from justapi.scheduler.request import Request
@@ -29,6 +33,8 @@ from justapi.wire.protocol import (
     TokenDeltas,
     offsets,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class ResultApplier:
@@ -60,7 +66,12 @@ class ResultApplier:
             return deltas.build()
         self._apply_chunks(step, result, deltas)
         self.state.counters.num_generated_tokens += len(deltas.token_ids)
-        return deltas.build(result)
+        try:
+            return deltas.build(result)
+        except Exception as exc:  # the result's logprobs do not fit its tokens: send the tokens
+            logger.error("step %d: logprobs dropped: %s: %s", result.step_id,
+                         type(exc).__name__, exc)
+            return deltas.build()
 
     @staticmethod
     def _malformed(step: InFlightStep, result: StepResult) -> str:
@@ -96,6 +107,8 @@ class ResultApplier:
         self.kv.cache_computed(req, num_written, later.deferred_blocks if later else None)
 
     def _apply_chunks(self, step: InFlightStep, result: StepResult, deltas: DeltaBuilder) -> None:
+        pooled = dict(zip(result.pooled_request_ids, result.pooled_states)) \
+            if result.pooled_request_ids else None
         sampled = result.sampled_token_ids.tolist()
         counts = iter(result.num_sampled.tolist())
         proposals = _proposals(result) if len(result.num_proposed) else None
@@ -105,43 +118,70 @@ class ResultApplier:
         add_one = deltas.add_one
         for req, num_drafts, is_sampled, end in zip(step.reqs, step.num_drafts, step.is_sampled,
                                                     step.ends):
-            if not is_sampled:  # a prefill chunk short of the prompt's end
-                if req.is_finishing:
+            count = 0
+            try:  # a request's failure here is its own (faults.py), not the step's
+                if not is_sampled:  # a prefill chunk short of the prompt's end
+                    self._unsampled(req, end, pooled, deltas)
+                    continue
+                count = next(counts)
+                index += 1
+                if req.is_finishing:  # finished at an earlier step: this token is never emitted
                     self._drop(req)
                 elif req.is_abort_pending:
                     self._finish(req, FINISH_ABORT, [], deltas)
+                elif count == 1 and num_drafts == 0 and not req.draft_token_ids and req.grammar is None:
+                    # The hot path (decode, or a prompt's last chunk): one token, _append inlined.
+                    token = sampled[position]
+                    token_ids = req.token_ids
+                    token_ids.append(token)
+                    reason = ""
+                    if token in req.stop_ids:
+                        reason = self._clamp(req, FINISH_STOP)
+                    elif len(token_ids) >= req.final_len:
+                        reason = self._clamp(req, FINISH_LENGTH)
+                    if end // bs > req.num_cached_blocks:
+                        self._cache(req, end)
+                    if reason:
+                        finish_or_hold(self.state, req, reason)
+                    add_one(req, token, reason, position)
+                elif step.num_steps > 1:
+                    self._extend(req, sampled[position:position + count], deltas, position)
                 else:
-                    self._cache(req, end)
-                continue
-            count = next(counts)
-            index += 1
-            if req.is_finishing:  # finished at an earlier step: this token is never emitted
-                self._drop(req)
-            elif req.is_abort_pending:
-                self._finish(req, FINISH_ABORT, [], deltas)
-            elif count == 1 and num_drafts == 0 and not req.draft_token_ids and req.grammar is None:
-                # The hot path (decode, or a prompt's last chunk): one token, _append inlined.
-                token = sampled[position]
-                token_ids = req.token_ids
-                token_ids.append(token)
-                reason = ""
-                if token in req.stop_ids:
-                    reason = self._clamp(req, FINISH_STOP)
-                elif len(token_ids) >= req.final_len:
-                    reason = self._clamp(req, FINISH_LENGTH)
-                if end // bs > req.num_cached_blocks:
-                    self._cache(req, end)
-                if reason:
-                    finish_or_hold(self.state, req, reason)
-                add_one(req, token, reason, position)
-            elif step.num_steps > 1:
-                self._extend(req, sampled[position:position + count], deltas, position)
-            else:
-                self._accept(req, num_drafts, sampled[position:position + count], deltas, position)
+                    self._accept(req, num_drafts, sampled[position:position + count], deltas, position)
+                if proposals is not None and index in proposals and not req.is_finished:
+                    assert self.state.spec is not None, "a worker proposed drafts with speculation off"
+                    self.state.spec.record_proposal(req, *proposals[index])
+            except Exception as exc:
+                self.state.faults.fail(req, "results", exc, deltas)
             position += count
-            if proposals is not None and index in proposals and not req.is_finished:
-                assert self.state.spec is not None, "a worker proposed drafts with speculation off"
-                self.state.spec.record_proposal(req, *proposals[index])
+
+    def _unsampled(self, req: Request, end: int, pooled: dict[str, np.ndarray] | None,
+                   deltas: DeltaBuilder) -> None:
+        """A chunk that samples nothing (a prompt's part, or a pooling request's): its KV below
+        `end` is written; a pooling request whose prompt is done finishes with its state."""
+        if req.is_finishing:
+            self._drop(req)
+        elif req.is_abort_pending:
+            self._finish(req, FINISH_ABORT, [], deltas)
+        else:
+            self._cache(req, end)
+            if req.pooling and end >= req.num_prompt_tokens:
+                self._pooled(req, pooled, deltas)
+
+    def _pooled(self, req: Request, pooled: dict[str, np.ndarray] | None,
+                 deltas: DeltaBuilder) -> None:
+        """A pooling request's prompt is computed: it finishes with its pooled state (its
+        blocks go; the full ones stay in the prefix cache)."""
+        state = pooled.get(req.request_id) if pooled is not None else None
+        if state is None:
+            self.state.counters.num_errors += 1
+            finish_or_hold(self.state, req, FINISH_ERROR)
+            deltas.add_error(req, FINISH_ERROR, f"step {deltas.step_id}: the worker returned no "
+                                                "pooled state for the request")
+            return
+        finish_or_hold(self.state, req, FINISH_STOP)
+        deltas.add(req, [], FINISH_STOP)
+        deltas.add_embedding(req.request_id, state)
 
     def _accept(self, req: Request, num_drafts: int, tokens: list[int],
                 deltas: DeltaBuilder, first_index: int) -> None:

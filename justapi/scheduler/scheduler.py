@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Union
 
@@ -29,6 +30,7 @@ from justapi.scheduler.batch import StepBatch
 from justapi.scheduler.cluster.hosts import HostMap
 from justapi.scheduler.cluster.imports import NoImports, PrefixImports
 from justapi.scheduler.deltas import DeltaBuilder
+from justapi.scheduler.faults import RequestFailures
 from justapi.scheduler.invariants import check_state
 from justapi.scheduler.overlap import OVERLAP_DEPTH, release_deferred
 from justapi.scheduler.planner import StepPlanner
@@ -56,6 +58,7 @@ from justapi.wire.protocol import (
     TokenDeltas,
 )
 
+logger = logging.getLogger(__name__)
 NOT_A_STEP = -1  # step_id of deltas that no step produced (aborts, ill health)
 WorkerOrder = Union[StepPlan, CopyBlocks]  # what schedule() sends to a worker (copies: PD, imports)
 
@@ -89,18 +92,26 @@ class Scheduler:
         if rid in state.requests or (state.structured is not None and rid in state.structured.pending):
             raise ValueError(f"request id {rid!r} is already in flight")
         tokens = _token_array(request.prompt_token_ids, rid)
+        num_prompt_tokens = len(tokens)
+        tokens.extend(_resumed_output(request))  # a resubmission after a scheduler restart
         limit = state.limits.max_context
-        if len(tokens) + 1 > limit:
+        if len(tokens) + (0 if request.pooling else 1) > limit:
             raise ValueError(f"request {rid!r}: prompt of {len(tokens)} tokens leaves no room "
                              f"for output in the context of {limit} tokens")
+        if request.pooling and (request.sampling.structured is not None or not len(tokens)):
+            raise ValueError(f"request {rid!r}: a pooling request needs a prompt and no "
+                             "output constraint")
         if request.sampling.structured is not None and state.structured is None:
             raise ValueError(f"request {rid!r}: structured outputs need the model's tokenizer, "
                              "which this server does not have")
         req = Request(rid, request.sampling, tokens, state.next_seq, int(request.priority))
+        req.num_prompt_tokens = num_prompt_tokens
+        req.has_reported = req.num_output_tokens > 0  # its cached-prompt figure went out before
         state.next_seq += 1
         req.sort_key = sort_key(state.config.policy, req.priority, req.seq)
         req.arrival_time_s = float(request.arrival_time_s)
         req.cache_salt = str(request.cache_salt)
+        req.pooling = request.pooling
         req.stop_ids = frozenset(request.sampling.stop_token_ids) | (
             frozenset() if request.sampling.ignore_eos else state.eos_token_ids)
         pool_id = self.router.choose_pool(req)
@@ -135,6 +146,19 @@ class Scheduler:
                 self._finish_unqueued(req, FINISH_ERROR, deltas, error or self._why_unplaceable(
                     req.request_id, req.num_tokens))
         return deltas.build() if len(deltas) else None
+
+    def fail_request(self, request_id: str, stage: str, exc: Exception) -> TokenDeltas | None:
+        """The process shell met `exc` while handling one request's message (its admission, its
+        abort): that request fails alone, with whatever of it the core holds (faults.py).
+        None when the core holds nothing of it (the shell answers for it)."""
+        deltas = self.state.faults.fail_by_id(request_id, stage, exc)
+        return deltas.build() if deltas is not None else None
+
+    def take_failures(self) -> TokenDeltas | None:
+        """Requests failed on their own while steps were planned (faults.py), not yet sent;
+        the process shell calls it after schedule()."""
+        deltas = self.state.faults.take()
+        return deltas.build() if deltas is not None else None
 
     def _finish_unqueued(self, req: Request, reason: str, deltas: DeltaBuilder,
                          error: str = "") -> None:
@@ -213,10 +237,16 @@ class Scheduler:
         out: list[tuple[int, WorkerOrder]] = list(self.imports.take_orders())
         for worker in free:
             while len(worker.in_flight) < self.depth_of(worker):
-                batch = self._plan(worker)
-                if not (len(batch) or batch.new_requests or worker.pending_drops):
+                try:
+                    batch = self._plan(worker)
+                    if not (len(batch) or batch.new_requests or worker.pending_drops):
+                        break
+                    plan = self._dispatch(worker, batch)
+                except Exception as exc:  # not one request's: fail the step being planned
+                    if self.state.faults.fail_planning(worker, self.planner.batch, exc):
+                        continue  # without them the next plan starts clean
                     break
-                out.append((worker.worker_id, self._dispatch(worker, batch)))
+                out.append((worker.worker_id, plan))
         return out
 
     def depth_of(self, worker: WorkerState) -> int:
@@ -232,12 +262,8 @@ class Scheduler:
         # the step in the cost formula's terms: the step budget's record, the multi-step cap
         features = batch.features() if self.planner.budget.is_enabled else None
         num_steps = self._num_steps(worker, batch, features)
-        plan = batch.build(state.step_id, state.pool.base(worker.pool_id),
-                           list(worker.pending_drops), num_steps)
+        plan = self._build(worker, batch, num_steps)
         worker.pending_drops.clear()
-        masks = state.structured.masks(batch) if state.structured is not None else None
-        if masks is not None:
-            plan = dataclasses.replace(plan, bitmask_rows=masks[0], token_bitmask=masks[1])
         step_id = state.step_id
         ends = [start + num_tokens + num_steps - 1
                 for start, num_tokens in zip(batch.starts, batch.num_tokens)]
@@ -260,8 +286,30 @@ class Scheduler:
                                              batch.is_sampled, sampled, ends,
                                              num_steps=num_steps))
         if features is not None:
-            self.planner.budget.dispatched(worker.worker_id, step_id, features)
+            try:  # (the plan is in flight now: it must go out whatever the record does)
+                self.planner.budget.dispatched(worker.worker_id, step_id, features)
+            except Exception:
+                logger.exception("step %d: its cost record failed", step_id)
         return plan
+
+    def _build(self, worker: WorkerState, batch: StepBatch, num_steps: int) -> StepPlan:
+        """The batch's plan with its token bitmasks. A request whose chunk does not match its
+        tokens or blocks, or whose mask cannot be filled, fails alone and leaves the batch
+        (faults.py); the plan is built again without it."""
+        state = self.state
+        faults = state.faults
+        while True:
+            try:
+                plan = batch.build(state.step_id, state.pool.base(worker.pool_id),
+                                   list(worker.pending_drops), num_steps)
+                masks = state.structured.masks(batch) if state.structured is not None else None
+            except RequestFailures as exc:
+                for req, error in exc.failures:
+                    faults.fail(req, exc.stage, error, batch=batch)
+                continue
+            if masks is None:
+                return plan
+            return dataclasses.replace(plan, bitmask_rows=masks[0], token_bitmask=masks[1])
 
     def _num_steps(self, worker: WorkerState, batch: StepBatch,
                    features: StepFeatures | None) -> int:
@@ -414,6 +462,7 @@ class Scheduler:
 
     def stats(self) -> dict[str, float]:
         out = collect_stats(self.state)
+        out.update(self.state.faults.stats())
         out.update(self.imports.stats())
         if self.state.structured is not None:
             out.update(self.state.structured.stats())
@@ -454,4 +503,21 @@ def _token_array(prompt_token_ids: object, request_id: str) -> array.array:
         raise ValueError(f"request {request_id!r}: token ids must be int32 values >= 0")
     out = array.array("i")
     out.frombytes(np.ascontiguousarray(prompt, dtype=np.int32).tobytes())
+    return out
+
+
+def _resumed_output(request: SubmitRequest) -> array.array:
+    """The output tokens a resubmitted request already delivered (empty for a new one)."""
+    rid = request.request_id
+    output = np.asarray(request.output_token_ids)
+    out = array.array("i")
+    if not len(output):
+        return out
+    if output.ndim != 1 or not np.issubdtype(output.dtype, np.integer) \
+            or int(output.min()) < 0 or int(output.max()) >= 2**31:
+        raise ValueError(f"request {rid!r}: delivered token ids must be int32 values >= 0")
+    if len(output) >= request.sampling.max_tokens:
+        raise ValueError(f"request {rid!r}: {len(output)} delivered tokens leave nothing of "
+                         f"max_tokens {request.sampling.max_tokens}")
+    out.frombytes(np.ascontiguousarray(output, dtype=np.int32).tobytes())
     return out

@@ -7,8 +7,8 @@
 
 Shared by the planner (schedule), the result applier (update), Scheduler and PdScheduler.
 Owns: requests, per-pool queues / running sets / block reservations, workers, KV hand-offs,
-counters. Does not own: the policy of who runs when (planner.py), block accounting
-(KvCacheManager).
+counters (and failures by stage: faults.py). Does not own: the policy of who runs when
+(planner.py), block accounting (KvCacheManager).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from justapi.config.sections import CacheConfig, SchedulerConfig
+from justapi.scheduler.faults import RequestFaults
 from justapi.scheduler.kv.block_pool import BlockPool
 from justapi.scheduler.kv.manager import KvCacheManager
 from justapi.scheduler.pd.handoff_table import HandOffTable
@@ -75,6 +76,7 @@ class SchedulerState:
         self.spec: Speculation | None = None  # speculative decoding, when on (scheduler.py)
         self.structured: StructuredOutputs | None = None  # grammars (factory.py; None: refused)
         self.counters = Counters()
+        self.faults = RequestFaults(self)  # one request's failure, kept to it (faults.py)
         self.step_id = 0
         self.next_seq = 0
         for spec in topology.pools:
@@ -133,7 +135,8 @@ class SchedulerState:
         """Bind a waiting request to a pool (routing); its context cap follows the pool."""
         req.pool_id = pool_id
         req.max_len = min(self.limits.max_context, self.pool_capacity_tokens(pool_id))
-        req.final_len = min(req.max_len, req.num_prompt_tokens + req.sampling.max_tokens)
+        req.final_len = min(req.max_len, req.num_prompt_tokens + (
+            0 if req.pooling else req.sampling.max_tokens))
 
     def enqueue(self, req: Request) -> None:
         req.status = RequestStatus.WAITING

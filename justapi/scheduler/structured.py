@@ -2,6 +2,7 @@
 to it, the token bitmasks of a step, and forced tokens.
 
     add_request -> hold (compile on the pool) -> ready: queued as usual | failed: "error"
+                   (a resubmitted request's delivered tokens are replayed into it first)
     before a step: drafts cut at the first node the grammar refuses
     the step:      one mask row per constrained logits row (root + drafts), in the plan
     the result:    each emitted token is consumed once; a complete grammar finishes "stop";
@@ -22,11 +23,13 @@ import os
 import time
 from collections.abc import Collection
 from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import replace
 
 import llguidance as llg
 import numpy as np
 
 from justapi.scheduler.batch import StepBatch
+from justapi.scheduler.faults import RequestFailures
 from justapi.scheduler.request import Request
 from justapi.scheduler.spec.tree import is_chain
 from justapi.structured.compiler import GrammarCompiler
@@ -76,7 +79,11 @@ class StructuredOutputs:
         out = []
         for rid, grammar in grammars.items():
             if grammar.is_compiled:
-                error = grammar.start()
+                req = self.pending[rid]
+                try:
+                    error = grammar.start() or grammar.replay(req.token_ids[req.num_prompt_tokens:])
+                except Exception as exc:  # a bug in the matcher's copy: this request fails
+                    error = f"grammar start failed: {type(exc).__name__}: {exc}"
                 self.num_failed += bool(error)
                 out.append((self.pending.pop(rid), error))
         return out
@@ -111,6 +118,7 @@ class StructuredOutputs:
         """(bitmask_rows, token_bitmask) for the batch's constrained sampled sequences, or
         None when it has none (StepPlan's layout, justapi/structured/masks.py)."""
         items: list[MaskItem] = []
+        owners: list[Request] = []
         rows: list[int] = []
         logits_row = mask_row = 0
         for req, num_drafts, is_sampled in zip(batch.reqs, batch.num_drafts, batch.is_sampled):
@@ -120,16 +128,38 @@ class StructuredOutputs:
                 drafts = req.draft_token_ids[:num_drafts]
                 parents = req.draft_parents[:num_drafts] if req.draft_parents else []
                 items.append(MaskItem(req.grammar, mask_row, drafts, parents))
+                owners.append(req)
                 rows.extend(range(logits_row, logits_row + 1 + num_drafts))
                 mask_row += 1 + num_drafts
             logits_row += 1 + num_drafts
         if not items:
             return None
         started = time.perf_counter()
-        bitmask = fill_masks(self.executor, items, mask_words(self.compiler.tokenizer.vocab_size))
+        bitmask = self._fill(items, owners)
         self.mask_seconds += time.perf_counter() - started
         self.num_mask_rows += len(rows)
         return np.asarray(rows, dtype=np.int32), bitmask
+
+    def _fill(self, items: list[MaskItem], owners: list[Request]) -> np.ndarray:
+        """fill_masks; where it raises, each item again alone (here, in order): those that
+        raise are the step's RequestFailures (each fails alone, faults.py), the rest's rows
+        stand."""
+        num_words = mask_words(self.compiler.tokenizer.vocab_size)
+        try:
+            return fill_masks(self.executor, items, num_words)
+        except Exception:
+            pass
+        out = np.zeros((sum(1 + len(item.drafts) for item in items), num_words), dtype=np.int32)
+        failures: list[tuple[Request, Exception]] = []
+        for item, req in zip(items, owners):
+            end = item.first_row + 1 + len(item.drafts)
+            try:
+                out[item.first_row:end] = fill_masks(None, [replace(item, first_row=0)], num_words)
+            except Exception as exc:
+                failures.append((req, exc))
+        if failures:
+            raise RequestFailures("mask", failures)
+        return out
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict[str, float]:

@@ -44,7 +44,7 @@ class GrammarCompiler:
         self._tokenizer: llg.LLTokenizer | None = None
         self._tokenizer_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="grammar")
-        self._cache: OrderedDict[tuple[str, str, str], Future[Compiled]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, ...], Future[Compiled]] = OrderedDict()
         self.cache_size = cache_size
         self.on_done = on_done
         self.num_hits = 0

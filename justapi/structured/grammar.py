@@ -4,6 +4,7 @@ validation the frontend runs so an unsupported schema or grammar is a 400 naming
     json_schema / json_object -> llguidance's JSON compiler (whitespace option -> defaults;
                                  the schema's own "x-guidance" options override them)
     regex -> a regex grammar    choice -> Lark alternatives    lark -> as is    gbnf -> Lark
+    with reasoning_end: that grammar after free text up to the end of thinking (reasoning.py)
 Owns: those translations and the error text. Does not own: compiling against a tokenizer
 (compiler.py) or the StructuredOutput fields (justapi/sampling.py).
 """
@@ -14,6 +15,7 @@ import json
 import llguidance as llg
 
 from justapi.sampling import StructuredOutput
+from justapi.structured.reasoning import after_reasoning
 
 MAX_ERROR_CHARS = 500
 MAX_CHOICES = 4096
@@ -33,8 +35,16 @@ def parser_limits() -> llg.LLParserLimits:
 
 
 def grammar_text(structured: StructuredOutput) -> str:
-    """The llguidance grammar of a constraint; ValueError for text that cannot be translated
-    (a choice list that is not one, a GBNF grammar that does not parse)."""
+    """The llguidance grammar of a constraint (behind the thinking block when it has a
+    reasoning_end, reasoning.py); ValueError for text that cannot be translated (a choice list
+    that is not one, a GBNF grammar that does not parse)."""
+    grammar = _answer_grammar(structured)
+    if structured.reasoning_end:
+        return after_reasoning(grammar, structured.reasoning_end, structured.reasoning_start)
+    return grammar
+
+
+def _answer_grammar(structured: StructuredOutput) -> str:
     kind, spec = structured.kind, structured.spec
     if kind in ("json_schema", "json_object"):
         schema = _schema(spec) if kind == "json_schema" else '{"type": "object"}'

@@ -66,6 +66,7 @@ def _fill_chain(item: MaskItem, out: np.ndarray) -> None:
     lnp.fill_next_token_bitmask(matcher, out, item.first_row)
     for j, token in enumerate(item.drafts):
         if not matcher.consume_token(int(token)):  # the core cut invalid drafts: cannot happen
+            # (if it does, this request alone fails: justapi/scheduler/faults.py)
             raise ValueError(f"draft {int(token)} is not valid: {matcher.get_error()}")
         lnp.fill_next_token_bitmask(matcher, out, item.first_row + 1 + j)
     if item.drafts:

@@ -50,6 +50,14 @@ class RequestGrammar:
         """The request emitted token_id; False if the grammar refuses it (then in error)."""
         return bool(self.live.consume_token(token_id))
 
+    def replay(self, token_ids: Sequence[int]) -> str:
+        """Consume the tokens a resubmitted request already delivered (its scheduler was
+        restarted), in order; why the grammar refuses one ("" when it takes them all)."""
+        for token_id in token_ids:
+            if not self.consume(int(token_id)):
+                return f"the grammar refuses delivered token {int(token_id)}: {self.error}"
+        return ""
+
     @property
     def is_stopped(self) -> bool:
         """The grammar is complete and allows nothing more (or EOS was consumed)."""

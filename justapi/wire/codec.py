@@ -42,7 +42,12 @@ T = TypeVar("T")
 
 
 class ProtocolError(ValueError):
-    """A message that does not decode to a registered, well-formed dataclass."""
+    """A message that does not decode to a registered, well-formed dataclass. Where its
+    header was a typed JSON object, `message_type` and `step_id` are what it said (not
+    trusted: a receiver may only answer with them, e.g. a worker refusing a step)."""
+
+    message_type: object = None
+    step_id: object = None
 
 
 def register(tag: str) -> Callable[[type[T]], type[T]]:
@@ -113,6 +118,14 @@ def decode(frames: Sequence[bytes | memoryview | Any]) -> Any:
         raise ProtocolError(f"header is not JSON: {exc}") from None
     if not isinstance(header, dict) or _TYPE_KEY not in header:
         raise ProtocolError("header is not a typed message")
+    try:
+        return _decode_message(header, buffers)
+    except ProtocolError as exc:
+        exc.message_type, exc.step_id = header.get(_TYPE_KEY), header.get("step_id")
+        raise
+
+
+def _decode_message(header: dict, buffers: list[memoryview]) -> Any:
     ends: dict[int, int] = {}  # frame -> end of the last array read from it
     message = _decode_value(header, buffers, ends, depth=0)
     if len(ends) != len(buffers) - 1:

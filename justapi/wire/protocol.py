@@ -22,6 +22,16 @@ MAX_DECODE_STEPS = 64
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)
 _EMPTY_F32 = np.zeros(0, dtype=np.float32)
 _EMPTY_MASK = np.zeros((0, 0), dtype=np.int32)
+_EMPTY_STATES = np.zeros((0, 0), dtype=np.float32)
+POOLINGS = ("last", "mean", "cls")
+"""How a pooling (embedding) request's hidden states become one vector: the last prompt
+position's, the mean over every position, or the first position's (GGUF pooling_type 3, 1,
+2), each after the model's final norm."""
+
+
+def check_pooling(pooling: str, name: str) -> None:
+    if pooling and pooling not in POOLINGS:
+        raise ProtocolError(f"{name}.pooling must be '' or one of {POOLINGS}, got {pooling!r}")
 
 
 def _i32(values: object) -> np.ndarray:
@@ -74,6 +84,12 @@ class NewRequest:
     sampling: SamplingParams
     num_prompt_tokens: int
     token_ids: np.ndarray  # int32 [num_known_tokens]
+    pooling: str = ""
+    """A pooling request (POOLINGS; "" generates): its chunks are never sampled; the chunk
+    that ends its prompt returns the pooled hidden state in StepResult.pooled_states."""
+
+    def __post_init__(self) -> None:
+        check_pooling(self.pooling, "NewRequest")
 
 
 @register("StepPlan")
@@ -236,6 +252,16 @@ class Shutdown:
     reason: str = ""
 
 
+@register("AttachWorker")
+@dataclass(frozen=True)
+class AttachWorker:
+    """A restarted scheduler takes the worker over: the worker forgets every request it knew
+    (the old scheduler's, recomputed from the frontend's resubmissions) and answers with its
+    Ready. Sent once per worker, only by a scheduler that is not the pool's first."""
+
+    scheduler_pid: int
+
+
 # --------------------------------------------------------------------------------------
 # worker -> scheduler
 # --------------------------------------------------------------------------------------
@@ -268,8 +294,15 @@ class StepResult:
     proposed_token_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum]
     proposed_parents: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [sum] or []
     step_time_s: float = 0.0  # the worker's time on the step (0: not measured): step costs
+    pooled_request_ids: list[str] = field(default_factory=list)
+    """Pooling requests whose prompt ended in this step, in plan order."""
+    pooled_states: np.ndarray = field(default_factory=lambda: _EMPTY_STATES)
+    """float32 [len(pooled_request_ids), hidden]: each one's pooled hidden state (after the
+    final norm, not normalized), a raw frame."""
 
     def __post_init__(self) -> None:
+        if len(self.pooled_request_ids) != len(self.pooled_states) or self.pooled_states.ndim != 2:
+            raise ProtocolError("StepResult.pooled_states must be [pooled requests, hidden]")
         if len(self.num_sampled) != len(self.request_ids):
             raise ProtocolError("StepResult.num_sampled must have one entry per request")
         if int(np.sum(self.num_sampled)) != len(self.sampled_token_ids):
@@ -444,6 +477,9 @@ class SubmitGeneration:
     """With `messages`: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` as one JSON
     object's text (JSON Schemas nest deeper than the codec allows a message to); "" for none.
     The chunks then carry the calls in `tool_calls`."""
+    priority: int = 0
+    """Scheduling priority (server started with --scheduling-policy priority): lower is
+    served sooner and may preempt running requests of a higher value. vLLM's field."""
 
 
 @register("AbortGeneration")
@@ -513,7 +549,9 @@ FINISH_ERROR = "error"  # could not be served (see TokenDeltas.errors)
 @dataclass(frozen=True)
 class SubmitRequest:
     """A tokenized request. `cache_salt` namespaces the prefix cache (model, adapter, tenant):
-    requests with different salts never share cached blocks."""
+    requests with different salts never share cached blocks. `output_token_ids` are tokens
+    already delivered to the client (a resubmission after a scheduler restart): they continue
+    the output (max_tokens, penalties, seeds, a grammar count them), they are not prompt."""
 
     request_id: str
     prompt_token_ids: np.ndarray  # int32 [num_prompt_tokens]
@@ -521,6 +559,13 @@ class SubmitRequest:
     arrival_time_s: float = 0.0
     priority: int = 0
     cache_salt: str = ""
+    pooling: str = ""
+    """Embeddings: computes the prompt only and finishes ("stop") with its pooled hidden
+    state in TokenDeltas.embeddings, keeping no KV but the prefix cache's; "" generates."""
+    output_token_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)  # int32 [delivered]
+
+    def __post_init__(self) -> None:
+        check_pooling(self.pooling, "SubmitRequest")
 
 
 @register("AbortRequest")
@@ -538,7 +583,9 @@ class TokenDeltas:
     zero tokens, e.g. a finish by abort). finish_reasons[i] is "" while running. Logprob
     arrays follow StepResult's layout when any request asked for them.
     num_cached_tokens[i] is the prompt tokens served from the prefix cache (reported with
-    the request's first delta, 0 afterwards); errors maps request id -> message."""
+    the request's first delta, 0 afterwards); errors maps request id -> message.
+    scheduler_pid: the scheduler process that sent it (0: not said): the frontend drops what
+    a dead scheduler had sent once its successor took the requests over (it recomputes it)."""
 
     step_id: int
     request_ids: list[str]
@@ -550,13 +597,31 @@ class TokenDeltas:
     top_logprob_ids: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
     top_logprobs: np.ndarray = field(default_factory=lambda: _EMPTY_F32)
     errors: dict = field(default_factory=dict)
+    embedding_request_ids: list[str] = field(default_factory=list)
+    """Pooling requests that finished in this step with their pooled hidden state..."""
+    embeddings: np.ndarray = field(default_factory=lambda: _EMPTY_STATES)
+    """...float32 [len(embedding_request_ids), hidden] (StepResult.pooled_states' rows)."""
+    scheduler_pid: int = 0
 
     def __post_init__(self) -> None:
+        if len(self.embedding_request_ids) != len(self.embeddings) or self.embeddings.ndim != 2:
+            raise ProtocolError("TokenDeltas.embeddings must be [embedding requests, hidden]")
         n = len(self.request_ids)
         if len(self.num_new_tokens) != n or len(self.finish_reasons) != n:
             raise ProtocolError("TokenDeltas columns must have one entry per request")
         if int(np.sum(self.num_new_tokens)) != len(self.token_ids):
             raise ProtocolError("TokenDeltas.token_ids length disagrees with num_new_tokens")
+
+
+@register("SchedulerStarted")
+@dataclass(frozen=True)
+class SchedulerStarted:
+    """A scheduler process has its workers and takes requests. The frontend holds every open
+    request while the scheduler is down; a SchedulerStarted with another pid than the one it
+    knows is a restarted scheduler, to which it resubmits them (prompt + delivered tokens)."""
+
+    pid: int
+    num_restarts: int  # the pool's scheduler restarts before this one (0: the first)
 
 
 @register("SchedulerStats")

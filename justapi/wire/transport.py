@@ -11,7 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -96,8 +96,10 @@ def recv(sock: zmq.Socket, *, routed: bool = False, flags: int = 0) -> tuple[byt
     return sender, decode(frames)
 
 
-def drain(sock: zmq.Socket, *, routed: bool = False, limit: int = 10_000) -> list[tuple[bytes | None, Any]]:
-    """Every message waiting on `sock` (non-blocking); malformed ones are logged and dropped."""
+def drain(sock: zmq.Socket, *, routed: bool = False, limit: int = 10_000,
+          on_malformed: Callable[[ProtocolError], None] | None = None) -> list[tuple[bytes | None, Any]]:
+    """Every message waiting on `sock` (non-blocking); malformed ones are logged and dropped
+    (and handed to on_malformed, which may answer them: a worker refuses a step it cannot read)."""
     out: list[tuple[bytes | None, Any]] = []
     # EVENTS first: a receive on an empty socket raises zmq.Again, whose construction costs a
     # loop of the scheduler (several sockets drained per step) ~20 us a step at batch 1
@@ -108,4 +110,6 @@ def drain(sock: zmq.Socket, *, routed: bool = False, limit: int = 10_000) -> lis
             break
         except ProtocolError as exc:
             logger.warning("dropped malformed message: %s", exc)
+            if on_malformed is not None:
+                on_malformed(exc)
     return out

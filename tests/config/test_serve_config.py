@@ -97,7 +97,7 @@ def test_multi_step_decoding_only_where_cpu_workers_take_every_core():
             config(scheduler={"decode_steps": bad})
 
 
-def test_the_kv_cache_dtype_sizes_the_cpu_pool(monkeypatch):
+def test_the_kv_cache_dtype_sizes_the_cpu_pool():
     """auto: f16 on CPUs, bf16 on GPUs; a 16-bit CPU pool's blocks take half the bytes of an
     fp32 one's (float32), so the same memory fraction holds twice the blocks, and the segment
     the workers map is planned in the pool's dtype."""
@@ -105,13 +105,14 @@ def test_the_kv_cache_dtype_sizes_the_cpu_pool(monkeypatch):
     from justapi.model.info import ModelInfo
     config = build_config({}, {})
     assert (config.cache.pool_dtype("cpu"), config.cache.pool_dtype("cuda")) == ("float16", "bfloat16")
-    monkeypatch.setattr(shm_pool, "available_memory_bytes", lambda: 1 << 30)
+    from justapi.launch.memory_limits import MemoryLimits
+    limits = MemoryLimits(available=1 << 30)
     model = ModelInfo(path="m.gguf", name="m", architecture="llama", num_layers=30, hidden_size=576, num_heads=9,
                       num_kv_heads=3, head_dim=64, context_length=8192, vocab_size=49152)
     plans = {}
     for dtype in ("float32", "auto", "bfloat16"):
         config = build_config({}, {"kv-cache-dtype": dtype, "kv-memory-fraction": 0.05})
-        plans[dtype] = shm_pool.plan_cpu_pool(model, config.cache, config.scheduler)
+        plans[dtype] = shm_pool.plan_cpu_pool(model, config.cache, config.scheduler, limits=limits)
     assert (plans["float32"].dtype, plans["auto"].dtype, plans["bfloat16"].dtype) == ("float32", "float16", "bfloat16")
     assert plans["auto"].bytes_per_block == plans["bfloat16"].bytes_per_block
     assert plans["auto"].bytes_per_block * 2 == plans["float32"].bytes_per_block == 30 * 2 * 16 * 3 * 64 * 4

@@ -1,6 +1,7 @@
 """Process faults on a live pool: SIGTERM drains (in-flight requests finish within the grace
-period, new ones get 503), SIGKILL of the scheduler (requests in flight get 503 at once, the
-launcher stops everything, no orphan). SIGSTOP of a worker, caught by its missed heartbeats,
+period, new ones get 503), SIGKILL of the scheduler with --no-restart-scheduler (requests in
+flight get 503 at once, the launcher stops everything, no orphan; with restarts:
+tests/e2e/test_scheduler_restart.py). SIGSTOP of a worker, caught by its missed heartbeats,
 is tested end to end in tests/e2e/test_e2e_ops.py (test_sigstop_*)."""
 from __future__ import annotations
 
@@ -93,8 +94,8 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones():
         pool.stop(signal.SIGKILL)
 
 
-def test_sigkill_of_the_scheduler_fails_requests_with_503_and_stops_the_pool():
-    pool = ServedPool("--model", TINY_MODEL, "--pool-blocks", "256")
+def test_without_restarts_a_sigkill_of_the_scheduler_fails_requests_with_503_and_stops_the_pool():
+    pool = ServedPool("--model", TINY_MODEL, "--pool-blocks", "256", "--no-restart-scheduler")
     try:
         started: list = []
         with concurrent.futures.ThreadPoolExecutor(2) as executor:

@@ -36,7 +36,8 @@ def test_completion_text_usage_and_tokens_sent():
             prompt_ids = tokenizer().encode("Say something")
             assert data["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 5,
                                      "total_tokens": len(prompt_ids) + 5,
-                                     "prompt_tokens_details": {"cached_tokens": 0}}
+                                     "prompt_tokens_details": {"cached_tokens": 0},
+                                     "completion_tokens_details": None}
             sent = stack.fake.submitted[0]
             assert sent.prompt_token_ids.tolist() == prompt_ids
             assert sent.sampling.max_tokens == 5

@@ -155,3 +155,25 @@ def test_no_snapshot_yet_exports_request_metrics_only():
     assert samples[("justapi:e2e_request_latency_seconds_sum", label)] == 2.0
     assert samples[("justapi:scheduler_healthy", label)] == 0
     assert ("justapi:num_requests_running", label) not in samples
+
+
+def test_request_failures_by_stage_from_both_processes():
+    """The scheduler's stages from its snapshots (monotonic across its restart), the
+    frontend's detokenize from its own count: one family, labelled by stage."""
+    snapshots = [SchedulerStats(0.0, True, {"request_failures_admit": a, "request_failures_plan": p,
+                                            "request_failures_mask": 0,
+                                            "request_failures_results": 1}, [])
+                 for a, p in ((1, 2), (3, 2), (0, 1))]
+    current = {"stats": snapshots[0]}
+    metrics = FrontendMetrics("m", lambda: current["stats"])
+    timer = metrics.start_request(4)
+    timer.on_failure("detokenize")
+    seen = []
+    for snapshot in snapshots:
+        current["stats"] = snapshot
+        samples = _samples(metrics.render().decode())
+        seen.append({stage: samples[("justapi:request_failures_total",
+                                     (("model_name", "m"), ("stage", stage)))]
+                     for stage in ("admit", "plan", "mask", "results", "detokenize")})
+    assert seen[0] == {"admit": 1, "plan": 2, "mask": 0, "results": 1, "detokenize": 1}
+    assert seen[2] == {"admit": 3, "plan": 3, "mask": 0, "results": 1, "detokenize": 1}

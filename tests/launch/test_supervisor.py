@@ -1,5 +1,6 @@
 """Worker restarts: off by default, each exit handled once, a crash loop stops at
-max-restarts within the window, and the budget comes back as the window slides."""
+max-restarts within the window, and the budget comes back as the window slides. Scheduler
+restarts: on by default, under the same budget, never for a scheduler told to stop."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from justapi.config.ops import OpsConfig
-from justapi.launch.supervisor import WorkerSupervisor, describe_exit
+from justapi.launch.supervisor import SchedulerSupervisor, WorkerSupervisor, describe_exit
 
 
 @dataclass
@@ -74,6 +75,28 @@ def test_restarts_stop_at_max_restarts_within_the_window():
     assert supervisor.may_restart(1)[0]  # budgets are per slot
     now[0] = 61.0  # the first restart left the window
     assert supervisor.may_restart(0) == (True, "restart 2 of at most 2 in 60s")
+
+
+def test_a_dead_scheduler_is_restarted_within_the_budget(caplog: pytest.LogCaptureFixture):
+    now = [0.0]
+    supervisor = SchedulerSupervisor(OpsConfig(max_restarts=2, restart_window_s=60.0),
+                                     lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="justapi.launch.supervisor"):
+        verdicts = []
+        for pid in (10, 11, 12):
+            verdicts.append(supervisor.on_exit(pid, -9))
+            now[0] += 10.0
+    assert verdicts == [True, True, False] and supervisor.num_restarts == 2
+    assert caplog.records[-1].getMessage() == (
+        "the scheduler (pid 12) exited with signal SIGKILL; not restarted: 2 restart(s) in the "
+        "last 60s (max-restarts 2)")
+    now[0] = 71.0  # the first restart left the window
+    assert supervisor.on_exit(13, 1)
+
+
+def test_a_scheduler_that_stopped_or_restarts_off_is_not_restarted():
+    assert not SchedulerSupervisor(OpsConfig()).on_exit(10, 0)  # told to stop (SIGTERM)
+    assert not SchedulerSupervisor(OpsConfig(restart_scheduler=False)).on_exit(10, -9)
 
 
 @pytest.mark.parametrize("code,text", [(0, "code 0"), (1, "code 1"), (-9, "signal SIGKILL"),

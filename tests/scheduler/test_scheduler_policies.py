@@ -27,7 +27,7 @@ def test_fcfs_admits_in_arrival_order():
 
 def test_priority_admits_lower_values_first_then_by_arrival():
     h = Harness(build_scheduler(max_seqs=1, policy="priority"))
-    h.submit("blocker", prompt(4), max_tokens=3, ignore_eos=True)
+    h.submit("blocker", prompt(4), max_tokens=3, ignore_eos=True, priority=-5)  # outranks all
     h.step()
     for rid, priority in (("low", 5), ("high", -1), ("mid-1", 1), ("mid-2", 1)):
         h.submit(rid, prompt(4, base=20 + priority), max_tokens=2, priority=priority)

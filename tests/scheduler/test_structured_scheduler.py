@@ -182,3 +182,25 @@ def test_masks_travel_with_the_plan() -> None:
     allowed = np.flatnonzero(np.unpackbits(words[0].view(np.uint8), bitorder="little"))
     tokens = sim_token_list().tokens
     assert sorted(tokens[i] for i in allowed) == [b"a", b"b", b"g"]  # alpha|beta|gamma
+
+
+@pytest.mark.parametrize("budget", [2, 3])
+def test_forced_run_longer_than_the_step_budget(budget: int) -> None:
+    """Many constrained decodes under a token budget smaller than one request's forced run
+    (1 sampled + num_jumped forced tokens): the run is computed over several steps, each
+    within the budget, and the output is plain constrained decoding's."""
+    structured = [JSON, JSON, CHOICE, None, GBNF]
+    core = build_scheduler(pool_blocks=256, max_batched_tokens=budget, chunk_size=budget)
+    harness = Harness(with_structured(core), vocab_size=SIM_VOCAB)
+    for i, constraint in enumerate(structured):
+        harness.submit(f"r{i}", _prompt(i), max_tokens=64, structured=constraint)
+    longest_run = 0
+    while harness.scheduler.has_work():
+        plans = harness.schedule()
+        assert plans, "unfinished requests but no plan"
+        for worker_id, plan in plans:
+            assert int(plan.num_tokens.sum()) <= budget
+            deltas = harness.complete(worker_id, plan)
+            longest_run = max([longest_run, *deltas.num_new_tokens.tolist()])
+    assert longest_run > budget + 1  # a forced run that did not fit one step's budget
+    _check_outputs(harness, structured)

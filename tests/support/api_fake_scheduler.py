@@ -52,6 +52,18 @@ class _StepOutput:
     top_ids: list[list[int]] = field(default_factory=list)
     top_lps: list[list[float]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
+    embedding_ids: list[str] = field(default_factory=list)
+    embeddings: list[np.ndarray] = field(default_factory=list)
+
+
+FAKE_HIDDEN = 8
+
+
+def fake_embedding(prompt: np.ndarray) -> np.ndarray:
+    """The fake's pooled state of a prompt (unnormalized): float32 [FAKE_HIDDEN]."""
+    ids = prompt.astype(np.float64)
+    return np.asarray([len(ids), ids.sum(), ids[0], ids[-1], *(ids[:4] % 7).tolist(),
+                       0, 0, 0, 0][:FAKE_HIDDEN], dtype=np.float32) + 1
 
 
 class FakeScheduler:
@@ -152,6 +164,15 @@ class FakeScheduler:
         out = _StepOutput()
         has_logprobs = False
         for request_id, state in list(self._running.items()):
+            if state.request.pooling:  # an embedding: one step, its pooled state
+                out.request_ids.append(request_id)
+                out.counts.append(0)
+                out.reasons.append(FINISH_STOP)
+                out.cached.append(0)
+                out.embedding_ids.append(request_id)
+                out.embeddings.append(fake_embedding(state.request.prompt_token_ids))
+                del self._running[request_id]
+                continue
             tokens, reason = self._advance(state)
             sampling = state.request.sampling
             out.request_ids.append(request_id)
@@ -198,6 +219,9 @@ class FakeScheduler:
                 top_lps[i, :len(lps)] = lps
             extra = {"logprobs": np.asarray(out.logprobs, dtype=np.float32),
                      "top_logprob_ids": top_ids, "top_logprobs": top_lps}
+        if out.embedding_ids:
+            extra["embedding_request_ids"] = out.embedding_ids
+            extra["embeddings"] = np.stack(out.embeddings)
         transport.send(self._outbox, TokenDeltas(
             step_id=0, request_ids=out.request_ids,
             num_new_tokens=np.asarray(out.counts, dtype=np.int32),

@@ -18,14 +18,16 @@ from fastapi import FastAPI
 from justapi.frontend.api_server import build_app
 from justapi.frontend.engine_client import EngineClient
 from justapi.frontend.metrics import FrontendMetrics
+from justapi.frontend.reasoning.request import NO_REASONING, ReasoningSetup
 from justapi.frontend.serving import Serving, ServingConfig
 from justapi.frontend.text.chat_template import ChatTemplate
 from justapi.frontend.text.tokenizer import Tokenizer
+from justapi.frontend.tools.formats import GENERIC, ToolFormat
 from justapi.model.gguf_file import GGUFFile, default_model_path
 from justapi.sampling import SamplingDefaults
 from justapi.wire import transport
 from justapi.wire.protocol import SubmitRequest
-from tests.support.api_fake_scheduler import FakeScheduler, Script
+from tests.support.api_fake_scheduler import FAKE_HIDDEN, FakeScheduler, Script
 
 MODEL = "smollm2-test"
 TEXTS = (" Hello world! The quick brown fox jumps over the lazy dog.",
@@ -90,17 +92,27 @@ class Stack:
 async def serving_stack(script: Script = seeded_script, *, max_context: int = 256,
                         tokens_per_step: int = 1, step_s: float = 0.001,
                         tmp_dir: str | None = None,
-                        sampling_defaults: SamplingDefaults | None = None) -> AsyncIterator[Stack]:
+                        sampling_defaults: SamplingDefaults | None = None,
+                        template: ChatTemplate | None = None,
+                        tool_format: ToolFormat = GENERIC,
+                        reasoning: ReasoningSetup = NO_REASONING,
+                        scheduling_policy: str = "fcfs", pooling: str = "last",
+                        is_matryoshka: bool = False) -> AsyncIterator[Stack]:
+    """The stack over SmolLM2's tokenizer; `template` (default: SmolLM2's own), `tool_format`
+    and `reasoning` as build_serving would find them for another template."""
     runtime_dir = tmp_dir or transport.make_runtime_dir("justapi-test-")
     fake = FakeScheduler(runtime_dir, script, eos_token_ids=tuple(tokenizer().eog_token_ids),
                          tokens_per_step=tokens_per_step, step_s=step_s).start()
     engine = EngineClient(fake.scheduler_endpoint, fake.frontend_endpoint)
     await engine.start()
     metrics = FrontendMetrics(MODEL, lambda: engine.stats)
-    template = chat_template()
+    template = template or chat_template()
     config = ServingConfig(MODEL, max_context,
-                           sampling_defaults=sampling_defaults or SamplingDefaults.resolve())
-    serving = Serving(engine, tokenizer(), template.render, config, metrics)
+                           sampling_defaults=sampling_defaults or SamplingDefaults.resolve(),
+                           scheduling_policy=scheduling_policy, pooling=pooling,
+                           is_matryoshka=is_matryoshka, hidden_size=FAKE_HIDDEN)
+    serving = Serving(engine, tokenizer(), template.render, config, metrics,
+                      tool_format=tool_format, reasoning=reasoning)
     app = build_app(serving)
     http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
                              timeout=30)

@@ -80,14 +80,20 @@ def permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model: Any, path: str, qtype: str = "F32", sliding_window: int | None = None) -> str:
+def write_gguf(model: Any, path: str, qtype: str = "F32", sliding_window: int | None = None,
+               extra_tensors: dict[str, np.ndarray] | None = None,
+               pooling_type: int | None = None) -> str:
     """Round `model` through `qtype` (in place) and write it to `path` in llama.cpp's layout.
-    `sliding_window` writes `llama.attention.sliding_window` (Mistral; llama.cpp omits it)."""
+    `sliding_window` writes `llama.attention.sliding_window` (Mistral; llama.cpp omits it);
+    `extra_tensors` are written too (F32), as a variant the loader may not know would;
+    `pooling_type` `{arch}.pooling_type` (an embedding model: 1 mean, 2 cls, 3 last)."""
     cfg = model.config
     arch = ARCH_OF[cfg.model_type]
     round_weights(model, qtype)
     writer = gguf.GGUFWriter(path, arch)
     _write_metadata(writer, cfg, arch, sliding_window)
+    if pooling_type is not None:
+        writer.add_pooling_type(gguf.PoolingType(pooling_type))
     _write_tokenizer(writer, cfg.vocab_size)
     arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_enum, cfg.num_hidden_layers)
@@ -95,6 +101,8 @@ def write_gguf(model: Any, path: str, qtype: str = "F32", sliding_window: int | 
         _add_tensor(writer, name, tensor, qtype if is_quantized(name, tensor, qtype) else "F32")
     if getattr(cfg, "rope_parameters", {}).get("rope_type") == "llama3":
         _add_tensor(writer, "rope_freqs.weight", _llama3_freq_factors(model), "F32")
+    for name, array in (extra_tensors or {}).items():
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

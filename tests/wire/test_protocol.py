@@ -11,6 +11,7 @@ from justapi.sampling import SamplingParams
 from justapi.wire.codec import PACK_ALIGN, PACK_LIMIT, ProtocolError, decode, encode
 from justapi.wire.protocol import (
     AbortRequest,
+    AttachWorker,
     BlockData,
     CopyBlocks,
     Heartbeat,
@@ -19,6 +20,7 @@ from justapi.wire.protocol import (
     ProcessFailed,
     ProcessReady,
     Ready,
+    SchedulerStarted,
     SchedulerStats,
     Shutdown,
     StepPlan,
@@ -69,6 +71,9 @@ MESSAGES = [
     Ready(worker_id=0, pid=123, model_name="m", vocab_size=100, max_context=64, pool=POOL),
     Heartbeat(worker_id=0, time_s=1.5, rss_bytes=10, cpu_time_s=0.5, gpu={"temp_c": 40}),
     SubmitRequest("r1", _i32([1, 2, 3]), SAMPLING, arrival_time_s=1.0, priority=2, cache_salt="m"),
+    SubmitRequest("r2", _i32([1, 2]), SAMPLING, output_token_ids=_i32([9, 8, 7])),
+    AttachWorker(scheduler_pid=4321),
+    SchedulerStarted(pid=4321, num_restarts=2),
     AbortRequest(["r1", "r2"]),
     TokenDeltas(step_id=3, request_ids=["r1", "r2"], num_new_tokens=_i32([2, 0]),
                 token_ids=_i32([4, 5]), finish_reasons=["", "abort"],

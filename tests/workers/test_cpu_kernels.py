@@ -269,6 +269,28 @@ def test_a_block_id_outside_the_pool_is_an_error_not_a_stray_read():
         backend.attend(kv, q, meta)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_keys_past_the_block_table_or_rows_past_the_batch_are_refused_not_read(kv_dtype):
+    """The kernel checks its own bounds: a key count past its sequence's table (the table row
+    and the mask row end there) or a row count past the padded batch is refused before
+    anything is read; the next good call gives the same bits as before."""
+    kernel = native_kernel()
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, block_size, max_blocks = 4, 2, 64, 16, 3
+    kv = torch.randn(2, 8, block_size, kv_heads, head_dim, generator=gen).to(kv_dtype)
+    q = torch.randn(2, 2, heads, head_dim, generator=gen)
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    mask = torch.ones(2, 2, max_blocks * block_size, dtype=torch.bool)
+    rows = torch.tensor([2, 1])
+    good = kernel(q, kv, tables, mask, torch.tensor([40, 48]), rows)
+    for num_keys, num_rows in (([40, 49], [2, 1]), ([40, 10**9], [2, 1]), ([-1, 48], [2, 1]),
+                               ([40, 48], [3, 1]), ([40, 48], [2, -1])):
+        with pytest.raises(ValueError, match="past its block table"):
+            kernel(q, kv, tables, mask, torch.tensor(num_keys), torch.tensor(num_rows))
+    again = kernel(q, kv, tables, mask, torch.tensor([40, 48]), rows)
+    assert torch.equal(again[0, :2], good[0, :2]) and torch.equal(again[1, :1], good[1, :1])
+
+
 def reference_attention(batch, kv, q, window=0, softcap=0.0):
     """Each row by hand: softmax over the keys it may see (causal, and within the window)."""
     kv_flat = kv.view(2, -1, kv.shape[-2], kv.shape[-1])

@@ -1,7 +1,8 @@
 """The CUDA paths, on a machine with a GPU (skipped elsewhere): the Triton attention kernel
 against a float64 reference, the bf16 paged forward (the in-place Triton attention, and the
 gathered path) against the dense fp32 reference, greedy
-output with and without CUDA graphs, sampling on the device, a KV pool shared between two
+output with and without CUDA graphs, a graphed decode step synchronizing once (its sampled
+ids), sampling on the device, a KV pool shared between two
 processes through a CUDA IPC handle, speculative decoding's greedy identity on the GPU, and
 `justapi serve --gpu` end to end (its outputs equal the in-process GPU engine's, NVML figures
 reach /metrics, SIGTERM leaves nothing behind). JUSTAPI_TEST_GPU_DEVICE=cpu runs the file on
@@ -9,6 +10,7 @@ a CPU (a dry run of tools/gpu_check.sh: Triton's interpreter stands in for the G
 plain calls for the graphs)."""
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -136,6 +138,38 @@ def test_greedy_output_is_the_same_with_and_without_cuda_graphs(tiny_gguf):
     assert outputs[True] == outputs[False]
     if ON_GPU:
         assert replayed[True] and replayed[True] == replayed[False]  # decodes took the graph path
+
+
+@pytest.mark.skipif(not ON_GPU, reason="counts CUDA synchronizations")
+def test_a_graphed_decode_step_reads_back_only_its_sampled_ids(tiny_gguf):
+    """Under torch's sync debug mode a decode step (replayed graph, a constrained row's packed
+    bitmask applied on the device, greedy and sampled rows) synchronizes once: the ids' copy."""
+    import warnings
+
+    from justapi.wire.protocol import NewRequest, StepPlan
+    from workers.engine import LLMEngine
+
+    engine = LLMEngine(tiny_gguf(layers=2, vocab=384), device=DEVICE, progress=False, num_blocks=64, max_seqs=4)
+    runner = engine.runner
+    new = [NewRequest("a", GREEDY, 5, np.array([5, 6, 7, 8, 9], np.int32)),
+           NewRequest("b", SamplingParams(temperature=0.8, max_tokens=4), 2, np.array([3, 4], np.int32))]
+    runner.execute(StepPlan.build(1, [("a", 0, [5, 6, 7, 8, 9], [0], True), ("b", 0, [3, 4], [1], True)], new))
+    decode = StepPlan.build(2, [("a", 5, [11], [0], True), ("b", 2, [12], [1], True)])
+    mask = np.full((1, 12), -1, np.int32)
+    mask[0, 0] = 0  # tokens 0..31 forbidden to row 0
+    decode = dataclasses.replace(decode, bitmask_rows=np.array([0], np.int32), token_bitmask=mask)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = runner.execute(decode)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert result.sampled_token_ids[0] >= 32  # the mask held
+    engine.close()
 
 
 def _count_graph_steps(engine) -> list[int]:

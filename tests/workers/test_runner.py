@@ -174,9 +174,12 @@ def test_engine_outputs_are_the_same_with_multi_step_decoding(tiny_gguf):
     ([("x", 0, [1], blocks(0), True)], [], "never announced"),
     ([("a", 5, [1], blocks(0), True)], [("a", [1, 2])], "starts at position 5"),
     ([("a", 62, [1, 2, 3], blocks(0), True)], [("a", [1] * 62)], "beyond the context length 64"),
-    ([("a", 0, [1, 10**6], blocks(0), True)], [("a", [1, 10**6])], "token id out of range"),
-    ([("a", 0, [1, 2], [80], True)], [("a", [1, 2])], "block id out of range"),
-    ([("a", 0, [1] * 9, [0, 1], True)], [("a", [1] * 9)], "needs 3 blocks"),
+    ([("a", 0, [1, 10**6], blocks(0), True)], [("a", [1, 2])], "token id 1000000 is outside"),
+    ([("a", 0, [1, 2], blocks(0), True)], [("a", [1, -3])], "token id -3 is outside"),
+    ([("a", 0, [1, 2], [80], True)], [("a", [1, 2])], r"block id 80 is outside the pool's \[0, 80\)"),
+    ([("a", 0, [1, 2], [-1], True)], [("a", [1, 2])], "block id -1 is outside"),
+    ([("a", 0, [1] * 9, [0, 1], True)], [("a", [1] * 9)], "of 2 blocks covers 8"),
+    ([("a", 0, [1], blocks(0), True), ("a", 1, [1], blocks(0), True)], [("a", [1])], "twice"),
 ])
 def test_bad_plans_raise_value_errors(model, plan, new_requests, needle):
     runner = make_runner(model)

@@ -76,6 +76,20 @@ def test_static_inputs_show_the_last_step_loaded():
     assert inputs.fits(small) and not inputs.fits(dataclasses.replace(small, tables=np.zeros((2, 7), np.int32)))
 
 
+def test_a_step_sends_only_the_table_columns_its_sequences_reach():
+    """The tables travel compact ([S, used width]) and are widened on the device: each
+    sequence's blocks land in its row of the wide table, whatever the widest context."""
+    inputs = StaticInputs(max_rows=16, max_seqs=8, max_tiles=8, table_width=512, tree_capacity=32,
+                          device=torch.device("cpu"))
+    layout = pad_layout(paged_layout(_batch([5, 9, 2, 14, 0], [1] * 5), 3, 16), 8, 1)
+    assert layout.tables.shape == (8, 4)
+    inputs.load(layout, np.arange(5))
+    assert inputs.bytes_sent < inputs.offsets["compact_tables"] * 4 + 8 * 4 * 4 + 1  # not 8 x 512
+    meta = inputs.metadata(layout, has_tree=False)
+    assert meta.tables.shape == (8, 512)
+    assert np.array_equal(meta.tables[:, :4].numpy(), layout.tables)
+
+
 class CountingCapture(EagerCapture):
     """The CPU stand-in for CUDA graphs: a replay calls the captured step again."""
 
@@ -138,6 +152,54 @@ def test_uniform_steps_through_the_static_buffers_equal_the_gathered_path(model)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
         replays.append(capture.replays)
     assert replays == [0, 1, 2, 3]  # the prefill ran eagerly, the uniform steps from graphs
+
+
+@pytest.mark.slow  # ~10 s: 1-layer forwards of up to 48 rows, interpreted
+@pytest.mark.skipif(not is_interpreted(), reason="needs Triton's interpreter (tests/conftest.py)")
+def test_mixed_steps_replay_the_graph_of_their_token_count(model):
+    """Prefills, prompt chunks beside decodes and a lone prompt through the graphs of 32 and 48
+    rows (padded with a keyless sequence, idle tiles, the sampled rows gathered) equal the
+    gathered path; a step past the largest bucket runs eagerly."""
+    from workers.model.mixed_graphs import MixedGraphs, token_buckets
+
+    assert token_buckets(40) == (32, 48) and token_buckets(2048)[-3:] == (1024, 1536, 2048)
+    capture = CountingCapture()
+    reference, graphed = _runners(model, capture)
+    graphs = graphed.graphs
+    graphs.mixed = MixedGraphs(model, graphs.kv_layers, graphs.backend, capture, 40, 4, 16, graphs.logits)
+    with torch.inference_mode():
+        graphs.mixed.capture_all()
+    assert graphs.mixed.sizes == (32, 48)
+    seqs = Seqs({"a": 12, "b": 5, "c": 14, "d": 20, "e": 45, "f": 60}, model.params.vocab_size, seed=5)
+    steps = [([seqs.chunk("a", 0, 9), seqs.chunk("b", 0, 3), seqs.chunk("c", 0, 6)],  # 18 rows: 32
+              [seqs.new(r) for r in "abc"]),
+             ([seqs.chunk("a", 9, 1), seqs.chunk("b", 3, 1), seqs.chunk("c", 6, 8), seqs.chunk("d", 0, 20)],
+              [seqs.new("d")]),  # decodes beside a chunk and a new prompt: 30 rows
+             ([seqs.chunk("e", 0, 45)], [seqs.new("e")]),  # 48
+             ([seqs.chunk("f", 0, 60)], [seqs.new("f")])]  # past 48: eager
+    replays = []
+    for step_id, (chunks, new) in enumerate(steps):
+        plan = StepPlan.build(step_id, chunks, list(new))
+        want = reference.forward_logits(plan)
+        got = graphed.forward_logits(plan)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+        replays.append(capture.replays)
+    assert replays == [1, 2, 3, 3]
+
+
+def test_padding_a_mixed_step_keeps_the_real_rows_and_adds_a_keyless_sequence():
+    from workers.model.paged_layout import pad_mixed_layout
+
+    layout = paged_layout(_batch([0, 9, 2], [7, 1, 2]), group=2, block_m=16)  # block_q 8
+    padded = pad_mixed_layout(layout, 5, 32, 12)
+    assert len(padded.slots) == 32 and np.all(padded.slots[10:] == -1)
+    assert np.array_equal(padded.slots[:10], layout.slots)
+    assert np.array_equal(padded.num_rows, [7, 1, 2, 22, 0]) and np.array_equal(padded.num_keys[3:], [0, 0])
+    assert padded.first_rows.tolist()[3:] == [10, 10] and padded.num_tiles == 12
+    assert padded.tile_seqs.tolist()[3:] == [3] * 9  # 3 tiles cover its 22 rows, 6 idle past them
+    assert padded.tile_rows.tolist()[3:] == [0, 8, 16] + [24] * 6
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_mixed_layout(layout, 5, 32, 5)
 
 
 def test_layout_tables_equal_the_batch_padded_tables():

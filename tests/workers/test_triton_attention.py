@@ -2,9 +2,11 @@
 run in Triton's CPU interpreter, against a dense per-row reference and the gathered torch path:
 scattered block tables, partial last blocks, decodes beside prefill chunks, token-tree
 masks, GQA, half-precision KV, sliding window and soft-capping, padding rows. Shapes stay
-small: the interpreter runs each program in numpy, one at a time."""
+small: the interpreter runs each program in numpy, one at a time. Where a GPU is seen (or
+JUSTAPI_TEST_GPU_DEVICE names one) the same tests run the compiled kernels on it."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,8 +22,9 @@ pytest.importorskip("triton")
 from workers.model.paged_backend import PagedMetadata, TritonPagedBackend  # noqa: E402
 from workers.model.triton_attention import AttentionParams, is_interpreted, store_kv  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not is_interpreted(), reason="runs the kernels in Triton's "
-                                "interpreter (TRITON_INTERPRET=1, set by tests/conftest.py)")
+DEVICE = os.environ.get("JUSTAPI_TEST_GPU_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not is_interpreted(), reason="runs the kernels on "
+                                "a GPU or in Triton's interpreter (TRITON_INTERPRET=1, tests/conftest.py)")
 
 
 def reference(batch: AttentionBatch, kv: torch.Tensor, q: torch.Tensor,
@@ -56,14 +59,15 @@ def reference(batch: AttentionBatch, kv: torch.Tensor, q: torch.Tensor,
 def triton_attend(batch, kv, q, params=None):
     heads, kv_heads, head_dim = q.shape[1], kv.shape[3], q.shape[2]
     params = params or AttentionParams(head_dim ** -0.5)
-    backend = TritonPagedBackend(batch.block_size, "cpu", heads // kv_heads, params)
-    return backend.attend(kv, q, backend.prepare(batch))
+    backend = TritonPagedBackend(batch.block_size, DEVICE, heads // kv_heads, params)
+    return backend.attend(kv.to(DEVICE), q.to(DEVICE), backend.prepare(batch)).cpu()
 
 
 def assert_close(got, want, tolerance=2e-6):
     assert got.shape == want.shape
     assert not torch.isnan(got).any()
     err = float((got.double() - want).abs().max())
+    tolerance *= 1 if DEVICE == "cpu" else 5  # a GPU's exp and fused multiply-adds round otherwise
     assert err <= tolerance * max(1.0, float(want.abs().max())), err
 
 
@@ -117,11 +121,12 @@ class LayerParams:
 def test_a_layer_passes_its_own_parameters_to_attend():
     """attend(..., params) overrides the backend's; scale None means head_dim ** -0.5."""
     batch, kv, q = random_step([0, 37], [20, 1], 4, 2, 16, 8, seed=3)
-    backend = TritonPagedBackend(8, "cpu", 2)
+    backend = TritonPagedBackend(8, DEVICE, 2)
     meta = backend.prepare(batch)
     want = reference(batch, kv, q, AttentionParams(16 ** -0.5, window=11, softcap=2.5))
-    assert_close(backend.attend(kv, q, meta, LayerParams(window=11, softcap=2.5)), want)
-    assert_close(backend.attend(kv, q, meta), reference(batch, kv, q, AttentionParams(16 ** -0.5)))
+    kv_d, q_d = kv.to(DEVICE), q.to(DEVICE)
+    assert_close(backend.attend(kv_d, q_d, meta, LayerParams(window=11, softcap=2.5)).cpu(), want)
+    assert_close(backend.attend(kv_d, q_d, meta).cpu(), reference(batch, kv, q, AttentionParams(16 ** -0.5)))
 
 
 def test_half_precision_kv():
@@ -162,8 +167,9 @@ def test_store_kv_writes_slots_and_skips_padding_rows():
     before = kv.clone()
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
     slots = torch.tensor([9, -1, 22])
-    store_kv(kv, k, v, slots)
-    flat = kv.view(2, -1, 2, 16)
+    stored = kv.to(DEVICE)
+    store_kv(stored, k.to(DEVICE), v.to(DEVICE), slots.to(DEVICE))
+    flat = stored.cpu().view(2, -1, 2, 16)
     assert torch.equal(flat[0, 9], k[0]) and torch.equal(flat[1, 22], v[2])
     untouched = torch.ones(24, dtype=torch.bool)
     untouched[[9, 22]] = False
@@ -173,10 +179,10 @@ def test_store_kv_writes_slots_and_skips_padding_rows():
 def test_padding_sequences_come_out_zero_and_real_rows_unchanged():
     batch, kv, q = random_step([5, 17], [1, 1], 6, 2, 32, 16, seed=5)
     padded = pad_layout(paged_layout(batch, 3), 4, 1)
-    meta = PagedMetadata.upload(padded, torch.device("cpu"))
-    backend = TritonPagedBackend(16, "cpu", 3, AttentionParams(32 ** -0.5))
+    meta = PagedMetadata.upload(padded, torch.device(DEVICE))
+    backend = TritonPagedBackend(16, DEVICE, 3, AttentionParams(32 ** -0.5))
     q_pad = torch.cat([q, torch.randn(2, 6, 32)])
-    out = backend.attend(kv, q_pad, meta)
+    out = backend.attend(kv.to(DEVICE), q_pad.to(DEVICE), meta).cpu()
     assert torch.equal(out[:2], triton_attend(batch, kv, q))
     assert torch.equal(out[2:], torch.zeros(2, 6, 32))
 

@@ -14,6 +14,8 @@ from tools.harness import ServeError
 SCENARIOS = {
     "engine": "model runtime steps vs the matmul bound (in-process, torch)",
     "gpu": "GPU decode steps: CUDA graphs / eager / gathered, copy bandwidth share (needs a GPU)",
+    "gpu-serve": "justapi serve --gpu: single, 16/64 streams, prefix, burst, structured vs free",
+    "gpu-targets": "the GPU targets of docs/bench.md from the gpu and gpu-serve JSON files",
     "serve": "configurations of `justapi serve` side by side (continuous/static, cache, overhead)",
     "pd": "PD disaggregation vs colocated workers on the long-burst workload",
     "peer": "the same streaming workloads against justapi serve and llama-server (or a URL)",
@@ -23,6 +25,7 @@ SCENARIOS = {
     "scheduler": "scheduler core step and prefix-cache match times (no model)",
     "frontend": "frontend streaming throughput against a stand-in scheduler",
     "failover": "worker SIGKILL / SIGSTOP: detection, rejoin, completed requests",
+    "restart": "scheduler SIGKILL under load: pause until the next token, requests lost",
     "cross-host": "KV hand-off between network namespaces (--launcher ray; needs root)",
     "soak": "many requests with disconnects and aborts; nothing may leak",
     "tokenizer": "tokenizer, detokenizer and chat template speed",
@@ -30,6 +33,8 @@ SCENARIOS = {
     "attention": "the CPU decode attention kernel over fp32, bf16 and f16 KV pools, in turns",
     "timeline": "where a served step's time goes (per-process timelines); serving vs offline",
     "structured": "structured outputs: constrained vs free decoding, grammar compile times",
+    "plan-check": "what checking each plan against the pool and model costs a decode step",
+    "api-2026": "embeddings vs llama-server, TTFT with priorities, the cost of KV events",
 }
 USAGE = "usage: python -m tools.bench SCENARIO [flags]   (python -m tools.bench SCENARIO --help)"
 

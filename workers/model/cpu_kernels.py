@@ -35,7 +35,7 @@ selects of the polynomial exp (csrc/exp_nonpositive.h) as branches and leaves it
 scalar (the gated activation 3-5x slower than torch's at 16-256 rows); results are unchanged
 (unlike -ffast-math, it licenses no reassociation)."""
 ENABLE_ENV = "JUSTAPI_CPU_KERNELS"
-BAD_BLOCK = -2  # paged_attention.c's status codes (OUT_OF_MEMORY = -1)
+BAD_BLOCK, BAD_SHAPE = -2, -3  # paged_attention.c's status codes (OUT_OF_MEMORY = -1)
 CACHE_ENV = "JUSTAPI_KERNEL_CACHE"
 PRODUCTS_ENV = "JUSTAPI_CPU_ATTENTION_PRODUCTS"
 """bf16 | fp32 | auto (unset): the bf16 pool's products in the attention kernel, where the CPU
@@ -173,6 +173,9 @@ class PagedAttentionKernel:
         if status == BAD_BLOCK:
             raise ValueError(f"a block table names a block outside the pool's {num_blocks} "
                              f"(largest id {int(tables.max())})")
+        if status == BAD_SHAPE:
+            raise ValueError(f"a sequence's keys run past its block table of {tables.shape[1]} "
+                             f"blocks (most keys {int(num_keys.max())}), or its rows past {q_max}")
         if status != 0:
             raise MemoryError("paged attention kernel: out of memory for its scratch buffers")
         return out

@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 ENABLE_ENV = "JUSTAPI_LAYER_CHAIN"
 KERNEL_PATHS = {"int8": 0, "int8_panels": 1, "blocks": 2}  # layer_chain.c's matmul slots
 _STATUS = {-10: "a block matmul failed", -11: "a KV slot is outside the pool",
-           -1: "out of memory for the attention's scratch", -2: "a block table names a block outside the pool"}
+           -12: "a row map is outside the step's rows",
+           -1: "out of memory for the attention's scratch", -2: "a block table names a block outside the pool",
+           -3: "a sequence's keys run past its block table (or its rows past the batch)"}
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
 

@@ -1,8 +1,9 @@
 """CUDA graph capture for step_graphs.StepGraphs: each step function is warmed up on a side
 stream, then captured into a torch.cuda.CUDAGraph sharing one memory pool with the others
 (captured largest batch first, so smaller graphs fit in its memory).
-`build_step_graphs` makes a GPU runner's StepGraphs at start (with EagerCapture under
-`--no-cuda-graphs`: the same padded steps, launched one kernel at a time).
+`build_step_graphs` makes a GPU runner's StepGraphs at start, uniform and mixed
+(mixed_graphs.py) steps alike (with EagerCapture under `--no-cuda-graphs`: the same padded
+steps, launched one kernel at a time).
 Owns: the torch.cuda calls of capture and replay. Does not own: what is captured.
 """
 from __future__ import annotations
@@ -59,10 +60,10 @@ class CudaGraphCapture:
 
 def build_step_graphs(model: DecoderModel, pool: KVPool, backend: AttentionBackend, max_seqs: int,
                       max_context: int, spec: SpecConfig | None = None,
-                      use_cuda_graphs: bool = True) -> StepGraphs | None:
+                      use_cuda_graphs: bool = True, max_tokens: int = 0) -> StepGraphs | None:
     """The runner's StepGraphs, captured now (None unless `backend` is the Triton one): decode
-    steps, and with speculation verification steps of the full node budget; logs what
-    capture took."""
+    steps, with speculation verification steps of the full node budget, and with `max_tokens`
+    any step of up to that many rows (mixed_graphs.py); logs what capture took."""
     if not isinstance(backend, TritonPagedBackend):
         return None
     capture: GraphCapture = EagerCapture()
@@ -72,6 +73,10 @@ def build_step_graphs(model: DecoderModel, pool: KVPool, backend: AttentionBacke
     graphs = StepGraphs(model, [pool.layer(i) for i in range(pool.shape.num_layers)], backend,
                         capture, batch_buckets(max_seqs), rows_per_seq,
                         max_blocks_per_seq=-(-max_context // pool.shape.block_size))
+    if max_tokens > 0:
+        from workers.model.mixed_graphs import MAX_ROWS, MixedGraphs
+        graphs.mixed = MixedGraphs(model, graphs.kv_layers, backend, capture, min(max_tokens, MAX_ROWS),
+                                   graphs.buckets[-1], graphs.inputs.table_width, graphs.logits)
     try:
         with torch.inference_mode():
             report = graphs.capture_all()

@@ -4,10 +4,13 @@ GatedFfn: down(act(gate(x)) * up(x)) with gate and up fused in one matrix. MoeFf
 picks the top-k experts of each row (softmax, then top-k, renormalized where the architecture
 says); rows are grouped by expert, so each expert used in the step runs one matmul over all
 of its rows (no Python loop per token); a shared expert (Qwen2-MoE) is added, scaled by
-sigmoid(x . w). Owns: that math. Does not own: the linears' kernels (forward.py, weights/).
+sigmoid(x . w). On a GPU the experts run as grouped matmuls over all of them instead
+(moe_grouped.py), with no host sync, so a step with MoE layers is captured in a graph.
+Owns: that math. Does not own: the linears' kernels (forward.py, weights/).
 """
 from __future__ import annotations
 
+import importlib.util
 from typing import Callable
 
 import torch
@@ -47,10 +50,22 @@ class MoeFfn:
     """Routed experts (and perhaps a shared one); x [T, hidden] -> [T, hidden]."""
 
     def __init__(self, weights: ExpertWeights, make_linear: LinearFactory, num_used: int,
-                 renormalize: bool, activation: str = "silu") -> None:
+                 renormalize: bool, activation: str = "silu", grouped: bool | None = None) -> None:
+        """grouped: the experts as grouped matmuls (moe_grouped.py); None: on a GPU with Triton
+        (True on a CPU runs them in Triton's interpreter: tests)."""
         self.router = weights.router  # [num_experts, hidden]
-        self.experts = [GatedFfn(make_linear(gu), make_linear(d), activation)
-                        for gu, d in zip(weights.gate_up, weights.down)]
+        gate_up, down = list(weights.gate_up), list(weights.down)
+        if grouped is None:
+            grouped = self.router.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        self.stacks = None
+        if grouped:
+            from workers.model.moe_grouped import ExpertStack  # imports Triton
+
+            self.stacks = (ExpertStack.of(gate_up, self.router.dtype), ExpertStack.of(down, self.router.dtype))
+            gate_up = [self.stacks[0].expert(e) for e in range(len(gate_up))]  # views: no second copy
+            down = [self.stacks[1].expert(e) for e in range(len(down))]
+        self.experts = [GatedFfn(make_linear(gu), make_linear(d), activation) for gu, d in zip(gate_up, down)]
+        self.activation = activation
         self.num_used, self.renormalize = num_used, renormalize
         self.shared: GatedFfn | None = None
         if weights.shared_gate_up is not None and weights.shared_down is not None:
@@ -68,6 +83,37 @@ class MoeFfn:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
+        out = self._looped(x, experts, weights) if self.stacks is None else self._grouped(x, experts, weights)
+        if self.shared is not None:
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(x @ self.shared_gate)[:, None]
+            out = out + shared
+        return out
+
+    def _grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every entry (row, choice) through its expert in two grouped matmuls, then each row's
+        k results weighted and added in choice order."""
+        from workers.model.moe_grouped import grouped_layout
+
+        assert self.stacks is not None
+        gate_up_stack, down_stack = self.stacks
+        layout = grouped_layout(experts, len(self.experts))
+        gate_up = gate_up_stack.matmul(x, layout, row_div=self.num_used)  # [T * k, 2 * ffn]
+        ops = ops_for(gate_up.device)
+        hidden = ops.act_mul(gate_up, self.activation) if ops is not None else None
+        if hidden is None:
+            ffn_size = gate_up.shape[1] // 2
+            hidden = ACTIVATIONS[self.activation](gate_up[:, :ffn_size]) * gate_up[:, ffn_size:]
+        y = down_stack.matmul(hidden, layout, row_div=1)  # [T * k, hidden]
+        y = y.view(x.shape[0], self.num_used, -1) * weights.to(y.dtype)[:, :, None]
+        out = y[:, 0]
+        for choice in range(1, self.num_used):
+            out = out + y[:, choice]
+        return out
+
+    def _looped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each expert used in the step once, over its rows (their count read on the host)."""
         flat = experts.reshape(-1)  # [T * k]: entry j is row j // k's choice j % k
         order = torch.argsort(flat, stable=True)  # entries grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts))
@@ -80,11 +126,6 @@ class MoeFfn:
                 y = self.experts[expert](x[rows]) * weights.reshape(-1)[entries, None].to(x.dtype)
                 out.index_add_(0, rows, y)  # [count, hidden] added to their rows
             start += count
-        if self.shared is not None:
-            shared = self.shared(x)
-            if self.shared_gate is not None:
-                shared = shared * torch.sigmoid(x @ self.shared_gate)[:, None]
-            out = out + shared
         return out
 
     def linears(self, every_expert: bool = True) -> list[LinearLike]:

@@ -3,7 +3,8 @@ functions with shape comments.
 
 Rows are the step's tokens (many sequences' chunks back to back); attention reaches the other
 tokens of each sequence through the paged KV pool via an AttentionBackend. Rotary embeddings
-use the "rotate halves" layout (gguf_loader un-permuted llama files' Q/K rows). What differs
+use the "rotate halves" layout (gguf_loader un-permuted llama files' Q/K rows); their tables
+(rope scaling included) come from rotary.py. What differs
 between architectures (norms, biases, q/k norms, activation, rope per layer, sliding windows,
 soft-caps, experts) is data read from the file (hparams.py, justapi/model/arch.py), not code.
 Owns: the math of one step. Does not own: weights loading, KV memory, sampling, the FFN
@@ -21,8 +22,9 @@ from workers.model.attention import DEFAULT_PARAMS, AttentionBackend, AttentionM
 from workers.model.ffn import GatedFfn, MoeFfn
 from workers.model.layer_ops import ops_for
 from workers.model.linear_like import LinearFactory, LinearLike
+from workers.model.rotary import Rotary
 from workers.weights.gguf_loader import LayerWeights, ModelWeights
-from workers.weights.hparams import HyperParams
+from workers.weights.hparams import NO_SCALING, HyperParams
 from workers.weights.quant_blocks import Matrix, QuantMatrix
 
 ONEDNN_BATCH_HINT = 16
@@ -165,23 +167,6 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return x, rms_norm(x, weight, eps)
 
 
-class Rotary:
-    """cos/sin of position * inv_freq, computed once per step for all layers that share it.
-    `rotary_dims` (<= head_dim) leading dims of each head rotate (partial rotary)."""
-
-    def __init__(self, rotary_dims: int, theta: float, scale: float = 1.0,
-                 freq_factors: torch.Tensor | None = None, device: str | torch.device = "cpu") -> None:
-        exponents = torch.arange(0, rotary_dims, 2, dtype=torch.int64).float() / rotary_dims
-        inv_freq = 1.0 / (theta ** exponents)  # [rotary_dims / 2]
-        if freq_factors is not None:
-            inv_freq = inv_freq / freq_factors.float().cpu()
-        self.inv_freq = (inv_freq / scale).to(device)
-
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dims / 2]
-        return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim]; cos/sin [T, 1, rotary_dims / 2]. Pairs are (i, i + rotary_dims / 2);
     dims from rotary_dims on pass through."""
@@ -220,14 +205,15 @@ class DecoderModel:
         self.device, self.dtype = self.token_embd.device, self.token_embd.dtype
         self.embedding_scale = (torch.tensor(p.hidden_size ** 0.5, dtype=self.dtype, device=self.device)
                                 if p.traits.embedding_scale else None)
-        ropes = sorted({(a.rope_theta, a.rope_scale) for a in map(p.layer, range(p.num_layers))})
-        self.rotaries = [Rotary(p.rotary_dims, theta, scale, weights.rope_freq_factors, self.device)
-                         for theta, scale in ropes]
+        ropes = sorted({(a.rope_theta, a.rope_scale, a.rope_scaled) for a in map(p.layer, range(p.num_layers))})
+        self.rotaries = [Rotary(p.rotary_dims, theta, scale, weights.rope_freq_factors, self.device,
+                                p.rope_scaling if scaled else NO_SCALING, weights.long_rope_factors)
+                         for theta, scale, scaled in ropes]
         self.layers = []
         for i, layer in enumerate(weights.layers):
             linears = LayerLinears.of(layer, p, make_linear)
             attn = p.layer(i)
-            linears.rotary = ropes.index((attn.rope_theta, attn.rope_scale))
+            linears.rotary = ropes.index((attn.rope_theta, attn.rope_scale, attn.rope_scaled))
             linears.attention = AttentionParams(p.attn_scale, p.attn_softcap, attn.window)
             self.layers.append(linears)
         self.output_norm = weights.output_norm
@@ -246,13 +232,16 @@ class DecoderModel:
             self.output.warm_up(max_sampled_rows)
 
     def forward(self, token_ids: torch.Tensor, kv_layers: list[torch.Tensor],
-                backend: AttentionBackend, meta: AttentionMetadata) -> torch.Tensor:
-        """token_ids [T] (int64) -> hidden [T, hidden]. Writes the step's K/V into the pool."""
+                backend: AttentionBackend, meta: AttentionMetadata,
+                long_rope_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """token_ids [T] (int64) -> hidden [T, hidden]. Writes the step's K/V into the pool.
+        long_rope_rows (bool [T], LongRoPE only): rows rotated with the long table whatever
+        their position (rotary.long_rope_rows)."""
         p = self.params
         x = self.token_embd[token_ids]  # [T, hidden]
         if self.embedding_scale is not None:
             x = x * self.embedding_scale
-        tables = [rotary.tables(meta.positions, self.dtype) for rotary in self.rotaries]
+        tables = [rotary.tables(meta.positions, self.dtype, long_rope_rows) for rotary in self.rotaries]
         if self.layer_chain is not None and self.layer_chain.covers(backend, meta, x.shape[0]):
             return self.layer_chain.run(x, kv_layers, meta, tables)  # the loop below, from C
         delta = None  # what the last block adds to the residual stream x
@@ -287,6 +276,11 @@ class DecoderModel:
         if layer.attn_out_bias is not None:
             out = out + layer.attn_out_bias
         return out if layer.post_attn_norm is None else rms_norm(out, layer.post_attn_norm, p.rms_eps)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> the final norm's output [N, hidden] in fp32: what the head
+        reads, and what embeddings pool (llama.cpp's and HF's last_hidden_state)."""
+        return rms_norm(hidden, self.output_norm, self.params.rms_eps).float()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (rows to sample) -> fp32 logits [N, vocab]."""

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from workers.device_upload import upload
 from workers.model.attention import AttentionBackend, AttentionBatch, AttentionMetadata
 from workers.model.paged_layout import PagedLayout, paged_layout
 from workers.model.triton_attention import (
@@ -55,9 +56,10 @@ class PagedMetadata(AttentionMetadata):
 
     @classmethod
     def upload(cls, layout: PagedLayout, device: torch.device) -> PagedMetadata:
-        """Every array as int32 in one host-to-device copy, then views of it."""
+        """Every array as int32 in one host-to-device copy (queued: device_upload.py), then
+        views of it."""
         arrays = [np.asarray(getattr(layout, name)).reshape(-1) for name in TENSOR_FIELDS]
-        flat = torch.from_numpy(np.concatenate(arrays).astype(np.int32)).to(device)
+        flat = upload(np.concatenate(arrays).astype(np.int32), device)
         tensors: dict[str, Any] = dict(zip(TENSOR_FIELDS, torch.split(flat, [len(a) for a in arrays])))
         tensors["tables"] = tensors["tables"].view(layout.tables.shape)
         return cls(**tensors, short=None, longs=[], block_q=layout.block_q,

@@ -155,3 +155,41 @@ def pad_layout(layout: PagedLayout, num_seqs: int, rows_per_seq: int) -> PagedLa
         tables=np.concatenate([layout.tables, np.zeros((extra_seqs, layout.tables.shape[1]), np.int32)]),
         tile_seqs=np.concatenate([layout.tile_seqs, pad_seq_ids]).astype(np.int32),
         tile_rows=np.concatenate([layout.tile_rows, pad_tile_rows]).astype(np.int32))
+
+
+def pad_mixed_layout(layout: PagedLayout, num_seqs: int, num_rows: int, num_tiles: int) -> PagedLayout:
+    """Any step's `layout` grown to a mixed graph's shape: `num_rows` rows, `num_seqs`
+    sequences, `num_tiles` tiles. The rows past the real ones form one padding sequence (no
+    keys, slots -1: they attend to nothing and write nothing); the other padding sequences have
+    no rows; the tiles past those covering rows point past that sequence's rows (computing
+    nothing).
+
+        rows:  | real rows R        | padding sequence's rows (num_rows - R) |
+        seqs:  | real 0 .. S-1      | pad S (the rows) | pad S+1 .. (empty)   |
+        tiles: | real tiles         | pad S's tiles    | idle tiles (pad S)   |
+    """
+    real_seqs, real_rows = layout.num_seqs, len(layout.slots)
+    extra_rows = num_rows - real_rows
+    row_tiles = -(-extra_rows // layout.block_q)
+    if num_seqs <= real_seqs or extra_rows < 0 or layout.num_tiles + row_tiles > num_tiles:
+        raise ValueError(f"a step of {real_seqs} sequences, {real_rows} rows and {layout.num_tiles} "
+                         f"tiles does not fit {num_seqs} sequences, {num_rows} rows, {num_tiles} tiles")
+    extra_seqs = num_seqs - real_seqs
+    rows = np.zeros(extra_seqs, np.int32)
+    rows[0] = extra_rows
+    zeros = np.zeros(extra_seqs, np.int32)
+    grow: dict[str, Any] = {name: np.concatenate([getattr(layout, name), zeros]) for name in
+                            ("starts", "num_keys", "tree_first_rows", "tree_bases", "tree_rows",
+                             "tree_spans", "tree_offsets")}
+    idle = num_tiles - layout.num_tiles - row_tiles
+    pad_tile_rows = np.concatenate([np.arange(row_tiles) * layout.block_q,
+                                    np.full(idle, row_tiles * layout.block_q)])
+    return dataclasses.replace(
+        layout, **grow,
+        positions=np.concatenate([layout.positions, np.zeros(extra_rows, np.int64)]),
+        slots=np.concatenate([layout.slots, np.full(extra_rows, -1, np.int64)]),
+        first_rows=np.concatenate([layout.first_rows, np.full(extra_seqs, real_rows, np.int32)]),
+        num_rows=np.concatenate([layout.num_rows, rows]),
+        tables=np.concatenate([layout.tables, np.zeros((extra_seqs, layout.tables.shape[1]), np.int32)]),
+        tile_seqs=np.concatenate([layout.tile_seqs, np.full(num_tiles - layout.num_tiles, real_seqs)]).astype(np.int32),
+        tile_rows=np.concatenate([layout.tile_rows, pad_tile_rows]).astype(np.int32))

@@ -1,6 +1,7 @@
 """Uniform steps (every sequence computes the same number of rows: decodes, or verification
 chunks of one size) replayed from graphs captured per (batch-size bucket, rows per sequence)
-at start, over static input buffers; other steps (prefill, mixed) run eagerly as before.
+at start, over static input buffers; other steps (prefill, mixed) replay the graph of their
+padded token count where one was built (mixed_graphs.py), else run eagerly.
 
     static rows:  | S * q real rows | (bucket - S) * q padding rows | unused up to capacity |
     static seqs:  | S real          | padding (no keys, slots -1)   | unused               |
@@ -14,20 +15,26 @@ Owns: buckets, static buffers, the padding and copy-in. Does not own: the captur
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
+from workers.device_upload import upload, upload_into
 from workers.model.attention import AttentionBatch
 from workers.model.forward import DecoderModel
 from workers.model.paged_backend import TENSOR_FIELDS, PagedMetadata, TritonPagedBackend
 from workers.model.paged_layout import PagedLayout, block_m_for, pad_layout, paged_layout
 
+if TYPE_CHECKING:
+    from workers.model.mixed_graphs import MixedGraphs
+
 StepFn = Callable[[], torch.Tensor]
+logger = logging.getLogger(__name__)
 
 
 class GraphCapture(Protocol):
@@ -74,10 +81,13 @@ class CaptureReport:
     memory_bytes: int
     batch_sizes: tuple[int, ...]
     rows_per_seq: tuple[int, ...]
+    mixed_rows: tuple[int, ...] = ()  # token buckets of the any-shape graphs (mixed_graphs.py)
 
     def line(self) -> str:
+        mixed = (f", and {len(self.mixed_rows)} for any step of up to {self.mixed_rows[-1]} rows"
+                 if self.mixed_rows else "")
         return (f"captured {self.num_graphs} step graphs (batch sizes {self.batch_sizes[0]}.."
-                f"{self.batch_sizes[-1]}, rows per sequence {list(self.rows_per_seq)}) in "
+                f"{self.batch_sizes[-1]}, rows per sequence {list(self.rows_per_seq)}{mixed}) in "
                 f"{self.seconds:.2f} s, {self.memory_bytes / 2**20:.1f} MiB")
 
 
@@ -90,16 +100,21 @@ PER_TILE = ("tile_seqs", "tile_rows")
 class StaticInputs:
     """The one int32 buffer every graph reads, cut into fields sized for the largest bucket
     (rows, sequences, tiles, tree bits, then the block tables); a graph of (num_seqs, q) reads
-    the leading slice of each field. A step is assembled in a host copy and sent in one copy.
+    the leading slice of each field. A step is assembled in a host copy and sent in one
+    (pinned, queued) copy; its block tables travel compact, only the columns the step's
+    sequences reach, and a device copy spreads them into the graphs' wide tables (the columns
+    past a sequence's blocks are never read: the kernel stops at its keys). Copying the whole
+    max-context table instead moved 512 KB a step at 256 sequences x 8,192 tokens.
 
-        buffer: | token_ids | positions | slots | per-seq x 9 | tiles x 2 | tree bits | tables |
+        buffer: | token_ids | positions | slots | per-seq x 9 | tiles x 2 | tree bits |
+                | compact tables [S, w] | tables [max_seqs, table_width] (device only) |
     """
 
     def __init__(self, max_rows: int, max_seqs: int, max_tiles: int, table_width: int,
                  tree_capacity: int, device: torch.device) -> None:
         sizes = [(name, max_rows) for name in PER_ROW] + [(name, max_seqs) for name in PER_SEQ]
         sizes += [(name, max_tiles) for name in PER_TILE] + [("tree_bits", tree_capacity)]
-        sizes += [("tables", max_seqs * table_width)]
+        sizes += [("compact_tables", max_seqs * table_width), ("tables", max_seqs * table_width)]
         self.offsets: dict[str, int] = {}
         total = 0
         for name, size in sizes:
@@ -109,7 +124,8 @@ class StaticInputs:
         self.table_width = table_width
         self.tree_capacity = tree_capacity
         self.buffer = torch.zeros(total, dtype=torch.int32, device=device)
-        self.host = np.zeros(total, np.int32)
+        self.host = np.zeros(self.offsets["tables"], np.int32)
+        self.bytes_sent = 0  # host-to-device bytes of the last load (tests read it)
 
     def field(self, name: str, size: int | None = None) -> torch.Tensor:
         start = self.offsets[name]
@@ -131,7 +147,8 @@ class StaticInputs:
         return layout.tables.shape[1] <= self.table_width and len(layout.tree_bits) <= self.tree_capacity
 
     def load(self, layout: PagedLayout, token_ids: np.ndarray) -> None:
-        """Copy a padded step in (rows past the real ones: token 0), one host-to-device copy."""
+        """Copy a padded step in (rows past the real ones: token 0): one host-to-device copy of
+        the fields and the compact tables, one device copy widening the tables."""
         host = self.host
         ids = host[self.offsets["token_ids"]:][:len(layout.slots)]
         ids[:] = 0
@@ -141,10 +158,13 @@ class StaticInputs:
                 array = getattr(layout, name)
                 host[self.offsets[name]:self.offsets[name] + len(array)] = array
         num_seqs, width = layout.tables.shape
-        tables = host[self.offsets["tables"]:][:num_seqs * self.table_width].reshape(num_seqs, -1)
-        tables[:, :width] = layout.tables
-        end = self.offsets["tables"] + num_seqs * self.table_width
-        self.buffer[:end].copy_(torch.from_numpy(host[:end]))
+        compact = self.offsets["compact_tables"]
+        host[compact:compact + num_seqs * width] = layout.tables.reshape(-1)
+        end = compact + num_seqs * width
+        upload_into(self.buffer[:end], host[:end])
+        self.bytes_sent = end * 4
+        wide = self.field("tables").view(-1, self.table_width)[:num_seqs, :width]
+        wide.copy_(self.buffer[compact:end].view(num_seqs, width))
 
 
 @dataclass(frozen=True)
@@ -173,6 +193,7 @@ class StepGraphs:
         self.logits = torch.empty(max_seqs * max_q, model.params.vocab_size, device=backend.device)
         self.graphs: dict[GraphKey, StepFn] = {}
         self.report: CaptureReport | None = None
+        self.mixed: MixedGraphs | None = None  # the other steps' graphs, where built (cuda_graphs.py)
 
     def _block_m(self, rows_per_seq: int) -> int:
         return block_m_for(rows_per_seq, self.backend.group)
@@ -183,11 +204,18 @@ class StepGraphs:
     def capture_all(self) -> CaptureReport:
         """Capture every (bucket, rows) graph, largest first (smaller ones reuse its memory)."""
         begin = time.perf_counter()
+        if self.mixed is not None:  # its largest graph first: the largest step
+            try:
+                self.mixed.capture_all()
+            except RuntimeError as exc:  # the uniform graphs may still be captured: keep them
+                logger.warning("mixed step graphs not captured, those steps run eagerly: %s", exc)
+                self.mixed = None
         for q in self.rows_per_seq:
             for num_seqs in reversed(self.buckets):
                 self._capture(GraphKey(num_seqs, q))
-        self.report = CaptureReport(len(self.graphs), time.perf_counter() - begin,
-                                    self.capturer.memory_bytes(), self.buckets, self.rows_per_seq)
+        mixed = tuple(self.mixed.sizes) if self.mixed is not None else ()
+        self.report = CaptureReport(len(self.graphs) + len(mixed), time.perf_counter() - begin,
+                                    self.capturer.memory_bytes(), self.buckets, self.rows_per_seq, mixed)
         return self.report
 
     def _capture(self, key: GraphKey) -> None:
@@ -219,17 +247,18 @@ class StepGraphs:
         return GraphKey(num_seqs, q)
 
     def run(self, batch: AttentionBatch, token_ids: np.ndarray, rows: np.ndarray) -> torch.Tensor | None:
-        """Logits [len(rows), vocab] of the step's flat rows `rows`, from its graph; None when
-        the step has none (not uniform, too many sequences, too long a table or tree)."""
+        """Logits [len(rows), vocab] of the step's flat rows `rows`, from its graph (a uniform
+        one, else a mixed one); None when the step has none (too many sequences or rows, too
+        long a table, a tree without a uniform graph)."""
         key = self.key_for(batch)
         if key is None or key not in self.graphs:
-            return None
+            return self.mixed.run(batch, token_ids, rows) if self.mixed is not None else None
         layout = pad_layout(paged_layout(batch, self.backend.group, self._block_m(key.rows_per_seq)),
                             key.num_seqs, key.rows_per_seq)
         if not self.inputs.fits(layout) or (layout.has_tree and key.rows_per_seq == 1):
-            return None
+            return self.mixed.run(batch, token_ids, rows) if self.mixed is not None else None
         self.inputs.load(layout, token_ids)
         logits = self.graphs[key]()  # the graph's output buffer: read before the next replay
         if np.array_equal(rows, np.arange(len(rows))):
             return logits[:len(rows)]  # decode: every row, in order (a view, no copy)
-        return logits[torch.from_numpy(rows).to(logits.device)]
+        return logits[upload(rows, logits.device)]

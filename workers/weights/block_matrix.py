@@ -34,8 +34,9 @@ def is_block_type(qtype: GGMLQuantizationType) -> bool:
 class BlockMatrix:
     """A weight [out_features, in_features] as GGUF blocks: `raw` uint8 [out, bytes per row].
 
-    `raw` stays on the CPU (the kernels are CPU code); `device` and `dtype` are where and in
-    what lookups (`matrix[token_ids]`) and `dense()` come out."""
+    `raw` stays on the CPU for the CPU's kernels; on a GPU it moves to the device, where
+    Triton kernels read it (device_linear.py, triton_blocks.py). `device` and `dtype` are
+    where and in what lookups (`matrix[token_ids]`) and `dense()` come out."""
 
     raw: torch.Tensor
     qtype: GGMLQuantizationType
@@ -55,8 +56,15 @@ class BlockMatrix:
     def num_bytes(self) -> int:
         return self.raw.numel()
 
+    @property
+    def is_on_device(self) -> bool:
+        """The blocks lie in GPU memory (lookups and dense() decode them there)."""
+        return self.raw.device.type != "cpu"
+
     def dense(self) -> torch.Tensor:
         """fp32 [out, in] on `device`, equal to gguf's dequantization."""
+        if self.is_on_device:
+            return self._device_rows(None, torch.float32)
         return expand_rows(self.raw, self.qtype, self.in_features).to(self.device)
 
     def __getitem__(self, row_ids: torch.Tensor) -> torch.Tensor:
@@ -64,16 +72,28 @@ class BlockMatrix:
         if row_ids.dim() != 1:
             raise ValueError(f"BlockMatrix row lookup takes a 1-d index tensor, got shape "
                              f"{tuple(row_ids.shape)}")
+        if self.is_on_device:  # no host round trip: a captured step looks tokens up too
+            return self._device_rows(row_ids.to(self.raw.device), self.dtype)
         rows = expand_rows(self.raw[row_ids.cpu()], self.qtype, self.in_features)
         return rows.to(self.device, self.dtype)
+
+    def _device_rows(self, row_ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        from workers.weights.triton_blocks import expand_rows as expand_on_device
+
+        num_rows = self.raw.shape[0] if row_ids is None else len(row_ids)
+        out = torch.empty(num_rows, self.in_features, dtype=dtype, device=self.raw.device)
+        return expand_on_device(self.raw, self.qtype, self.in_features, out, row_ids)
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockMatrix:
         """The matrix with `fn` (a reordering of rows, e.g. the rotary un-permutation) applied."""
         return replace(self, raw=fn(self.raw).contiguous())
 
     def to(self, device: str | torch.device, dtype: torch.dtype) -> BlockMatrix:
-        """Lookups produce `dtype` on `device`; the blocks stay in CPU memory."""
-        return replace(self, device=torch.device(device), dtype=dtype)
+        """Lookups produce `dtype` on `device`; the blocks stay in CPU memory on a CPU and move
+        to a GPU's (where no CPU kernel could read them)."""
+        device = torch.device(device)
+        raw = self.raw if device.type == "cpu" else self.raw.to(device)
+        return replace(self, raw=raw, device=device, dtype=dtype)
 
 
 def block_matrix(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...],

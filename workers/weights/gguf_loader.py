@@ -17,6 +17,7 @@ Owns: tensor names, shape checks, the Q/K permutation. Does not own: the forward
 """
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -25,7 +26,7 @@ import torch
 
 from justapi.model.gguf_file import GGUFError, GGUFFile
 from workers.weights.dequant import dequantize, is_supported, supported_type_names
-from workers.weights.hparams import HyperParams, read_hyper_params
+from workers.weights.hparams import LONG_FACTORS, SHORT_FACTORS, HyperParams, read_hyper_params
 from workers.weights.block_matrix import BlockMatrix, RowStack
 from workers.weights.quant_blocks import (
     FormChooser,
@@ -35,6 +36,8 @@ from workers.weights.quant_blocks import (
     load_matrix,
     planes_where_exact,
 )
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class ExpertWeights:
@@ -74,6 +77,8 @@ class ModelWeights:
     output_norm: torch.Tensor  # [hidden]
     output: Matrix  # [vocab, hidden]; the same object as token_embd when tied
     rope_freq_factors: torch.Tensor | None  # [rotary_dims / 2] or None (llama3-style scaling)
+    long_rope_factors: tuple[torch.Tensor, torch.Tensor] | None = None
+    """LongRoPE's (short, long) frequency divisors, each [rotary_dims / 2] fp32 (on the CPU)."""
 
     @property
     def is_tied(self) -> bool:
@@ -87,6 +92,7 @@ def expected_shapes(p: HyperParams) -> dict[str, tuple[int, ...]]:
     return {
         "token_embd.weight": (p.vocab_size, h), "output_norm.weight": (h,),
         "output.weight": (p.vocab_size, h), "rope_freqs.weight": (p.rotary_dims // 2,),
+        SHORT_FACTORS: (p.rotary_dims // 2,), LONG_FACTORS: (p.rotary_dims // 2,),
         "blk.{i}.attn_norm.weight": (h,),
         "blk.{i}.attn_q.weight": (q, h), "blk.{i}.attn_k.weight": (kv, h),
         "blk.{i}.attn_v.weight": (kv, h), "blk.{i}.attn_qkv.weight": (q + 2 * kv, h),
@@ -134,6 +140,7 @@ class _TensorSource:
         self.form: FormChooser = (keep_quantized if callable(keep_quantized) else
                                   planes_where_exact if keep_quantized else (lambda qtype: "dense"))
         self.shapes = expected_shapes(params)
+        self.used: set[str] = set()
         self.bar = tqdm(total=len(gguf.tensors), desc=f"loading {gguf.name}", unit="tensor",
                         file=sys.stderr, disable=not progress, leave=False)
 
@@ -169,11 +176,16 @@ class _TensorSource:
     def _matrix(self, data: Any, tensor_type: Any, shape: tuple[int, ...], key: str) -> Matrix:
         return load_matrix(data, tensor_type, shape, key, self.form(tensor_type))
 
+    def unused(self) -> list[str]:
+        """The file's tensors nothing has read, in file order."""
+        return [name for name in self.gguf.tensors if name not in self.used]
+
     def _checked(self, name: str, layer: int | None) -> tuple[str, Any]:
         key = name if layer is None else name.replace("{i}", str(layer))
         info = self.gguf.tensors.get(key)
         if info is None:
             raise GGUFError(f"{self.gguf.path}: tensor {key!r} is missing")
+        self.used.add(key)
         want = self.shapes[name]
         got = tuple(int(d) for d in reversed(info.shape))  # GGUF lists dims innermost first
         if len(want) == 1:
@@ -188,10 +200,14 @@ class _TensorSource:
 
 
 def load_weights(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 progress: bool = True, keep_quantized: bool | FormChooser = False) -> ModelWeights:
+                 progress: bool = True, keep_quantized: bool | FormChooser = False,
+                 allow_unused_tensors: bool = False) -> ModelWeights:
     """Every tensor checked, fused and dequantized to `dtype` on `device` — except, with
     `keep_quantized`, quantized matrices: True keeps the types with 4-bit planes as QuantMatrix,
-    a chooser (type -> "dense" | "planes" | "blocks") decides per type (lookups give `dtype`)."""
+    a chooser (type -> "dense" | "planes" | "blocks") decides per type (lookups give `dtype`).
+    A tensor of the file that the loader does not read (a scaling table, bias or norm of a
+    variant it does not know) would be silently ignored and the model misread: GGUFError naming
+    them, unless `allow_unused_tensors` (then a warning names them)."""
     params = read_hyper_params(gguf)
     src = _TensorSource(gguf, params, progress, keep_quantized)
 
@@ -206,11 +222,34 @@ def load_weights(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch
         layers = [_load_layer(src, params, i, put) for i in range(params.num_layers)]
         token_embd = put(src.matrix("token_embd.weight"))
         output = put(src.matrix("output.weight")) if src.has("output.weight") else token_embd
-        return ModelWeights(params=params, name=gguf.name, token_embd=token_embd, layers=layers,
-                            output_norm=put(src.get("output_norm.weight")), output=output,
-                            rope_freq_factors=src.optional("rope_freqs.weight"))
+        weights = ModelWeights(params=params, name=gguf.name, token_embd=token_embd, layers=layers,
+                               output_norm=put(src.get("output_norm.weight")), output=output,
+                               rope_freq_factors=src.optional("rope_freqs.weight"),
+                               long_rope_factors=_long_rope_factors(src, params))
     finally:
         src.bar.close()
+    _check_all_used(gguf, src.unused(), allow_unused_tensors)
+    return weights
+
+
+def _long_rope_factors(src: _TensorSource, p: HyperParams) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if p.rope_scaling.kind != "longrope":
+        return None
+    short, long = src.get(SHORT_FACTORS), src.get(LONG_FACTORS)
+    if not bool(torch.all(short > 0)) or not bool(torch.all(long > 0)):
+        raise GGUFError(f"{src.gguf.path}: LongRoPE factors must be positive")
+    return short, long
+
+
+def _check_all_used(gguf: GGUFFile, unused: list[str], allow: bool) -> None:
+    if not unused:
+        return
+    shown = ", ".join(repr(name) for name in unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+    what = f"{len(unused)} tensor{'s' if len(unused) > 1 else ''} the {gguf.architecture} loader does not use: {shown}"
+    if not allow:
+        raise GGUFError(f"{gguf.path}: {what} (the model would be misread; "
+                        "--allow-unused-tensors loads it anyway)")
+    logger.warning("%s: %s (loaded anyway: --allow-unused-tensors)", gguf.path, what)
 
 
 def _load_layer(src: _TensorSource, p: HyperParams, i: int,

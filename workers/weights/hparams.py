@@ -1,13 +1,15 @@
 """A model's hyper-parameters read from GGUF metadata, for every architecture in justapi/model/arch.py.
 
 Shapes (head_dim from `attention.key_length` where present), rope (base, linear scale, rotary
-dims), each layer's attention (sliding window, rope base and scale of that layer), soft-caps,
-attention scale and experts; each validated with a message naming the key. Defaults where a key
-is absent are llama.cpp's for that architecture (justapi/model/arch.py).
+dims, YaRN and LongRoPE scaling: RopeScaling), each layer's attention (sliding window, rope base
+and scale of that layer), soft-caps, attention scale and experts; each validated with a message
+naming the key. Defaults where a key is absent are llama.cpp's for that architecture
+(justapi/model/arch.py); a LongRoPE attention factor the file lacks is derived as transformers does.
 Owns: metadata -> HyperParams. Does not own: tensors (gguf_loader.py) or the forward.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +25,49 @@ MAX_CONTEXT = 1 << 24
 MAX_EXPERTS = 4096
 
 
+ROPE_KINDS = ("none", "linear", "yarn", "longrope")
+LONG_FACTORS, SHORT_FACTORS = "rope_factors_long.weight", "rope_factors_short.weight"
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Context extension beyond linear scaling, as llama.cpp's converter writes it.
+
+    yarn: each frequency blends its interpolated (/ factor) and original value by a ramp over
+    the dims between the correction dims of beta_fast and beta_slow rotations in the original
+    context (scaled by ext_factor). longrope: per-frequency divisors, the short table for a
+    sequence within the original context, the long one past it (the tables are tensors:
+    gguf_loader.py). Both multiply cos and sin by attn_factor (q . k by its square)."""
+
+    kind: str = "none"
+    """"none" (also for linear scaling, HyperParams.rope_scale), "yarn" or "longrope"."""
+    factor: float = 1.0
+    """YaRN: the context extension factor (`rope.scaling.factor`)."""
+    original_context: int = 0
+    """The context the model was trained with (`rope.scaling.original_context_length`)."""
+    attn_factor: float = 1.0
+    """cos and sin are multiplied by it (YaRN's mscale, LongRoPE's attention factor)."""
+    ext_factor: float = 1.0
+    """YaRN: weight of the extrapolated frequencies in the ramp (`rope.scaling.yarn_ext_factor`)."""
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("none", "yarn", "longrope"):
+            raise GGUFError(f"unsupported rope scaling {self.kind!r}")
+        for name in ("factor", "attn_factor", "beta_fast", "beta_slow"):
+            value = getattr(self, name)
+            if not (isinstance(value, float) and 0.0 < value < 1e6):
+                raise GGUFError(f"absurd rope scaling parameter {name}={value!r}")
+        if not (isinstance(self.ext_factor, float) and 0.0 <= self.ext_factor <= 1.0):
+            raise GGUFError(f"rope scaling yarn_ext_factor {self.ext_factor!r} is not in [0, 1]")
+        if self.kind != "none" and not 0 < self.original_context <= MAX_CONTEXT:
+            raise GGUFError(f"absurd rope scaling original context {self.original_context!r}")
+
+
+NO_SCALING = RopeScaling()
+
+
 @dataclass(frozen=True)
 class LayerAttention:
     """What one layer's attention and rotary use."""
@@ -32,6 +77,8 @@ class LayerAttention:
     rope_theta: float
     rope_scale: float
     """Linear rope scaling factor: positions are divided by it."""
+    rope_scaled: bool = True
+    """Whether the model's YaRN / LongRoPE scaling applies (not on Gemma 3's local layers)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +114,8 @@ class HyperParams:
     expert_ffn_size: int = 0
     shared_ffn_size: int = 0
     """The shared expert's FFN width (Qwen2-MoE); 0: none."""
+    rope_scaling: RopeScaling = NO_SCALING
+    """YaRN or LongRoPE (on the layers whose LayerAttention.rope_scaled)."""
 
     def __post_init__(self) -> None:
         limits = {"num_layers": MAX_LAYERS, "hidden_size": MAX_HIDDEN, "num_heads": MAX_HEADS,
@@ -86,6 +135,8 @@ class HyperParams:
             value = getattr(self, name)
             if not (isinstance(value, float) and 0.0 < value < 1e12):
                 raise GGUFError(f"absurd model parameter {name}={value!r}")
+        if self.rope_scaling.kind != "none" and self.rope_scale != 1.0:
+            raise GGUFError(f"linear rope scaling {self.rope_scale} with {self.rope_scaling.kind}: not supported")
         if self.layers and len(self.layers) != self.num_layers:
             raise GGUFError(f"{len(self.layers)} layer attention entries for {self.num_layers} layers")
         self._check_experts()
@@ -157,7 +208,7 @@ def read_hyper_params(gguf: GGUFFile) -> HyperParams:
                         f"supported for {gguf.architecture}")
     num_layers = _int(gguf, "block_count")
     rope_theta = _float(gguf, "rope.freq_base", 10000.0)
-    rope_scale = _rope_scale(gguf)
+    rope_scale, rope_scaling = _rope_scaling(gguf)
     embd = gguf.tensors.get("token_embd.weight")
     ffn = _int(gguf, "feed_forward_length")
     experts = _int(gguf, "expert_count", 0)
@@ -175,16 +226,63 @@ def read_hyper_params(gguf: GGUFFile) -> HyperParams:
         num_experts=experts, num_experts_used=_int(gguf, "expert_used_count", 0) if experts else 0,
         expert_ffn_size=_expert_ffn(gguf, traits, ffn) if experts else 0,
         shared_ffn_size=(_int(gguf, "expert_shared_feed_forward_length", ffn)
-                         if experts and traits.shared_expert else 0))
+                         if experts and traits.shared_expert else 0),
+        rope_scaling=rope_scaling)
 
 
-def _rope_scale(gguf: GGUFFile) -> float:
+def _rope_scaling(gguf: GGUFFile) -> tuple[float, RopeScaling]:
+    """(linear scale, YaRN / LongRoPE scaling). A file with LongRoPE tables is LongRoPE whatever
+    its type key says, as llama.cpp reads it (the Phi-3 converter writes no type)."""
     kind = str(gguf.arch_get("rope.scaling.type", "none") or "none")
-    if kind == "none":
-        return 1.0
+    if kind not in ROPE_KINDS:
+        raise GGUFError(f"{gguf.path}: unsupported rope scaling type {kind!r} "
+                        f"(supported: {', '.join(ROPE_KINDS)})")
+    has_tables = [name in gguf.tensors for name in (LONG_FACTORS, SHORT_FACTORS)]
+    if any(has_tables) and not all(has_tables):
+        raise GGUFError(f"{gguf.path}: LongRoPE needs both {LONG_FACTORS!r} and {SHORT_FACTORS!r}")
+    if kind == "longrope" and not all(has_tables):
+        raise GGUFError(f"{gguf.path}: rope scaling type 'longrope' without its factor tables "
+                        f"({LONG_FACTORS!r}, {SHORT_FACTORS!r})")
+    if all(has_tables) and kind not in ("none", "longrope"):
+        raise GGUFError(f"{gguf.path}: LongRoPE factor tables with rope scaling type {kind!r}: not supported")
     if kind == "linear":
-        return _float(gguf, "rope.scaling.factor", 1.0)
-    raise GGUFError(f"{gguf.path}: unsupported rope scaling type {kind!r} (supported: none, linear)")
+        return _float(gguf, "rope.scaling.factor", 1.0), NO_SCALING
+    if kind == "yarn":
+        return 1.0, _yarn(gguf)
+    return 1.0, _longrope(gguf) if all(has_tables) else NO_SCALING
+
+
+def _yarn(gguf: GGUFFile) -> RopeScaling:
+    """llama.cpp's reading: mscale = 0.1 ln(factor) + 1 unless the file gives yarn_attn_factor
+    (transformers' attention_factor) or a yarn_log_multiplier (mscale_all_dim); times the
+    generic rope.scaling.attn_factor."""
+    factor = _float(gguf, "rope.scaling.factor", 0.0)
+    if factor < 1.0:
+        raise GGUFError(f"{gguf.path}: yarn rope scaling factor {factor} (expected >= 1)")
+    log_mul = _float(gguf, "rope.scaling.yarn_log_multiplier", 0.0)
+    mscale = _yarn_mscale(factor, 1.0) / _yarn_mscale(factor, log_mul) if log_mul else _yarn_mscale(factor, 1.0)
+    return RopeScaling(
+        kind="yarn", factor=factor,
+        original_context=_int(gguf, "rope.scaling.original_context_length", _int(gguf, "context_length")),
+        attn_factor=_float(gguf, "rope.scaling.yarn_attn_factor", mscale) * _float(gguf, "rope.scaling.attn_factor", 1.0),
+        ext_factor=_float(gguf, "rope.scaling.yarn_ext_factor", 1.0),
+        beta_fast=_float(gguf, "rope.scaling.yarn_beta_fast", 32.0),
+        beta_slow=_float(gguf, "rope.scaling.yarn_beta_slow", 1.0))
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _longrope(gguf: GGUFFile) -> RopeScaling:
+    """The converter writes the attention factor it derives from context / original context;
+    a file without it gets transformers' derivation (llama.cpp's default, 1, would differ)."""
+    context = _int(gguf, "context_length")
+    original = _int(gguf, "rope.scaling.original_context_length", context)
+    factor = context / original
+    derived = math.sqrt(1.0 + math.log(factor) / math.log(original)) if factor > 1.0 and original > 1 else 1.0
+    return RopeScaling(kind="longrope", original_context=original,
+                       attn_factor=_float(gguf, "rope.scaling.attn_factor", derived))
 
 
 def _layer_attention(gguf: GGUFFile, traits: ArchTraits, num_layers: int, rope_theta: float,
@@ -198,7 +296,7 @@ def _layer_attention(gguf: GGUFFile, traits: ArchTraits, num_layers: int, rope_t
     pattern = gguf.arch_get("attention.sliding_window_pattern")
     period = pattern if isinstance(pattern, int) and not isinstance(pattern, bool) else traits.swa_pattern
     local = LayerAttention(window, _float(gguf, "rope.freq_base_swa", traits.swa_rope_base or rope_theta),
-                           1.0 if traits.swa_rope_unscaled else rope_scale)
+                           1.0 if traits.swa_rope_unscaled else rope_scale, not traits.swa_rope_unscaled)
     full = LayerAttention(0, rope_theta, rope_scale)
     if window == 0:
         return ()

@@ -14,16 +14,21 @@ step's matmuls take.
   else: memory is the file's. Each matmul takes the path the step's row count picks from a
   plan measured on this machine at start-up per weight type and shape (path_plan.py: the block
   kernels with int8 or fp32 activations for small steps, a tile expanded into a scratch buffer
-  and a dense fp32 or bf16 GEMM for large ones), cached per CPU. On CUDA auto is fp32 (bf16):
-  int4 never won there (docs/quantization.md). Without a C compiler auto runs fp32.
-  A file with quantized matrices of a type no kernel reads (IQ3_S, IQ2_XXS, ...) is refused
+  and a dense fp32 or bf16 GEMM for large ones), cached per CPU. Without a C compiler auto runs
+  fp32. On CUDA with Triton, auto keeps the blocks in device memory (device_linear.py: the
+  blocks decoded inside the matmul for small steps, expanded bf16 tiles and cuBLAS for large
+  ones) for every type whose kernels pass their check at start (triton_blocks.py types); other
+  types are dequantized to bf16. Without Triton auto is fp32 (bf16) there.
+  A file with quantized matrices of a type no CPU kernel reads (IQ3_S, IQ2_XXS, ...) is refused
   under auto and q4 on CPU (justapi/model/weight_types.py): expanding them would be ~8x the file.
 Owns: the mode, the form per type, building the model. Does not own: kernels or loading.
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+from typing import Any
 
 import torch
 from gguf import GGMLQuantizationType
@@ -109,13 +114,26 @@ class WeightPaths:
     every block matrix (tests, benchmarks); otherwise plans are measured (PathPlanner)."""
 
     def __init__(self, mode: str, device: str | torch.device = "cpu", plan: PathPlan | None = None,
-                 cache: PlanCache | None = None) -> None:
+                 cache: PlanCache | None = None, device_blocks: bool | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        """device_blocks: keep `auto`'s blocks for the Triton kernels (device_linear.py); None:
+        on a CUDA device with Triton, or where JUSTAPI_DEVICE_BLOCKS=1 (True on a CPU runs
+        them in Triton's interpreter: tests, and the GPU check's dry run). dtype: the compute
+        dtype those kernels take."""
         if mode not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {mode!r}")
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
-        self.kernels = block_kernels() if on_cpu and mode in ("q4", "auto") else None
-        if mode == "q4":
+        if device_blocks is None:
+            device_blocks = ((not on_cpu or os.environ.get("JUSTAPI_DEVICE_BLOCKS") == "1") and mode == "auto"
+                             and importlib.util.find_spec("triton") is not None)
+        self.device_blocks = device_blocks and mode == "auto"
+        self.scratch_device = _device_scratch(self.device) if self.device_blocks else None
+        self.compute_dtype = dtype
+        self.kernels = block_kernels() if on_cpu and mode in ("q4", "auto") and not self.device_blocks else None
+        if self.device_blocks:
+            logger.info("--weights auto on %s: GGUF blocks kept in its memory", self.device)
+        elif mode == "q4":
             require_int4_kernel(self.device)
         elif mode == "auto" and self.kernels is None:  # a GPU, or no C compiler
             logger.info("no block kernels on %s: --weights auto runs fp32", self.device)
@@ -143,6 +161,10 @@ class WeightPaths:
 
     def form(self, qtype: GGMLQuantizationType) -> str:
         """How the loader keeps a matrix of `qtype`: "dense", "planes" or "blocks"."""
+        if self.device_blocks:
+            from workers.weights.device_linear import device_kernels_work  # imports Triton
+
+            return "blocks" if device_kernels_work(qtype, self.device, self.compute_dtype) else "dense"
         if self.mode == "q4" and is_quantizable(qtype):
             return "planes"
         if self.mode in ("q4", "auto") and self.kernels is not None and is_block_type(qtype):
@@ -156,10 +178,20 @@ class WeightPaths:
             weight = planes_of(weight)
         if isinstance(weight, QuantMatrix) and self.mode == "q4":
             return Int4Linear(weight, self.device)
+        if isinstance(weight, BlockMatrix) and self.scratch_device is not None:
+            from workers.weights.device_linear import DeviceBlockLinear
+
+            return DeviceBlockLinear(weight, self.scratch_device, self.compute_dtype)
         if isinstance(weight, BlockMatrix) and self.kernels is not None:
             plan = self.forced_plan or self.planner.plan_for(weight)  # type: ignore[union-attr]
             return BlockLinear(weight, self.kernels, plan, self.scratch)
         return Linear(weight, torch.bfloat16 if self.mode == "bf16" else None)
+
+
+def _device_scratch(device: torch.device) -> Any:
+    from workers.weights.device_linear import DeviceScratch  # imports Triton: device blocks only
+
+    return DeviceScratch(device)
 
 
 def _default_cache() -> PlanCache | None:
@@ -170,11 +202,16 @@ def _default_cache() -> PlanCache | None:
 
 
 def load_model(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               weights: str = "fp32", progress: bool = True, plan: PathPlan | None = None) -> DecoderModel:
-    """The model of a GGUF file with the weights kept and computed as `weights` says."""
-    paths = WeightPaths(weights, device, plan)
+               weights: str = "fp32", progress: bool = True, plan: PathPlan | None = None,
+               allow_unused_tensors: bool = False,
+               device_blocks: bool | None = None) -> DecoderModel:
+    """The model of a GGUF file with the weights kept and computed as `weights` says (a file
+    with tensors the loader does not read is refused unless `allow_unused_tensors`;
+    device_blocks: WeightPaths')."""
+    paths = WeightPaths(weights, device, plan, device_blocks=device_blocks, dtype=dtype)
     check_weight_types(gguf, paths.mode if paths.kernels is not None else "fp32", str(paths.device))
-    loaded = load_weights(gguf, device, dtype, progress, keep_quantized=paths.form)
+    loaded = load_weights(gguf, device, dtype, progress, keep_quantized=paths.form,
+                          allow_unused_tensors=allow_unused_tensors)
     model = DecoderModel(loaded, paths)
     model.layer_chain = LayerChain.of(model)
     if paths.planner is not None and paths.planner.measured:

@@ -31,6 +31,10 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
     " + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+MIXES = ("Q4_K_M",)
+"""Per-tensor type mixes, as llama-quantize chooses them (llama.cpp's llama-quant.cpp): Q4_K_M
+keeps Q4_K everywhere but the output head (Q6_K) and, in the layers where more bits pay
+(the first and last eighth, and every third layer between), attn_v and ffn_down (Q6_K)."""
 # Byte offsets of the float16 scale fields (d, dmin) inside one block of the types written as
 # random blocks (gguf-py cannot quantize them; IQ3_S and IQ2_XXS: files no kernel keeps).
 _K_QUANT_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
@@ -50,7 +54,7 @@ class SyntheticSpec:
     context: int = 512
     type: str = "F32"
     """Type of every weight matrix (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K,
-    IQ4_NL, IQ4_XS; IQ3_S, IQ2_XXS as random blocks)."""
+    IQ4_NL, IQ4_XS; IQ3_S, IQ2_XXS as random blocks), or the mix of llama.cpp's Q4_K_M (MIXES)."""
     embed_type: str = ""
     """Type of token_embd; "" = same as `type`."""
     tied: bool = True
@@ -70,6 +74,8 @@ class SyntheticSpec:
             raise ValueError(f"synthetic model vocab must be >= {min_vocab()}, got {self.vocab}")
         for name in ("type", "embed_type"):
             value = getattr(self, name)
+            if name == "type" and value.upper() in MIXES:
+                continue
             if value and value.upper() not in GGMLQuantizationType.__members__:
                 raise ValueError(f"synthetic model {name} {value!r} is not a GGML tensor type")
 
@@ -162,10 +168,12 @@ def write_synthetic_gguf(path: str, spec: SyntheticSpec) -> None:
     writer = GGUFWriter(path, "llama")
     _write_metadata(writer, spec)
     head_dim = spec.hidden // spec.heads
-    embed_type = spec.embed_type or spec.type
-    _add_matrix(writer, "token_embd.weight", _dense(rng, spec.vocab, spec.hidden), embed_type, rng)
+    values = _spread if spec.type.upper() in MIXES else _dense
+    embed_type = spec.embed_type or tensor_type(spec, "token_embd")
+    _add_matrix(writer, "token_embd.weight", values(rng, spec.vocab, spec.hidden), embed_type, rng)
     if not spec.tied:
-        _add_matrix(writer, "output.weight", _dense(rng, spec.vocab, spec.hidden), spec.type, rng)
+        _add_matrix(writer, "output.weight", values(rng, spec.vocab, spec.hidden),
+                    tensor_type(spec, "output"), rng)
     _add_norm(writer, "output_norm.weight", rng, spec.hidden)
     shapes = {"attn_q": (spec.heads * head_dim, spec.hidden), "attn_k": (spec.kv_heads * head_dim, spec.hidden),
               "attn_v": (spec.kv_heads * head_dim, spec.hidden), "attn_output": (spec.hidden, spec.heads * head_dim),
@@ -175,11 +183,23 @@ def write_synthetic_gguf(path: str, spec: SyntheticSpec) -> None:
         _add_norm(writer, f"blk.{i}.attn_norm.weight", rng, spec.hidden)
         _add_norm(writer, f"blk.{i}.ffn_norm.weight", rng, spec.hidden)
         for name, (rows, cols) in shapes.items():
-            _add_matrix(writer, f"blk.{i}.{name}.weight", _dense(rng, rows, cols), spec.type, rng)
+            _add_matrix(writer, f"blk.{i}.{name}.weight", values(rng, rows, cols),
+                        tensor_type(spec, name, i), rng)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def tensor_type(spec: SyntheticSpec, name: str, layer: int = 0) -> str:
+    """The type of tensor `name` (token_embd, output, attn_q, ffn_down, ...) of `layer`."""
+    if spec.type.upper() != "Q4_K_M":
+        return spec.type
+    n = spec.layers
+    more_bits = layer < n // 8 or layer >= 7 * n // 8 or (layer - n // 8) % 3 == 2
+    if name == "output" or (name in ("attn_v", "ffn_down") and more_bits):
+        return "Q6_K"
+    return "Q4_K"
 
 
 def _write_metadata(writer: GGUFWriter, spec: SyntheticSpec) -> None:
@@ -211,11 +231,26 @@ def _dense(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
     return rng.normal(0.0, 1.0 / np.sqrt(cols), (rows, cols))
 
 
+@dataclass(frozen=True)
+class _Spread:
+    """What random K-quant blocks take of a matrix: its shape and std (a mix's matrices are
+    all K-quants: a ~1B model's normal draws would take longer than its blocks)."""
+
+    shape: tuple[int, int]
+
+    def std(self) -> float:
+        return float(1.0 / np.sqrt(self.shape[1]))
+
+
+def _spread(rng: np.random.Generator, rows: int, cols: int) -> _Spread:
+    return _Spread((rows, cols))
+
+
 def _add_norm(writer: GGUFWriter, name: str, rng: np.random.Generator, size: int) -> None:
     writer.add_tensor(name, rng.uniform(0.8, 1.2, size).astype(np.float32))
 
 
-def _add_matrix(writer: GGUFWriter, name: str, values: np.ndarray, type_name: str,
+def _add_matrix(writer: GGUFWriter, name: str, values: np.ndarray | _Spread, type_name: str,
                 rng: np.random.Generator) -> None:
     qtype = GGMLQuantizationType[type_name.upper()]
     block_size = GGML_QUANT_SIZES[qtype][0]
@@ -224,7 +259,10 @@ def _add_matrix(writer: GGUFWriter, name: str, values: np.ndarray, type_name: st
                          f"{qtype.name} blocks of {block_size}")
     if qtype.name in _K_QUANT_SCALE_OFFSETS:
         writer.add_tensor(name, _random_k_quant(qtype, values, rng), raw_dtype=qtype)
-    elif qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS):
+        return
+    if isinstance(values, _Spread):  # a mix's matrix of another type (an embed_type): drawn now
+        values = _dense(rng, *values.shape)
+    if qtype in (GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS):
         writer.add_tensor(name, pack_iq4(values.astype(np.float32), qtype), raw_dtype=qtype)
     elif qtype == GGMLQuantizationType.F32:
         writer.add_tensor(name, values.astype(np.float32))
@@ -235,16 +273,18 @@ def _add_matrix(writer: GGUFWriter, name: str, values: np.ndarray, type_name: st
         writer.add_tensor(name, data, raw_dtype=qtype)
 
 
-def _random_k_quant(qtype: GGMLQuantizationType, values: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def _random_k_quant(qtype: GGMLQuantizationType, values: np.ndarray | _Spread,
+                    rng: np.random.Generator) -> np.ndarray:
     """Random K-quant blocks (gguf has no K-quant quantizer) whose values have the std of
     `values`: random bytes, scale fields set to 1, then rescaled (values are linear in them)."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     rows, cols = values.shape
     blocks = rng.integers(0, 256, (rows * cols // block_size, type_size), dtype=np.uint8)
     offsets = _K_QUANT_SCALE_OFFSETS[qtype.name]
+    sample = blocks[::-(-len(blocks) // 4096)]  # every block up to 4,096 (a 1B model's: a few s)
     for scale in (1.0, None):
         if scale is None:
-            std = float(gguf_quants.dequantize(blocks, qtype).std())
+            std = float(gguf_quants.dequantize(sample, qtype).std())
             scale = float(values.std()) / max(std, 1e-12)
         for off in offsets:
             blocks[:, off:off + 2] = np.frombuffer(np.float16(scale).tobytes(), np.uint8)

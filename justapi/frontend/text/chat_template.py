@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CHATML_TEMPLATE", "ChatTemplate", "ChatTemplateError", "validate_messages"]
 ROLES = ("system", "user", "assistant", "tool")
-PASSTHROUGH_KEYS = ("name", "tool_calls", "tool_call_id")
+PASSTHROUGH_KEYS = ("name", "tool_calls", "tool_call_id", "reasoning_content")
 RENDER_TIMEOUT_S = 2.0
 MIN_RENDER_CHARS = 1_000_000
 """Any string a render builds, and its output, stay under max(this, 4 x the input's size)."""
@@ -152,6 +152,8 @@ def _validate_message(message: Any, index: int) -> dict[str, Any]:
     if role not in ROLES:
         raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}")
     checked = {key: message[key] for key in PASSTHROUGH_KEYS if message.get(key) is not None}
+    if not isinstance(checked.get("reasoning_content", ""), str):
+        raise ValueError(f"{where}.reasoning_content must be a string")
     if isinstance(checked.get("tool_calls"), list):
         checked["tool_calls"] = [_tool_call_with_object_arguments(call)
                                  for call in checked["tool_calls"]]

@@ -46,7 +46,7 @@ class KvCacheManager:
         At most (num_tokens - 1) // block_size blocks: at least the last known token is
         always computed, so the step has logits to sample from."""
         assert not req.block_ids and req.num_computed_tokens == 0
-        if not self.enable_prefix_cache:
+        if not self.enable_prefix_cache or req.needs_every_position:
             return 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         match = self.hold_prefix(req.pool_id, req.token_bytes(), req.cache_salt, max_blocks,

@@ -11,11 +11,13 @@ Owns: the tree, its LRU heap and lookup statistics. Does not own: allocation or 
 """
 from __future__ import annotations
 
+import array
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from justapi.scheduler.kv.block_pool import BlockPool
+from justapi.scheduler.kv.events import KvEventLog
 from justapi.scheduler.kv.radix_node import TOKEN_BYTES, RadixNode
 
 
@@ -69,6 +71,7 @@ class RadixPrefixCache:
         self._num_pushes = 0
         self._num_nodes = 0
         self.stats = PrefixCacheStats()
+        self.events: KvEventLog | None = None  # --kv-events: blocks stored / removed (events.py)
 
     @property
     def num_blocks(self) -> int:
@@ -156,6 +159,8 @@ class RadixPrefixCache:
         while depth < total:
             child = node.children.get(tokens[depth * bb:(depth + 1) * bb])
             if child is None:
+                if self.events is not None:
+                    self._stored(node, tokens, block_ids[depth:total], salt)
                 node = self._grow(node, tokens, list(block_ids[depth:total]), holder)
                 cached.extend(block_ids[depth:total])
                 break
@@ -167,6 +172,14 @@ class RadixPrefixCache:
             node, depth = child, depth + n
         node.last_access = self._tick
         return Insertion(node, cached)
+
+    def _stored(self, node: RadixNode, tokens: bytes, new_ids: Sequence[int], salt: str) -> None:
+        """Report blocks about to be cached below `node` (events.py)."""
+        assert self.events is not None
+        bb = self._block_bytes
+        run = tokens[node.end_block * bb:(node.end_block + len(new_ids)) * bb]
+        parent = None if node.is_root else node.block_ids[-1]
+        self.events.stored(self.pool_id, parent, new_ids, array.array("i", run).tolist(), salt)
 
     def _grow(self, node: RadixNode, tokens: bytes, new_ids: list[int], holder: str) -> RadixNode:
         """New blocks below `node`: extend it in place when `holder` alone uses that leaf
@@ -212,6 +225,8 @@ class RadixPrefixCache:
                 self._remove(node)
             for block_id in dropped:
                 self._pool.evict(block_id)
+            if self.events is not None:
+                self.events.removed(self.pool_id, dropped)
             freed += len(dropped)
         return freed
 

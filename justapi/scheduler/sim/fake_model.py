@@ -42,6 +42,16 @@ def next_token(tokens: np.ndarray, hashes: np.ndarray, vocab_size: int,
     return int(allowed[value % len(allowed)])
 
 
+POOLED_SIZE = 4
+
+
+def pooled_state(last_hash: int) -> np.ndarray:
+    """The fake model's pooled hidden state of a prompt: float32 [POOLED_SIZE], read from the
+    prefix hash of its last position (so it depends on every KV entry before it)."""
+    return np.asarray([(int(last_hash) >> (16 * k)) & 0xFFFF for k in range(POOLED_SIZE)],
+                      dtype=np.float32)
+
+
 def allowed_ids(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
     """Token ids a bitmask row (int32 words, bit b of word w = token 32 w + b) allows."""
     bits = np.unpackbits(np.ascontiguousarray(mask_row).view(np.uint8), bitorder="little")

@@ -22,7 +22,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from justapi.scheduler.sim.fake_model import SEED_HASH, FakeKvStore, allowed_ids, mix, next_token
+from justapi.scheduler.sim.fake_model import (
+    SEED_HASH,
+    FakeKvStore,
+    allowed_ids,
+    mix,
+    next_token,
+    pooled_state,
+)
 from justapi.wire.protocol import (
     PLACEHOLDER_TOKEN,
     BlocksCopied,
@@ -66,6 +73,7 @@ class FakeWorker:
         self.proposer = proposer
         self.requests: dict[str, list[int]] = {}  # request id -> tokens known to this worker
         self.wants_logprobs: dict[str, bool] = {}
+        self.pooling: dict[str, list] = {}  # pooling request -> [pooling, prompt length, computed]
         self.num_steps = 0
         self.num_copies = 0
         self._masks: dict[int, np.ndarray] = {}  # this step's bitmask rows by logits row
@@ -85,12 +93,18 @@ class FakeWorker:
                 raise FakeWorkerError(f"step {plan.step_id}: drop of unknown request {rid!r}")
             del self.requests[rid]
             del self.wants_logprobs[rid]
+            self.pooling.pop(rid, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = [int(t) for t in new.token_ids]
             self.wants_logprobs[new.request_id] = new.sampling.logprobs is not None
+            self.pooling.pop(new.request_id, None)
+            if new.pooling:
+                self.pooling[new.request_id] = [new.pooling, new.num_prompt_tokens, 0]
         tok_off, blk_off = offsets(plan.num_tokens), offsets(plan.num_blocks)
         drafts, propose = plan.draft_counts, plan.propose_counts
         sampled_ids, counts, tokens = [], [], []
+        pooled_ids: list[str] = []
+        pooled: list[np.ndarray] = []
         proposals: list[tuple[list[int], list[int]]] = []
         self._masks = {int(row): m for row, m in zip(plan.bitmask_rows, plan.token_bitmask)}
         logits_row = 0  # the chunk's first logits row (StepPlan.bitmask_rows counts them)
@@ -104,6 +118,11 @@ class FakeWorker:
             self._check_chunk(plan.step_id, chunk)
             if parents is None:
                 self._write(chunk.start, chunk.tokens, chunk.table)
+            if rid in self.pooling:
+                state = self._pool(plan.step_id, chunk, bool(plan.sample_flags[i]))
+                if state is not None:
+                    pooled_ids.append(rid)
+                    pooled.append(state)
             if plan.sample_flags[i]:
                 logits_row += 1 + int(drafts[i])
                 out = self._sample(chunk) if parents is None else self._sample_tree(chunk)
@@ -113,7 +132,26 @@ class FakeWorker:
                 tokens.extend(out)
                 proposals.append(self._propose(chunk))
         result = self._result(plan.step_id, sampled_ids, counts, tokens)
+        if pooled_ids:
+            result = dataclasses.replace(result, pooled_request_ids=pooled_ids,
+                                         pooled_states=np.stack(pooled))
         return _with_proposals(result, proposals) if any(p[0] for p in proposals) else result
+
+    def _pool(self, step_id: int, c: Chunk, is_sampled: bool) -> np.ndarray | None:
+        """A pooling request's chunk: never sampled; the one ending its prompt returns the
+        pooled state. A mean/cls one must have computed every position itself (no cache hit)."""
+        pooling, num_prompt, computed = self.pooling[c.request_id]
+        if is_sampled or c.num_drafts or c.start + len(c.tokens) > num_prompt:
+            raise FakeWorkerError(f"step {step_id}: pooling request {c.request_id!r} sampled "
+                                  "or past its prompt")
+        if pooling != "last" and c.start != computed:
+            raise FakeWorkerError(f"step {step_id}: {pooling} pooling of {c.request_id!r} "
+                                  f"skips positions [{computed}, {c.start})")
+        self.pooling[c.request_id][2] = c.start + len(c.tokens)
+        if c.start + len(c.tokens) < num_prompt:
+            return None
+        _, hashes = self._read_back(c.table, num_prompt - 1)
+        return pooled_state(int(hashes[-1]))
 
     def _resolve(self, step_id: int, rid: str, start: int, tokens: np.ndarray) -> np.ndarray:
         """Placeholders -> the tokens this worker sampled at those positions."""

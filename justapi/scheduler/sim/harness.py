@@ -47,12 +47,15 @@ class Harness:
         self.finish_reasons: dict[str, str] = {}
         self.cached_tokens: dict[str, int] = {}
         self.errors: dict[str, str] = {}
+        self.embeddings: dict[str, np.ndarray] = {}  # pooling requests' pooled states
 
     def submit(self, request_id: str, prompt: Sequence[int], max_tokens: int = 8,
-               priority: int = 0, cache_salt: str = "", **sampling: object) -> None:
+               priority: int = 0, cache_salt: str = "", pooling: str = "",
+               **sampling: object) -> None:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)  # type: ignore[arg-type]
         self.scheduler.add_request(SubmitRequest(request_id, np.asarray(prompt, dtype=np.int32),
-                                                 params, priority=priority, cache_salt=cache_salt))
+                                                 params, priority=priority, cache_salt=cache_salt,
+                                                 pooling=pooling))
         self.outputs[request_id] = []
         self._check()
 
@@ -65,6 +68,9 @@ class Harness:
             if deltas is not None:
                 self.record(deltas)
         plans = self.scheduler.schedule()
+        failed = self.scheduler.take_failures()  # requests that failed alone (faults.py)
+        if failed is not None:
+            self.record(failed)
         self._check()
         return plans
 
@@ -117,6 +123,9 @@ class Harness:
         self._check()
 
     def record(self, deltas: TokenDeltas) -> None:
+        for rid, state in zip(deltas.embedding_request_ids, deltas.embeddings):
+            assert rid not in self.embeddings, f"{rid} pooled twice"
+            self.embeddings[rid] = state
         off = offsets(deltas.num_new_tokens)
         for i, rid in enumerate(deltas.request_ids):
             self.outputs.setdefault(rid, []).extend(deltas.token_ids[off[i]:off[i + 1]].tolist())

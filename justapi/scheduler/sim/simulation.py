@@ -129,6 +129,9 @@ class Simulation:
             done_s = max(self.now_s, self._busy_until.get(worker_id, 0.0)) + self.cost.step_time_s(plan)
             self._busy_until[worker_id] = done_s
             heapq.heappush(self._completions, (done_s, plan.step_id, worker_id, plan))
+        failed = self.scheduler.take_failures()  # requests that failed alone while planned
+        if failed is not None:
+            self._record(failed)
         self._after_change()
 
     def _complete_due(self) -> None:

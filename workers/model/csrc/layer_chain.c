@@ -63,7 +63,22 @@ struct Step {
     float *x, *delta, *h, *qkv, *qk, *q, *attn, *attn_pad, *gate_up, *act;  /* scratch, sized by the caller */
 };
 
-enum { CHAIN_BAD_MATMUL = -10, CHAIN_BAD_SLOT = -11 };  /* otherwise the attention's own status */
+enum { CHAIN_BAD_MATMUL = -10, CHAIN_BAD_SLOT = -11, CHAIN_BAD_ROWS = -12 };  /* else the attention's */
+
+/* The step's row maps inside the buffers they index (checked before any layer runs): each
+ * padded query row names a step row, each valid padded row one of the padded batch's. */
+static int rows_in_bounds(const struct Step *st) {
+    const int64_t padded = st->num_seqs * st->q_max;
+    if (st->rows < 0 || st->num_seqs < 0 || st->q_max < 0) return 0;
+    for (int64_t i = 0; i < padded; i++)
+        if (st->q_rows[i] < 0 || st->q_rows[i] >= st->rows) return 0;
+    if (st->valid_rows)
+        for (int64_t j = 0; j < st->rows; j++)
+            if (st->valid_rows[j] < 0 || st->valid_rows[j] >= padded || st->out_rows[j] < 0 ||
+                st->out_rows[j] >= st->rows)
+                return 0;
+    return 1;
+}
 
 /* y = x @ W.T (+ bias: one add per value, as torch's `y + bias`). */
 static int matmul(const struct Kernels *kn, const struct Layer *ly, int which, const float *x, int64_t rows,
@@ -83,7 +98,7 @@ static int matmul(const struct Kernels *kn, const struct Layer *ly, int which, c
  * hidden] holds the embedded tokens and is updated in place as the residual stream; on return
  * delta holds the last layer's FFN output, and x + delta is the forward's output (the caller
  * adds them, as the Python loop's last line does). Returns 0 or a negative status (a slot
- * outside the pool is found before anything is written). */
+ * outside the pool, or a row map outside its buffers, is found before anything is written). */
 int layer_chain(const struct Kernels *kn, const struct Layer *layers, int64_t num_layers, const struct Step *st) {
     const int64_t rows = st->rows, hidden = st->hidden, hd = st->head_dim;
     const int64_t num_qk = st->heads + st->kv_heads, qkv_width = (num_qk + st->kv_heads) * hd;
@@ -91,6 +106,7 @@ int layer_chain(const struct Kernels *kn, const struct Layer *layers, int64_t nu
     const int64_t dims[8] = {st->num_seqs, st->q_max, st->heads, st->kv_heads, hd, st->block_size, st->max_blocks,
                              st->num_blocks};
     const int64_t q_size = st->heads * hd;
+    if (!rows_in_bounds(st)) return CHAIN_BAD_ROWS;
     for (int64_t i = 0; i < num_layers; i++) {
         const struct Layer *ly = layers + i;
         if (i == 0)  /* no residual add before the first layer's norm */

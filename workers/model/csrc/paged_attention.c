@@ -92,7 +92,7 @@ static void softmax(float *s, int64_t n) {
     for (int64_t k = 0; k < n; k++) s[k] *= inv;
 }
 
-enum { OUT_OF_MEMORY = -1, BAD_BLOCK = -2 };
+enum { OUT_OF_MEMORY = -1, BAD_BLOCK = -2, BAD_SHAPE = -3 };
 
 #define AHEAD 4  /* keys ahead (the fp32 loop) */
 
@@ -111,6 +111,20 @@ struct Shape {
     float scale;
     float softcap;  /* > 0: scores s become softcap * tanh(s / softcap) (Gemma 2) */
 };
+
+/* The entry's own bounds, before anything is read: dims that make sense, and each sequence's
+ * keys within its block table (max_blocks * block_size: the table row and the mask row end
+ * there) and its rows within the padded batch (q_max). BAD_SHAPE otherwise. */
+static int check_shape(const struct Shape *sh, const int64_t *num_keys, const int64_t *num_rows) {
+    if (sh->num_seqs < 0 || sh->q_max < 0 || sh->heads < 1 || sh->kv_heads < 1 || sh->heads % sh->kv_heads ||
+        sh->head_dim < 1 || sh->block_size < 1 || sh->max_blocks < 0 || sh->num_blocks < 0)
+        return BAD_SHAPE;
+    const int64_t table_keys = sh->max_blocks * sh->block_size;
+    for (int64_t a = 0; a < sh->num_seqs; a++)
+        if (num_keys[a] < 0 || num_keys[a] > table_keys || num_rows[a] < 0 || num_rows[a] > sh->q_max)
+            return BAD_SHAPE;
+    return 0;
+}
 
 /* slots[t]: where key t of sequence a lies in a pool half (in values), t < num_keys; BAD_BLOCK
  * (nothing read) where its table names a block outside the pool. */
@@ -952,7 +966,7 @@ static int attend_lanes(const struct Shape *sh, const float *q, const uint16_t *
 }
 #endif
 
-/* Whether rows over a bf16 pool of this head_dim take the keys-in-lanes loop (AVX-512). */
+/* Whether rows over a bf16 or f16 pool of this head_dim take the keys-in-lanes loop (AVX-512). */
 int paged_attention_lanes(int64_t head_dim) {
 #if defined(LANES_LOOP)
     return head_dim % 32 == 0 && head_dim <= MAX_LANES_D;
@@ -962,20 +976,23 @@ int paged_attention_lanes(int64_t head_dim) {
 #endif
 }
 
-/* q, out: [num_seqs, q_max, heads, head_dim]; kv: [2, num_blocks, block_size, kv_heads,
- * head_dim], fp32 or (bf16) uint16 bits; tables: [num_seqs, max_blocks]; mask: [num_seqs, q_max,
- * max_blocks * block_size] (nonzero: row sees key; a sliding window is a mask too); num_keys,
- * num_rows: [num_seqs]. Scores are q . k * scale, soft-capped when softcap > 0. Rows past
- * num_rows[a] are left as they are. Returns 0, OUT_OF_MEMORY (scratch), or BAD_BLOCK (a table
- * entry outside the pool: nothing is read from it). */
 enum { POOL_FP32 = 0, POOL_BF16 = 1, POOL_F16 = 2 };
 
+/* q, out: [num_seqs, q_max, heads, head_dim]; kv: [2, num_blocks, block_size, kv_heads,
+ * head_dim], fp32 or (bf16, f16) uint16 bits; tables: [num_seqs, max_blocks]; mask: [num_seqs, q_max,
+ * max_blocks * block_size] (nonzero: row sees key; a sliding window is a mask too); num_keys,
+ * num_rows: [num_seqs]. Scores are q . k * scale, soft-capped when softcap > 0. Rows past
+ * num_rows[a] are left as they are. Returns 0, OUT_OF_MEMORY (scratch), BAD_BLOCK (a table
+ * entry outside the pool: nothing is read from it) or BAD_SHAPE (a sequence's keys past its
+ * table, its rows past q_max, or dims that make no sense: nothing is read at all). `pool`: the
+ * pool's element type (POOL_*: fp32, or bf16 / f16 as uint16 bits). */
 static int attend_short(const float *q, const void *kv, const int64_t *tables, const uint8_t *mask,
                         const int64_t *num_keys, const int64_t *num_rows, float *out, const int64_t *dims,
                         float scale, float softcap, int num_threads, int pool, int pairs) {
     const int half = pool != POOL_FP32, f16 = pool == POOL_F16;
     const struct Shape sh = {dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6],
                              dims[7], scale, softcap};
+    if (check_shape(&sh, num_keys, num_rows)) return BAD_SHAPE;
 #if defined(LANES_LOOP)
     if (half && paged_attention_lanes(sh.head_dim))
         return attend_lanes(&sh, q, kv, tables, mask, num_keys, num_rows, out, num_threads, pairs && !f16, f16);
