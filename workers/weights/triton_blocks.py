@@ -9,6 +9,9 @@ super-block), each value in fp32 exactly as ggml's dequantizers compute it:
     Q4_0  d * (q - 8)          Q4_K  d * sc_s * q - dmin * m_s   (6-bit sc, m per sub-block)
     Q4_1  d * q + m            Q5_K  the same with a fifth bit from qh
     Q8_0  d * q (int8)         Q6_K  d * sc * (q - 32)            (int8 sc per 16 values)
+    IQ4_NL d * T[q]            IQ4_XS (d * (ls_s - 32)) * T[q]    (6-bit ls per sub-block)
+
+(T: the 16 signed levels of ggml's kvalues_iq4nl, selected from the nibble's bits.)
 
 The fp16 fields are read through a float16 view of the same bytes (every one lies at an even
 offset: all block sizes are even), int8 fields through an int8 view. Under TRITON_INTERPRET=1
@@ -31,9 +34,25 @@ except ImportError:  # never launched without Triton
     tl = None  # type: ignore[assignment]
 
 Q = GGMLQuantizationType
-DEVICE_BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+DEVICE_BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 """Types these kernels decode."""
-_TYPE_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+_TYPE_BYTES = {Q.Q4_0: 18, Q.Q4_1: 20, Q.Q8_0: 34, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210, Q.IQ4_NL: 18,
+               Q.IQ4_XS: 136}
+_SUPER_BLOCK_TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS)
+"""Types of 256-value blocks (the rest: 32)."""
+
+
+@_jit
+@no_type_check
+def _iq4_level(q):
+    """Nibbles -> fp32 levels of ggml's kvalues_iq4nl (-127 -104 -83 -65 -49 -35 -22 -10 1 13 25
+    38 53 69 89 113), a tree of selects on the nibble's bits (no table in memory)."""
+    b0, b1, b2 = (q & 1) != 0, (q & 2) != 0, (q & 4) != 0
+    low = tl.where(b2, tl.where(b1, tl.where(b0, -10, -22), tl.where(b0, -35, -49)),
+                   tl.where(b1, tl.where(b0, -65, -83), tl.where(b0, -104, -127)))
+    high = tl.where(b2, tl.where(b1, tl.where(b0, 113, 89), tl.where(b0, 69, 53)),
+                    tl.where(b1, tl.where(b0, 38, 25), tl.where(b0, 13, 1)))
+    return tl.where(q >= 8, high, low).to(tl.float32)
 MATMUL_BLOCK_N = 32
 """Output features per program of the in-place matmul."""
 MAX_SPLITS = 16
@@ -61,6 +80,20 @@ def _groups(raw_ptr, half_ptr, i8_ptr, row, gk, QTYPE: tl.constexpr):
         blk = row + gk * 34
         d = tl.load(half_ptr + blk // 2).to(tl.float32)
         w = d * tl.load(i8_ptr + blk + 2 + lane).to(tl.float32)
+    elif QTYPE == 20:  # IQ4_NL: d | 16 bytes, Q4_0's layout, value j: T[nibble (j // 16) of byte j % 16]
+        blk = row + gk * 18
+        d = tl.load(half_ptr + blk // 2).to(tl.float32)
+        q = (tl.load(raw_ptr + blk + 2 + lane % 16) >> (lane // 16 * 4)) & 15
+        w = d * _iq4_level(q)
+    elif QTYPE == 23:  # IQ4_XS: d | scales_h u16 | scales_l[4] | qs[128], sub-block s: qs[16 s..] as IQ4_NL's
+        blk = row + gk // 8 * 136
+        s = gk % 8
+        d = tl.load(half_ptr + blk // 2).to(tl.float32)
+        high = tl.load(raw_ptr + blk + 2 + s // 4).to(tl.int32)  # bits 2s..2s+1 of scales_h: byte s // 4
+        low = tl.load(raw_ptr + blk + 4 + s // 2).to(tl.int32)
+        ls = ((low >> (s % 2 * 4)) & 15) | (((high >> (s % 4 * 2)) & 3) << 4)
+        q = (tl.load(raw_ptr + blk + 8 + 16 * s + lane % 16) >> (lane // 16 * 4)) & 15
+        w = (d * (ls - 32).to(tl.float32)) * _iq4_level(q)
     elif QTYPE == 14:  # Q6_K: ql[128] | qh[64] | int8 scales[16] | d, sub-block s of 32 values
         blk = row + gk // 8 * 210
         s = gk % 8
@@ -163,7 +196,7 @@ def _check(raw: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> 
     if qtype not in DEVICE_BLOCK_TYPES:
         raise ValueError(f"no device kernel reads {qtype.name} blocks "
                          f"(they read {', '.join(t.name for t in DEVICE_BLOCK_TYPES)})")
-    block = 256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32
+    block = 256 if qtype in _SUPER_BLOCK_TYPES else 32
     if raw.dtype != torch.uint8 or not raw.is_contiguous() or in_features % block \
             or raw.shape[1] != in_features // block * _TYPE_BYTES[qtype]:
         raise ValueError(f"{qtype.name} blocks of shape {tuple(raw.shape)} do not hold rows of "
