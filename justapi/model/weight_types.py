@@ -5,7 +5,9 @@ file in memory, and slower, with no word).
 The CPU block kernels (workers/model/csrc/quant_matmul.c) read BLOCK_TYPE_NAMES in place;
 `--weights auto` and `q4` on CPU keep those, and a matrix of any other quantized type would be
 expanded, so the file is refused in one line naming the type and `--weights fp32` (which
-expands every tensor on purpose). On a GPU every mode dequantizes at load (docs/quantization.md).
+expands every tensor on purpose). On a GPU, auto keeps the device kernels' types in device
+memory (workers/weights/triton_blocks.py, IQ4_NL and IQ4_XS included) and dequantizes the rest
+to bf16, as every other GPU mode does (docs/quantization.md): no refusal there.
 Owns: the type lists and the check. Does not own: loading or kernels (workers/weights/).
 """
 from __future__ import annotations
