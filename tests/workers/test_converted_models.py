@@ -217,13 +217,24 @@ def test_longrope_greedy_decoding_across_the_original_context_is_transformers_ge
 
 def test_scaled_ropes_are_read_from_the_converted_files(converted):
     """What the converter wrote is what transformers computes with: LongRoPE's tables and
-    attention factor, YaRN's factor, original context, attention factor and betas."""
+    attention factor, YaRN's factor, original context, attention factor and betas. The
+    control plane reads LongRoPE's original context from the same file (ModelInfo), and the
+    scheduler built for it (factory) switches tables there."""
+    from justapi.config.serve import ServeConfig
+    from justapi.model.info import ModelInfo
+    from justapi.scheduler.factory import build_scheduler
+    from tests.scheduler.test_scheduler_factory import ready
     from workers.model.rotary import Rotary, yarn_inv_freq
     from workers.weights.gguf_loader import load_weights
 
-    longrope = load_weights(GGUFFile(str(converted["phi3-longrope"].path)), progress=False)
+    path = str(converted["phi3-longrope"].path)
+    longrope = load_weights(GGUFFile(path), progress=False)
     p = longrope.params
     assert (p.rope_scaling.kind, p.rope_scaling.original_context) == ("longrope", ORIGINAL)
+    assert ModelInfo.from_gguf(GGUFFile(path)).long_rope_context == ORIGINAL
+    assert ModelInfo.from_gguf(GGUFFile(str(converted["qwen3-yarn"].path))).long_rope_context == 0
+    core = build_scheduler(ServeConfig(), [ready(0, 0)], {"eos_token_ids": [], "model_path": path})
+    assert core.state.limits.long_rope_context == ORIGINAL
     hf_rotary = converted["phi3-longrope"].hf.model.rotary_emb
     assert p.rope_scaling.attn_factor == pytest.approx(hf_rotary.attention_scaling, rel=1e-6)
     short, long = longrope.long_rope_factors
