@@ -170,10 +170,15 @@ def test_pd_recomputes_on_the_prefill_side(separate_pools, prompt_len):
     assert h.scheduler.stats()["num_long_rope_recomputes"] == 1
 
 
-@pytest.mark.parametrize("seed", range(6))
+MODES = {"plain": {}, "overlap": dict(overlap=True), "multi-step": dict(decode_steps=3),
+         "ngram": dict(spec="ngram", gamma=3), "draft": dict(draft_model="d.gguf", gamma=3)}
+
+
+@pytest.mark.parametrize("seed", range(20))
 def test_random_traces_around_the_context_give_the_reference_output(seed):
     """Shared prefixes on both sides of the context, small pools (preemption), chunked
-    prefill, several workers, overlap: every output is the reference's."""
+    prefill, several workers, priorities, static batching, and overlap, multi-step plans or
+    speculative decoding: every output is the reference's."""
     rng = random.Random(seed)
     shared = [rng.randrange(2, V) for _ in range(rng.choice([4, 8, 10]))]
     requests = []
@@ -182,12 +187,17 @@ def test_random_traces_around_the_context_give_the_reference_output(seed):
         requests.append((f"r{i}", prompt, rng.randint(1, 12)))
     block_size = rng.choice([2, 4])
     biggest = max(-(-(len(p) + n) // block_size) for _, p, n in requests)
-    h = harness(block_size=block_size, pool_blocks=rng.choice([biggest + 1, biggest + 8, 64]),
-                num_workers=rng.choice([1, 2]), max_seqs=rng.choice([2, 4, 8]),
-                chunk_size=rng.choice([3, 8, 64]), max_batched_tokens=rng.choice([8, 32, 256]),
-                overlap=rng.random() < 0.5)
+    mode = rng.choice(list(MODES))
+    proposer = oracle_tree(rng, rng.choice([0.5, 1.0]), (1, 1, 1)) if mode == "draft" else None
+    h = Harness(build_scheduler(
+        long_rope_context=ORIGINAL, block_size=block_size,
+        pool_blocks=rng.choice([biggest + 1, biggest + 8, 64]), num_workers=rng.choice([1, 2]),
+        max_seqs=rng.choice([2, 4, 8]), chunk_size=rng.choice([3, 8, 64]),
+        max_batched_tokens=rng.choice([8, 32, 256]), policy=rng.choice(["fcfs", "priority"]),
+        scheduled=mode != "plain" or rng.random() < 0.7,
+        **MODES[mode]), proposer=proposer)
     for rid, prompt, max_tokens in requests:
-        h.submit(rid, prompt, max_tokens=max_tokens, ignore_eos=True)
+        h.submit(rid, prompt, max_tokens=max_tokens, ignore_eos=True, priority=rng.randint(0, 2))
     finish(h)
     for rid, prompt, max_tokens in requests:
-        assert h.outputs[rid] == reference(prompt, max_tokens), rid
+        assert h.outputs[rid] == reference(prompt, max_tokens), (mode, rid)
