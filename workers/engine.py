@@ -19,6 +19,7 @@ from justapi.config.spec import SpecConfig
 from justapi.frontend.text.chat_template import ChatTemplate
 from justapi.frontend.text.tokenizer import Tokenizer
 from justapi.model.gguf_file import GGUFFile, resolve_model_path
+from justapi.model.info import long_rope_context
 from justapi.sampling import SamplingParams
 from workers.cpu_memory import keep_freed_memory
 from workers.engine_loop import LoopLimits, SchedulerLoop
@@ -111,7 +112,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_gguf(self.gguf)
         self.eos_token_ids = self.tokenizer.eog_token_ids  # ignore_eos turns these off
         self.limits = LoopLimits(num_blocks, block_size, max_seqs, chunk_size, max_batched_tokens,
-                                 self.max_context)
+                                 self.max_context, long_rope_context=long_rope_context(self.gguf))
         self.loop: SchedulerLoop | None = None  # the last generate call's (its core's stats)
         self.num_preemptions = 0  # over all generate calls: the core preempted to free blocks
         self._structured: StructuredOutputs | None = None  # structured outputs, on first use

@@ -42,6 +42,8 @@ class LoopLimits:
     nothing, but the runner resolves the placeholders just the same (tests)."""
     decode_steps: int = 1
     """Multi-step decoding's steps per plan (the server's --decode-steps; 1: off)."""
+    long_rope_context: int = 0
+    """LongRoPE's original context (ModelInfo.long_rope_context; 0: not LongRoPE)."""
 
     def build_core(self, spec: SpecConfig | None) -> Scheduler:
         """The core as justapi/scheduler/factory.py builds it for one mixed worker; no
@@ -52,7 +54,8 @@ class LoopLimits:
                                  decode_steps=self.decode_steps)
         return Scheduler(config, CacheConfig(self.block_size, self.num_blocks),
                          Topology.shared_pool(self.num_blocks),
-                         ModelLimits(self.max_context, self.eos_token_ids), spec)
+                         ModelLimits(self.max_context, self.eos_token_ids,
+                                     self.long_rope_context), spec)
 
 
 @dataclass

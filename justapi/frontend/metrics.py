@@ -75,6 +75,9 @@ SCHEDULER_METRICS = (
                "num_preemptions", is_counter=True),
     StatMetric(PREFIX + "num_multi_step_plans", "Plans that ran several decode steps without a "
                "round trip (--decode-steps).", "num_multi_step_plans", is_counter=True),
+    StatMetric(PREFIX + "num_long_rope_recomputes", "LongRoPE sequences recomputed with the "
+               "long table on outgrowing the original context.", "num_long_rope_recomputes",
+               is_counter=True),
 )
 # PD disaggregation (--pd P:D; justapi/scheduler/pd/stats.py): absent from a colocated snapshot.
 PD_METRICS = (

@@ -1,6 +1,7 @@
 """The facts about a model that the control plane needs, read from GGUF metadata (torch-free).
 
-Shapes for sizing the KV pool, the context length for validation, the name to serve, and the
+Shapes for sizing the KV pool, the context length for validation, the name to serve, the
+original context of a LongRoPE model (the scheduler switches its rope table there), and the
 sampling defaults the model's authors wrote into it (llama.cpp's `general.sampling.*` keys).
 Owns: ModelInfo, those defaults and model-path resolution (default model, file, `synthetic:`).
 Does not own: weights (workers/) or the tokenizer (justapi/frontend/text/tokenizer.py).
@@ -22,6 +23,9 @@ GGUF_SAMPLING_KEYS = {
     "repetition_penalty": "general.sampling.penalty_repeat"}
 """SamplingParams field -> the GGUF metadata key where a model may carry its default (the
 gguf package's Keys.General.SAMPLING_*, spelled out so `import justapi.config` stays light)."""
+LONG_ROPE_FACTORS, SHORT_ROPE_FACTORS = "rope_factors_long.weight", "rope_factors_short.weight"
+"""LongRoPE's factor tables: a file with both is LongRoPE whatever its rope.scaling.type says
+(llama.cpp's Phi-3 converter writes no type; workers/weights/hparams.py reads them)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,9 @@ class ModelInfo:
     head_dim: int
     context_length: int
     vocab_size: int
+    long_rope_context: int = 0
+    """LongRoPE (Phi-3.5, Phi-3-128k): its original context, past which a sequence is computed
+    with the long table (justapi/scheduler/long_rope.py); 0 for every other model."""
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         """Every layer keeps K and V of every position (sliding-window layers too: docs/models.md)."""
@@ -59,7 +66,27 @@ class ModelInfo:
         return cls(path=gguf.path, name=gguf.name, architecture=arch,
                    num_layers=_positive(gguf, "block_count"), hidden_size=hidden, num_heads=heads,
                    num_kv_heads=kv_heads, head_dim=head_dim,
-                   context_length=_positive(gguf, "context_length"), vocab_size=vocab)
+                   context_length=_positive(gguf, "context_length"), vocab_size=vocab,
+                   long_rope_context=long_rope_context(gguf))
+
+
+def long_rope_context(gguf: GGUFFile) -> int:
+    """A LongRoPE file's original context (`rope.scaling.original_context_length`, default
+    `context_length`, as the worker reads it); 0 when the file has no LongRoPE tables."""
+    if not (LONG_ROPE_FACTORS in gguf.tensors and SHORT_ROPE_FACTORS in gguf.tensors):
+        return 0
+    value = gguf.arch_get("rope.scaling.original_context_length", gguf.arch_get("context_length"))
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= 1 << 24:
+        raise GGUFError(f"{gguf.path}: LongRoPE without a sensible original context ({value!r})")
+    return value
+
+
+def model_long_rope_context(path: str) -> int:
+    """long_rope_context of the GGUF at `path` (0 for an unmaterialized `synthetic:` name: the
+    generator writes no LongRoPE tables)."""
+    if path.startswith(SYNTHETIC_PREFIX):
+        return 0
+    return long_rope_context(GGUFFile(resolve_model_path(path)))
 
 
 def _first(value: object) -> int:

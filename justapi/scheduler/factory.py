@@ -3,7 +3,8 @@ workers' Ready messages (pools, block sizes, context lengths).
 
 End-of-generation ids come from `extra["eos_token_ids"]` when the launcher passes them,
 else from the GGUF tokenizer at `extra["model_path"]` (or the configured model), which then
-also gives the core its structured outputs (grammars against the model's vocabulary).
+also gives the core its structured outputs (grammars against the model's vocabulary). A
+LongRoPE model's original context comes from that GGUF's metadata too.
 With workers on several hosts (launcher = "ray", colocated) the Scheduler gets a HostMap:
 its router then weighs copy costs between pools and imports cached prefixes.
 Owns: that translation and its validation. Does not own: the shell (process.py).
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from justapi.config.serve import ServeConfig
 from justapi.model.gguf_file import GGUFFile, resolve_model_path
+from justapi.model.info import model_long_rope_context
 from justapi.scheduler.cluster.hosts import HostMap
 from justapi.scheduler.pd.scheduler import PdScheduler
 from justapi.scheduler.scheduler import Scheduler
@@ -126,7 +128,17 @@ def limits_of(config: ServeConfig, readies: Sequence[Ready], extra: dict[str, An
     eos = extra.get("eos_token_ids")
     if eos is None:
         eos = eos_token_ids(str(extra.get("model_path") or config.model.model))
-    return ModelLimits(max_context, tuple(int(t) for t in eos))
+    return ModelLimits(max_context, tuple(int(t) for t in eos), _long_rope_context(extra))
+
+
+def _long_rope_context(extra: dict[str, Any]) -> int:
+    """LongRoPE's original context: `extra["long_rope_context"]`, else the GGUF's metadata at
+    `extra["model_path"]` (ModelInfo's reading); 0 when neither is given."""
+    value = extra.get("long_rope_context")
+    if value is None:
+        path = extra.get("model_path")
+        value = model_long_rope_context(str(path)) if path else 0
+    return int(value)
 
 
 def eos_token_ids(model: str) -> tuple[int, ...]:

@@ -4,13 +4,15 @@ Beyond BlockPool's conservation and each tree's structure: every block's holders
 the requests whose block tables list it (plus PD copies in flight, under their own holder); a
 request's first num_cached_blocks blocks are the path to its cache_node; waiting requests hold
 nothing; running ones are on a healthy worker and handed-off ones on none, and both hold
-blocks for every computed token; in-flight flags match the workers' steps and PD copies.
+blocks for every computed token; in-flight flags match the workers' steps and PD copies;
+LongRoPE's table of each request agrees with its salt and length.
 Owns: nothing. Does not own: the rules it checks (documented where they are kept).
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
+from justapi.scheduler.long_rope import LONG_TABLE_SALT
 from justapi.scheduler.request import Request, RequestStatus
 from justapi.scheduler.state import SchedulerState
 from justapi.scheduler.worker_state import InFlightStep
@@ -53,6 +55,7 @@ def check_state(state: SchedulerState) -> None:
 
 def _check_request(state: SchedulerState, req: Request, is_in_flight: bool) -> None:
     rid = req.request_id
+    _check_long_rope(state, req)
     assert req.is_in_flight == is_in_flight, f"{rid}: in-flight flag disagrees with the workers"
     assert req.num_tokens < req.max_len + bool(req.pooling) or req.is_in_flight, \
         f"{rid}: past its context cap"  # (a pooling request's prompt may fill it: no output)
@@ -75,6 +78,21 @@ def _check_request(state: SchedulerState, req: Request, is_in_flight: bool) -> N
     needed = state.kv.num_blocks_for(req.num_computed_tokens)
     assert len(req.block_ids) >= needed, f"{rid}: {len(req.block_ids)} blocks < {needed} needed"
     _check_cached_path(state, req)
+
+
+def _check_long_rope(state: SchedulerState, req: Request) -> None:
+    """LongRoPE (long_rope.py): the long table is taken for good with its salt, by a request
+    longer than the original context; the short table never computes past that context, and
+    a waiting request has taken its table."""
+    original = state.limits.long_rope_context
+    rid = req.request_id
+    if req.uses_long_rope:
+        assert original and req.num_tokens > original, f"{rid}: long table, short sequence"
+        assert req.cache_salt.endswith(LONG_TABLE_SALT), f"{rid}: long table, short salt"
+    elif original:
+        assert req.num_computed_tokens <= original, f"{rid}: short table past the original context"
+        assert req.status is not RequestStatus.WAITING or req.num_tokens <= original, \
+            f"{rid}: queued on the short table past the original context"
 
 
 def _check_steps(steps: list[InFlightStep]) -> None:

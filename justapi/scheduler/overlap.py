@@ -13,7 +13,9 @@ The one-step lag is handled exactly:
   duplicate block a request gives up stays held until its step in flight has read it;
 - no overlap for speculative decoding (drafts need the previous step's acceptance), for PD
   prefill workers (a computed prompt is handed off), or for a request that `waits_for_token`
-  (a grammar's bitmask needs its previous token): such a request waits for its step to land.
+  (a grammar's bitmask needs its previous token): such a request waits for its step to land;
+- nor for a LongRoPE request whose step in flight reaches the original context on the short
+  table: the step after it is a recompute with the long table (long_rope.py).
 Owns: those rules. Does not own: planning (planner.py) or applying results (results.py).
 """
 from __future__ import annotations

@@ -13,6 +13,8 @@ Continuous (`scheduled=True`), decode-first like vLLM's "running before waiting"
 With overlap (overlap.py) the worker's current step is still in flight: its requests join the
 next step when can_plan_ahead allows (a sampled one with a placeholder token), and one that
 cannot get blocks waits for its step to land instead of being preempted.
+LongRoPE (long_rope.py): a running request whose tokens outgrew the original context on the
+short table is recomputed (queued again) instead of decoding; drafts stop at that context.
 With the step budget on (step_budget.py), a step that decodes gives its prefill chunks a
 time allowance from the worker's measured step cost, and 2 and 3 merge: prefills go fewest
 remaining tokens first (aged), the next admission candidate taking its turn by the same rank.
@@ -83,13 +85,17 @@ class StepPlanner:
         """Schedule the worker's decodes; return its running prefills (not yet scheduled)."""
         prefills: list[Request] = []
         is_capped = False
+        long_rope = self.state.long_rope
         for req in list(worker.running.values()):
             if req.status is not RUNNING:
                 continue  # preempted while this loop ran
-            if req.is_in_flight and not can_plan_ahead(req):
+            if req.is_in_flight and not (can_plan_ahead(req) and long_rope.may_plan_ahead(req)):
                 continue  # overlap: it waits for its step in flight to land
             if self._held and req.request_id in self._held:
                 continue  # priority: to be preempted once its step lands
+            if long_rope.must_recompute(req):
+                self.state.recompute(req)  # LongRoPE: prefilled again with the long table
+                continue
             if req.num_computed_tokens < len(req.token_ids) - 1 - req.num_jumped or req.pooling:
                 prefills.append(req)
                 continue
@@ -97,6 +103,7 @@ class StepPlanner:
                 is_capped = True
                 continue
             try:
+                long_rope.fit_drafts(req)
                 self._schedule_decode(req, batch)
             except Exception as exc:  # its own failure (faults.py), not the step's
                 self.faults.fail(req, "plan", exc, batch=batch)

@@ -51,7 +51,7 @@ class Request:
                  "is_in_flight", "is_abort_pending", "finish_reason", "num_preemptions",
                  "queue_entry", "enqueued_step", "draft_parents", "spec_acceptance",
                  "spec_idle_steps", "spec_propose", "last_step_id", "waits_for_token",
-                 "grammar", "num_jumped", "pooling")
+                 "grammar", "num_jumped", "pooling", "uses_long_rope")
 
     def __init__(self, request_id: str, sampling: SamplingParams, prompt_token_ids: array.array,
                  seq: int, priority: int = 0) -> None:
@@ -101,6 +101,9 @@ class Request:
         # prompt only, in prefill chunks that are never sampled, and finishes when the chunk
         # ending the prompt lands with its pooled hidden state (results.py).
         self.pooling = ""
+        # LongRoPE (justapi/scheduler/long_rope.py): its KV has the long table (its cache salt
+        # says so); taken for good when it is queued with more tokens than the original context.
+        self.uses_long_rope = False
 
     @property
     def num_tokens(self) -> int:

@@ -111,6 +111,7 @@ class Scheduler:
         req.sort_key = sort_key(state.config.policy, req.priority, req.seq)
         req.arrival_time_s = float(request.arrival_time_s)
         req.cache_salt = str(request.cache_salt)
+        state.long_rope.take_table(req)  # (before routing probes the cache with its salt)
         req.pooling = request.pooling
         req.stop_ids = frozenset(request.sampling.stop_token_ids) | (
             frozenset() if request.sampling.ignore_eos else state.eos_token_ids)
@@ -328,7 +329,8 @@ class Scheduler:
             if is_prefill or not is_sampled or num_tokens != 1 or num_drafts \
                     or req.grammar is not None or req.num_jumped:
                 return 1
-            steps = min(steps, req.final_len - len(req.token_ids))
+            steps = min(steps, req.final_len - len(req.token_ids),
+                        self.state.long_rope.positions_left(req))  # (LongRoPE: short table)
         cost = self.planner.budget.cost(worker.worker_id)
         if cost is not None and features is not None:
             steps = multi_step_count(steps, cost.step_s(features))

@@ -2,7 +2,8 @@
 
     add -> WAITING (pool queue) -> admit -> RUNNING (on a worker, holds blocks)
               ^                               |  ^   preempt: free blocks, keep tokens
-              |                        detach |  | claim     finish: free blocks
+              |                        detach |  | claim     (LongRoPE's recompute too)
+              |                               |  |           finish: free blocks
               +---------------------- HANDOFF (PD: between workers, holds blocks)
 
 Shared by the planner (schedule), the result applier (update), Scheduler and PdScheduler.
@@ -19,6 +20,7 @@ from justapi.config.sections import CacheConfig, SchedulerConfig
 from justapi.scheduler.faults import RequestFaults
 from justapi.scheduler.kv.block_pool import BlockPool
 from justapi.scheduler.kv.manager import KvCacheManager
+from justapi.scheduler.long_rope import LongRope
 from justapi.scheduler.pd.handoff_table import HandOffTable
 from justapi.scheduler.request import Request, RequestStatus
 from justapi.scheduler.spec.speculation import Speculation
@@ -46,6 +48,7 @@ class Counters:
     num_aborted: int = 0
     num_errors: int = 0
     num_preemptions: int = 0
+    num_long_rope_recomputes: int = 0  # LongRoPE: sequences recomputed with the long table
     num_multi_step_plans: int = 0  # plans of several decode steps (multi-step decoding)
     num_steps: int = 0
     num_scheduled_tokens: int = 0
@@ -65,6 +68,7 @@ class SchedulerState:
         self.block_size = cache.block_size
         self.limits = limits
         self.eos_token_ids = frozenset(limits.eos_token_ids)
+        self.long_rope = LongRope(limits.long_rope_context)  # a no-op without LongRoPE
         self.pool = BlockPool(())
         self.kv = KvCacheManager(self.pool, cache.block_size, cache.enable_prefix_cache)
         self.queues: dict[int, WaitingQueue] = {}
@@ -139,6 +143,7 @@ class SchedulerState:
             0 if req.pooling else req.sampling.max_tokens))
 
     def enqueue(self, req: Request) -> None:
+        self.long_rope.take_table(req)  # (it holds no KV now)
         req.status = RequestStatus.WAITING
         req.worker_id = -1
         self.queues[req.pool_id].push(req, self.step_id)
@@ -176,6 +181,16 @@ class SchedulerState:
         self._release(req)
         req.num_preemptions += 1
         self.counters.num_preemptions += 1
+        self.enqueue(req)
+
+    def recompute(self, req: Request) -> None:
+        """LongRoPE: a running request whose tokens outgrew the original context on the short
+        table -> waiting (as a preemption: blocks freed, tokens kept, queued by its original
+        key), to be prefilled whole with the long table (long_rope.py)."""
+        assert req.status is RequestStatus.RUNNING and not req.is_in_flight
+        assert self.long_rope.must_recompute(req)
+        self._release(req)
+        self.counters.num_long_rope_recomputes += 1
         self.enqueue(req)
 
     def finish(self, req: Request, reason: str) -> None:

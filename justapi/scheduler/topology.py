@@ -98,12 +98,18 @@ class Topology:
 
 @dataclass(frozen=True)
 class ModelLimits:
-    """Model facts the scheduler enforces: the context cap and end-of-generation ids."""
+    """Model facts the scheduler enforces: the context cap, end-of-generation ids, and where a
+    LongRoPE model switches its rope table."""
 
     max_context: int
     eos_token_ids: tuple[int, ...] = ()
+    long_rope_context: int = 0
+    """LongRoPE's original context (ModelInfo.long_rope_context; 0: not LongRoPE): a sequence
+    longer than it is computed with the long table (long_rope.py)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
         if not isinstance(self.max_context, int) or self.max_context < 2:
             raise ValueError(f"max_context must be an integer >= 2, got {self.max_context!r}")
+        if not isinstance(self.long_rope_context, int) or self.long_rope_context < 0:
+            raise ValueError(f"long_rope_context must be an integer >= 0, got {self.long_rope_context!r}")

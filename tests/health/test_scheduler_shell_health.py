@@ -68,7 +68,8 @@ class Shell:
         config = build_config({"workers": num_workers, "block-size": 16, **ops}, {})
         endpoints = Endpoints.in_dir(str(tmp_path))
         spec = ChildSpec("scheduler", 0, config, endpoints, "fake.gguf",
-                         extra={"num_workers": num_workers, "eos_token_ids": []})
+                         extra={"num_workers": num_workers, "eos_token_ids": [],
+                                "long_rope_context": 0})  # (no model file to read them from)
         self.context = zmq.Context()
         self.frontend = transport.make_socket(self.context, zmq.PULL, endpoints.frontend_in,
                                               bind=True)

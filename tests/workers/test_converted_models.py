@@ -4,7 +4,8 @@ scaling and Mistral with a sliding window, tiny random HF models are converted (
 f16 for some) and our logits and greedy tokens compared with transformers'.
 - exact flags (`--weights fp32 --kv-cache-dtype float32`): prefill and chunked-prefill logits
   equal transformers' and so do 16 greedy tokens (LongRoPE: a prompt within the original context
-  and one past it; past it while decoding, as transformers' cached generation switches);
+  and one past it; one that decodes past it equals transformers' generate(), which recomputes
+  its cache with the long table there, as our scheduler does);
 - the defaults in force (`justapi generate` with no flags): logits along transformers' greedy
   path stay within a few percent of its scale and every greedy choice whose top-two margin
   exceeds the error is its own (these random models have margins of 1e-3: 16-bit rounding flips
@@ -13,6 +14,7 @@ Mistral: llama.cpp's converter writes no sliding window and llama.cpp applies no
 attends to every key (docs/models.md). All conversions run in one converter process."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -171,34 +173,68 @@ def test_default_flags_follow_transformers_within_their_rounding(model):
     assert torch.equal(ours.argmax(-1)[clear], expected.argmax(-1)[clear])
 
 
-def test_longrope_decoding_past_the_original_context_equals_transformers_over_its_cache(converted):
-    """A prompt within the original context that decodes past it: rows past it take the long
-    table, the cached keys keep the short one, as transformers' forward over its KV cache does.
-    (Its generate() for Phi-3 also recomputes the cache with the long table at that point; we do
-    not: docs/models.md.)"""
-    model = converted["phi3-longrope"]
-    prompt, expected, logits = prompt_of(ORIGINAL - 6, seed=5), [], None
+def hf_generate(hf, prompt: list[int], num: int) -> list[int]:
+    """transformers' own greedy generate() (Phi-3: its cache recomputed with the long table
+    where the sequence outgrows the original context), EOS ignored as GREEDY ignores it."""
+    config = copy.deepcopy(hf.generation_config)
+    config.eos_token_id = None
     with torch.inference_mode():
-        ids, cache = torch.tensor([prompt]), None
-        for _ in range(14):
-            out = model.hf(ids, past_key_values=cache, use_cache=True)
-            cache, expected = out.past_key_values, expected + [int(out.logits[0, -1].argmax())]
-            ids = torch.tensor([expected[-1:]])
+        out = hf.generate(torch.tensor([prompt]), generation_config=config, max_new_tokens=num,
+                          do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def forward_over_cache(hf, prompt: list[int], num: int) -> list[int]:
+    """Greedy tokens of transformers' forward over its KV cache, never recomputed: the keys
+    cached before the crossing keep the short table."""
+    out, ids, cache = [], torch.tensor([prompt]), None
+    with torch.inference_mode():
+        for _ in range(num):
+            step = hf(ids, past_key_values=cache, use_cache=True)
+            cache = step.past_key_values
+            out.append(int(step.logits[0, -1].argmax()))
+            ids = torch.tensor([out[-1:]])
+    return out
+
+
+def test_longrope_greedy_decoding_across_the_original_context_is_transformers_generate(converted):
+    """A prompt within the original context that decodes past it: the scheduler recomputes the
+    sequence with the long table where generate() drops its cache, so every greedy token is
+    generate()'s (not those of the keys cached before the crossing). In the same batch, a
+    longer prompt with the same first block takes no cached block of the short one (another
+    table: the cache salt) and is generate()'s too."""
+    model = converted["phi3-longrope"]
+    prompt = prompt_of(ORIGINAL - 6, seed=5)  # crosses at its 7th token
+    longer = prompt + prompt_of(12, seed=6)
+    expected = [hf_generate(model.hf, prompt, 14), hf_generate(model.hf, longer, 4)]
     engine = LLMEngine(str(model.path), weights="fp32", kv_cache_dtype="float32", progress=False)
-    (ours,) = engine.generate([prompt], dataclasses.replace(GREEDY, max_tokens=14))
-    assert ours.token_ids == expected
-    assert expected != model.reference_tokens(prompt, 14)  # recomputed keys would give others
+    outs = engine.generate([prompt, longer], [dataclasses.replace(GREEDY, max_tokens=14),
+                                              dataclasses.replace(GREEDY, max_tokens=4)])
+    assert [out.token_ids for out in outs] == expected
+    assert engine.loop is not None and engine.loop.stats()["num_long_rope_recomputes"] == 1
+    assert expected[0] != forward_over_cache(model.hf, prompt, 14)  # the recompute matters
 
 
 def test_scaled_ropes_are_read_from_the_converted_files(converted):
     """What the converter wrote is what transformers computes with: LongRoPE's tables and
-    attention factor, YaRN's factor, original context, attention factor and betas."""
+    attention factor, YaRN's factor, original context, attention factor and betas. The
+    control plane reads LongRoPE's original context from the same file (ModelInfo), and the
+    scheduler built for it (factory) switches tables there."""
+    from justapi.config.serve import ServeConfig
+    from justapi.model.info import ModelInfo
+    from justapi.scheduler.factory import build_scheduler
+    from tests.scheduler.test_scheduler_factory import ready
     from workers.model.rotary import Rotary, yarn_inv_freq
     from workers.weights.gguf_loader import load_weights
 
-    longrope = load_weights(GGUFFile(str(converted["phi3-longrope"].path)), progress=False)
+    path = str(converted["phi3-longrope"].path)
+    longrope = load_weights(GGUFFile(path), progress=False)
     p = longrope.params
     assert (p.rope_scaling.kind, p.rope_scaling.original_context) == ("longrope", ORIGINAL)
+    assert ModelInfo.from_gguf(GGUFFile(path)).long_rope_context == ORIGINAL
+    assert ModelInfo.from_gguf(GGUFFile(str(converted["qwen3-yarn"].path))).long_rope_context == 0
+    core = build_scheduler(ServeConfig(), [ready(0, 0)], {"eos_token_ids": [], "model_path": path})
+    assert core.state.limits.long_rope_context == ORIGINAL
     hf_rotary = converted["phi3-longrope"].hf.model.rotary_emb
     assert p.rope_scaling.attn_factor == pytest.approx(hf_rotary.attention_scaling, rel=1e-6)
     short, long = longrope.long_rope_factors

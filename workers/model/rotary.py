@@ -6,9 +6,9 @@ factor both of these multiply cos and sin by), so every kernel that rotates (for
 form, csrc/layer_ops.c and the layer chain, the Triton kernel) only multiplies by them.
 LongRoPE picks a table per row: long where the row's sequence is longer than the original
 context, as transformers picks one per forward from its longest position (`long_rope_rows`).
-A sequence that grows past it while decoding keeps its cached keys (as transformers' forward
-over its cache does); transformers' generate() for Phi-3 also recomputes them once with the long
-table there (docs/models.md).
+A sequence that grows past it while decoding is announced again with all its tokens and
+recomputed (justapi/scheduler/long_rope.py), as transformers' generate() for Phi-3 recomputes
+its cache with the long table there (docs/models.md).
 Owns: the frequencies and tables. Does not own: which layers share a table or the rotation
 (forward.py), or the kernels (layer_ops.py, triton_layer_ops.py).
 """

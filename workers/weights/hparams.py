@@ -16,6 +16,7 @@ import numpy as np
 
 from justapi.model.arch import ArchTraits, arch_traits
 from justapi.model.gguf_file import GGUFError, GGUFFile
+from justapi.model.info import LONG_ROPE_FACTORS, SHORT_ROPE_FACTORS
 
 MAX_HIDDEN = 65536
 MAX_LAYERS = 1024
@@ -26,7 +27,7 @@ MAX_EXPERTS = 4096
 
 
 ROPE_KINDS = ("none", "linear", "yarn", "longrope")
-LONG_FACTORS, SHORT_FACTORS = "rope_factors_long.weight", "rope_factors_short.weight"
+LONG_FACTORS, SHORT_FACTORS = LONG_ROPE_FACTORS, SHORT_ROPE_FACTORS
 
 
 @dataclass(frozen=True)

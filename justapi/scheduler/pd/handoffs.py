@@ -63,12 +63,15 @@ class HandOffManager:
 
     # ------------------------------------------------------------------ hand off
     def after_step(self, worker: WorkerState, reqs: list[Request]) -> None:
-        """Requests of a prefill worker whose prompt is computed move to the decode side."""
+        """Requests of a prefill worker whose prompt is computed move to the decode side (not a
+        LongRoPE one whose first token outgrew the original context: the worker's next plan
+        recomputes it, long_rope.py)."""
         if not self.decode_workers():
             return  # no decode side: the prefill worker decodes them itself (degraded)
         for req in reqs:
             if (req.status is RequestStatus.RUNNING and req.worker_id == worker.worker_id
-                    and not req.is_in_flight and req.is_decode):
+                    and not req.is_in_flight and req.is_decode
+                    and not self.state.long_rope.must_recompute(req)):
                 self.hand_off(req)
 
     def hand_off(self, req: Request) -> None:

@@ -22,6 +22,8 @@ Owns: the PD public API. Does not own: hand-off transitions (pd_handoffs.py), th
 """
 from __future__ import annotations
 
+import dataclasses
+
 from justapi.config.sections import CacheConfig, SchedulerConfig
 from justapi.scheduler.batch import StepBatch
 from justapi.scheduler.deltas import DeltaBuilder
@@ -128,4 +130,4 @@ def _decode_capped(limits: ModelLimits, topology: Topology, block_size: int) -> 
     """A request must fit a decode pool too: cap the context at the smallest one's tokens."""
     sizes = {p.pool_id: p.num_blocks for p in topology.pools}
     smallest = min(sizes[w.pool_id] for w in topology.workers if w.role == ROLE_DECODE)
-    return ModelLimits(min(limits.max_context, smallest * block_size), limits.eos_token_ids)
+    return dataclasses.replace(limits, max_context=min(limits.max_context, smallest * block_size))

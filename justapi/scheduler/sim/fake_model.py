@@ -7,6 +7,9 @@ The next token after position p is a hash of every entry read back for positions
 a wrong block table, a block shared between different prefixes, or a block freed while in
 use and then overwritten changes the token (or trips a position check in FakeWorker).
 `ReferenceModel` computes the same function from a plain token list, with no paging.
+LongRoPE (a `long_rope_context`): an entry computed with the long table hashes differently
+(`mix_row`); the reference picks the table as transformers' generate() does for Phi-3 (the
+whole cache recomputed with the long table once the sequence outgrows that context).
 Owns: the fake model function and the fake KV store. Does not own: plan checking (fake_worker).
 """
 from __future__ import annotations
@@ -24,6 +27,14 @@ def mix(prev_hash: int, token: int, position: int) -> int:
     x = (prev_hash ^ ((token + 1) * 0x9E3779B97F4A7C15) ^ (position * 0xBF58476D1CE4E5B9)) & MASK
     x = ((x ^ (x >> 31)) * 0x94D049BB133111EB) & MASK
     return x ^ (x >> 29)
+
+
+LONG_TABLE_TAG = 0x9E6C63D0676A9A99  # LongRoPE: what the long table changes in an entry
+
+
+def mix_row(prev_hash: int, token: int, position: int, is_long: bool) -> int:
+    """mix(), for an entry computed with LongRoPE's long table (is_long) or the short one."""
+    return mix(prev_hash ^ LONG_TABLE_TAG if is_long else prev_hash, token, position)
 
 
 def next_token(tokens: np.ndarray, hashes: np.ndarray, vocab_size: int,
@@ -61,13 +72,20 @@ def allowed_ids(mask_row: np.ndarray, vocab_size: int) -> np.ndarray:
 class ReferenceModel:
     """The fake model evaluated densely over a token list: what any schedule must produce."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, long_rope_context: int = 0) -> None:
         self.vocab_size = vocab_size
+        self.long_rope_context = long_rope_context  # 0: no LongRoPE
+
+    def is_long(self, num_tokens: int) -> bool:
+        """One forward over num_tokens tokens takes the long table (transformers' rule)."""
+        return 0 < self.long_rope_context < num_tokens
 
     def chain(self, token_ids: Sequence[int]) -> list[int]:
+        """Entries of one forward over the whole sequence (its table by its length)."""
         out, h = [], SEED_HASH
+        is_long = self.is_long(len(token_ids))
         for position, token in enumerate(token_ids):
-            h = mix(h, int(token), position)
+            h = mix_row(h, int(token), position, is_long)
             out.append(h)
         return out
 
@@ -84,8 +102,11 @@ class ReferenceModel:
         while True:
             token = next_token(np.asarray(tokens, dtype=np.int64),
                                np.array(hashes, dtype=np.uint64), self.vocab_size)
-            hashes.append(mix(hashes[-1], token, len(tokens)))
             tokens.append(token)
+            if len(tokens) == self.long_rope_context + 1:  # generate(): the cache recomputed
+                hashes = self.chain(tokens)
+            else:
+                hashes.append(mix_row(hashes[-1], token, len(tokens) - 1, self.is_long(len(tokens))))
             output.append(token)
             if token in stop_ids:
                 return output, "stop"

@@ -11,7 +11,10 @@ path written at the positions of its tokens, as the real worker moves its KV). A
 stands in for a draft model: asked for num_propose tokens, it returns a token tree that goes
 back in the StepResult. A structured output's token bitmask narrows the pick at its rows to
 the allowed ids (fake_model.next_token). PD copy orders copy slots between stores. A
-PLACEHOLDER_TOKEN (overlap) must name a position whose token this worker sampled. Any violation raises FakeWorkerError.
+PLACEHOLDER_TOKEN (overlap) must name a position whose token this worker sampled. LongRoPE (a
+`long_rope_context`): an entry takes the long table as the real worker picks it
+(workers/model/rotary.py: its request was announced longer than that context, or its position
+is past it). Any violation raises FakeWorkerError.
 Owns: the fake worker's request memory. Does not own: the model function (fake_model).
 """
 from __future__ import annotations
@@ -26,7 +29,7 @@ from justapi.scheduler.sim.fake_model import (
     SEED_HASH,
     FakeKvStore,
     allowed_ids,
-    mix,
+    mix_row,
     next_token,
     pooled_state,
 )
@@ -66,12 +69,14 @@ Proposer = Callable[[str, list[int], int], tuple[list[int], list[int]]]
 
 class FakeWorker:
     def __init__(self, worker_id: int, store: FakeKvStore, vocab_size: int,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, long_rope_context: int = 0) -> None:
         self.worker_id = worker_id
         self.store = store
         self.vocab_size = vocab_size
         self.proposer = proposer
+        self.long_rope_context = long_rope_context  # 0: no LongRoPE
         self.requests: dict[str, list[int]] = {}  # request id -> tokens known to this worker
+        self.num_announced: dict[str, int] = {}  # request id -> tokens its NewRequest had
         self.wants_logprobs: dict[str, bool] = {}
         self.pooling: dict[str, list] = {}  # pooling request -> [pooling, prompt length, computed]
         self.num_steps = 0
@@ -94,8 +99,10 @@ class FakeWorker:
             del self.requests[rid]
             del self.wants_logprobs[rid]
             self.pooling.pop(rid, None)
+            self.num_announced.pop(rid, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = [int(t) for t in new.token_ids]
+            self.num_announced[new.request_id] = len(new.token_ids)
             self.wants_logprobs[new.request_id] = new.sampling.logprobs is not None
             self.pooling.pop(new.request_id, None)
             if new.pooling:
@@ -117,7 +124,7 @@ class FakeWorker:
                           plan.block_ids[blk_off[i]:blk_off[i + 1]], parents, int(propose[i]), logits_row)
             self._check_chunk(plan.step_id, chunk)
             if parents is None:
-                self._write(chunk.start, chunk.tokens, chunk.table)
+                self._write(chunk.start, chunk.tokens, chunk.table, rid)
             if rid in self.pooling:
                 state = self._pool(plan.step_id, chunk, bool(plan.sample_flags[i]))
                 if state is not None:
@@ -195,12 +202,14 @@ class FakeWorker:
                                   f"{int(store.positions[slots[bad]])}")
         return store.tokens[slots], store.hashes[slots]
 
-    def _write(self, start: int, chunk: np.ndarray, table: np.ndarray) -> None:
+    def _write(self, start: int, chunk: np.ndarray, table: np.ndarray, request_id: str) -> None:
         store = self.store
         slots = store.slots(table, start, start + len(chunk))
         h = int(store.hashes[store.slots(table, start - 1, start)[0]]) if start else SEED_HASH
+        original = self.long_rope_context
+        is_long = 0 < original < self.num_announced.get(request_id, 0)
         for j, token in enumerate(chunk.tolist()):
-            h = mix(h, token, start + j)
+            h = mix_row(h, token, start + j, is_long or 0 < original < start + j + 1)
             slot = int(slots[j])
             store.tokens[slot] = token
             store.positions[slot] = start + j
@@ -225,7 +234,7 @@ class FakeWorker:
         position; the first prediction no child has is the bonus token."""
         assert c.parents is not None
         num_known = len(c.tokens) - c.num_drafts
-        self._write(c.start, c.tokens[:num_known], c.table)
+        self._write(c.start, c.tokens[:num_known], c.table, c.request_id)
         drafts = c.tokens[num_known:].tolist()
         node, last = -1, c.start + num_known - 1
         out: list[int] = []
@@ -238,7 +247,7 @@ class FakeWorker:
             if child is None:
                 return out
             last += 1
-            self._write(last, np.asarray([token], dtype=np.int64), c.table)
+            self._write(last, np.asarray([token], dtype=np.int64), c.table, c.request_id)
             node = child
 
     def _allowed(self, logits_row: int) -> np.ndarray | None:

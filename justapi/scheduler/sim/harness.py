@@ -41,7 +41,7 @@ class Harness:
                   for p in state.pool.pool_ids}
         self.stores = stores
         self.workers = {w.worker_id: FakeWorker(w.worker_id, stores[w.pool_id], vocab_size,
-                                                proposer)
+                                                proposer, state.limits.long_rope_context)
                         for w in state.workers.values()}
         self.outputs: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, str] = {}

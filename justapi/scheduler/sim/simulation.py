@@ -50,7 +50,8 @@ class Simulation:
         stores = {p: FakeKvStore(state.pool.num_blocks(p), state.block_size)
                   for p in state.pool.pool_ids}
         self.stores = stores
-        self.workers = {w.worker_id: FakeWorker(w.worker_id, stores[w.pool_id], self.vocab_size)
+        self.workers = {w.worker_id: FakeWorker(w.worker_id, stores[w.pool_id], self.vocab_size,
+                                                long_rope_context=state.limits.long_rope_context)
                         for w in state.workers.values()}
         self.now_s = 0.0
         self._busy_until: dict[int, float] = {}  # a worker runs its steps one after the other
