@@ -27,6 +27,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from justapi.frontend.structured_replies import StructuredMetrics
 from justapi.wire.protocol import SchedulerStats
 
 PREFIX = "justapi:"
@@ -389,6 +390,7 @@ class FrontendMetrics:
             PREFIX + "e2e_request_latency_seconds", "Arrival to finish.",
             labels, buckets=E2E_BUCKETS_S, registry=reg).labels(model_name)
         reg.register(SchedulerStatsCollector(model_name, stats_source))
+        self.structured = StructuredMetrics(reg, model_name, PREFIX)
 
     def start_request(self, num_prompt_tokens: int, arrival_s: float | None = None) -> RequestTimer:
         """arrival_s is a time.perf_counter() reading; default now."""

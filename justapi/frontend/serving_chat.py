@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 
 from justapi.frontend.choices import OutputRules, collect_choices, start_choices, usage
-from justapi.frontend.constraints import request_constraint
+from justapi.frontend.constraints import approximated_header, output_rules, request_constraint
 from justapi.frontend.errors import ApiError
 from justapi.frontend.generation import GenerationOutput, TokenLogprob
 from justapi.frontend.openai_models import ChatCompletionRequest, ChatMessage, ToolDefinition
@@ -22,12 +22,7 @@ from justapi.frontend.serving import Serving
 from justapi.frontend.sse import stream_choices
 from justapi.frontend.tools.parser import FINISH_TOOL_CALLS, ToolReply, parse_reply
 from justapi.frontend.tools.render import chat_inputs
-from justapi.frontend.tools.request import (
-    ToolPlan,
-    special_token_id,
-    tool_constraint,
-    tool_plan,
-)
+from justapi.frontend.tools.request import ToolPlan, tool_output_rules, tool_plan
 from justapi.sampling import MAX_TOP_LOGPROBS
 from justapi.wire.protocol import FINISH_STOP
 
@@ -52,12 +47,16 @@ def check_supported(request: ChatCompletionRequest) -> int | None:
 
 
 async def create_chat_completion(serving: Serving, request: ChatCompletionRequest,
-                                 arrival_s: float) -> dict | AsyncIterator[bytes]:
-    """A full response dict, or (stream=True) an async iterator of SSE event bytes."""
+                                 arrival_s: float, headers: dict[str, str] | None = None
+                                 ) -> dict | AsyncIterator[bytes]:
+    """A full response dict, or (stream=True) an async iterator of SSE event bytes; the
+    response's own headers are added to `headers`."""
     serving.check_model(request.model)
     logprobs = check_supported(request)
     plan = tool_plan(request, serving.tool_format)
     output_rules = chat_output_rules(serving, request, plan)
+    if headers is not None:
+        headers.update(approximated_header(output_rules.approximated))
     prompt = chat_prompt(serving, request.messages, request.tools, request.add_generation_prompt,
                          describe_tools=plan is not None)
     param = "max_tokens" if request.max_completion_tokens is None else "max_completion_tokens"
@@ -85,13 +84,11 @@ def chat_output_rules(serving: Serving, request: ChatCompletionRequest,
     """The request's one output constraint: its response format, or its tool calls."""
     response = request_constraint(request)
     if plan is None:
-        return OutputRules(response.structured, param=response.param) if response else OutputRules()
+        return output_rules(serving.metrics.structured, response)
     if response is not None:
         raise ApiError(f"a request takes one output constraint; got tools and {response.param}",
                        param=response.param)
-    trigger_id = special_token_id(serving.tokenizer, plan.tool_format.trigger)
-    return OutputRules(tool_constraint(plan, serving.tokenizer).structured,
-                       show_special_tokens=trigger_id is not None, param="tools")
+    return tool_output_rules(plan, serving.tokenizer, serving.metrics.structured)
 
 
 def chat_prompt(serving: Serving, messages: list[ChatMessage], tools: list[ToolDefinition] | None,
@@ -140,9 +137,9 @@ class ChatChunks:
         finish_reason = output.finish_reason
         if self._plan is not None:
             content, calls = parse_reply(self._plan.tool_format, output.text)
+            message["content"] = content
             if calls:
-                message = {"role": "assistant", "content": content,
-                           "tool_calls": [call.to_openai() for call in calls]}
+                message["tool_calls"] = [call.to_openai() for call in calls]
                 finish_reason = FINISH_TOOL_CALLS if finish_reason == FINISH_STOP \
                     else finish_reason
         return {"index": index, "message": message, "logprobs": self.logprobs(output),

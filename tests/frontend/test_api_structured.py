@@ -57,11 +57,17 @@ MAPPINGS = [
 
 # (fields, param named by the 400)
 REFUSALS = [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                  "schema": {
         "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}},
      "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                  "schema": {
         "type": "string", "format": "bogus-format"}}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}},  # invalid: best effort too
+     "response_format.json_schema.schema"),
+    ({"guided_json": {"type": "object", "required": "a"}}, "guided_json"),
     ({"structured_outputs": {"regex": "(?=x)y"}}, "structured_outputs.regex"),
     ({"regex": "a(b"}, "regex"),
     ({"grammar": "root ::= (("}, "grammar"),
@@ -173,15 +179,11 @@ def test_streamed_tool_call_deltas_assemble_into_the_same_calls():
                 ChatCompletionChunk.model_validate(event)
                 choice = event["choices"][0]
                 for delta in choice["delta"].get("tool_calls", []):
-                    calls = assembled[choice["index"]]
-                    if "id" in delta:  # a call's first delta: id, type, name
-                        assert delta["type"] == "function" and delta["function"]["name"]
-                        calls[delta["index"]] = {"id": delta["id"], "type": "function",
-                                                 "function": dict(delta["function"])}
-                    else:
-                        assert set(delta) == {"index", "function"}
-                        calls[delta["index"]]["function"]["arguments"] += \
-                            delta["function"]["arguments"]
+                    calls = assembled[choice["index"]]  # each call whole, in one delta
+                    assert delta["type"] == "function" and delta["function"]["name"]
+                    assert delta["index"] not in calls
+                    calls[delta["index"]] = {"id": delta["id"], "type": "function",
+                                             "function": dict(delta["function"])}
                 assert not choice["delta"].get("content")
                 if choice["finish_reason"]:
                     finish[choice["index"]] = choice["finish_reason"]
@@ -237,8 +239,11 @@ def test_openai_client_parse_helpers():
     ([{"type": "function", "function": {"name": "bad name"}}], "auto", "tools.0.function.name"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], "auto",
      "tools.0.function.parameters"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {
+    ([{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "not": {}}}}], "required", "tools.0.function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}], "required",
+     "tools.0.function.parameters"),
     ([WEATHER_TOOL, WEATHER_TOOL], "auto", "tools"),
     (None, "required", "tool_choice"),
 ])
