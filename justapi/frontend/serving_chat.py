@@ -136,7 +136,7 @@ class ChatChunks:
         message: dict = {"role": "assistant", "content": output.text}
         finish_reason = output.finish_reason
         if self._plan is not None:
-            content, calls = parse_reply(self._plan.tool_format, output.text)
+            content, calls = parse_reply(self._plan.tool_format, output.text, finish_reason)
             message["content"] = content
             if calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]

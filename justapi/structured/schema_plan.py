@@ -105,7 +105,10 @@ def _best_effort(schema: dict[str, Any]) -> SchemaPlan:
     original = schema
     approximated: set[str] = set()
     for rewrite in (substitute_formats, fix_patterns, fix_bounds):
-        schema, keywords = rewrite(schema)
+        try:
+            schema, keywords = rewrite(schema)
+        except ValueError as exc:
+            raise ValueError(f"json_schema: {exc}") from None
         approximated.update(keywords)
     own = schema.get("x-guidance")
     schema = {**schema, "x-guidance": {**(own if isinstance(own, dict) else {}),

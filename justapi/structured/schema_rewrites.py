@@ -15,6 +15,7 @@ Owns: those rewrites and the probes that find what needs them. Does not own: whi
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import llguidance as llg
@@ -48,13 +49,15 @@ def drop_ref_siblings(schema: Any) -> tuple[Any, bool]:
 
 
 def fix_patterns(schema: Any) -> tuple[Any, list[str]]:
-    """Patterns llguidance refuses -> without look-around, or dropped."""
+    """Patterns llguidance refuses -> without look-around, or dropped; ValueError for one
+    that is no regular expression at all (the schema is invalid)."""
     changed: set[str] = set()
 
     def rewrite(node: Node) -> Node:
         out = node
         pattern = node.get("pattern")
         if isinstance(pattern, str) and not pattern_compiles(pattern):
+            _check_regex(pattern)
             changed.add("pattern")
             fixed = strip_lookaround(pattern)
             out = {k: v for k, v in node.items() if k != "pattern"}
@@ -73,6 +76,7 @@ def _fixed_keys(keyed: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in keyed.items():
         if not pattern_compiles(key):
+            _check_regex(key)
             key = strip_lookaround(key)
             if not pattern_compiles(key):
                 continue  # names it matched fall to additionalProperties
@@ -166,6 +170,16 @@ def _group_end(pattern: str, i: int) -> int:
                 return i + 1
         i = _atom_end(pattern, i) if char in "\\[" else i + 1
     return len(pattern)
+
+
+def _check_regex(pattern: str) -> None:
+    """ValueError unless the pattern is a regular expression (Python's dialect is close
+    enough to ECMA 262's for this: look-around and back-references are both)."""
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"the schema is invalid: pattern {pattern!r} is not a regular "
+                         f"expression ({exc})") from None
 
 
 def pattern_compiles(pattern: str) -> bool:

@@ -22,7 +22,7 @@ from enum import Enum
 from justapi.frontend.tools.formats import ToolFormat, split_pieces
 from justapi.frontend.tools.json_scan import WHITESPACE, MalformedJson, ObjectScanner
 from justapi.frontend.tools.tagged_scan import TaggedCallScanner
-from justapi.wire.protocol import FINISH_STOP
+from justapi.wire.protocol import FINISH_LENGTH, FINISH_STOP
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 FINISH_TOOL_CALLS = "tool_calls"
@@ -109,11 +109,15 @@ class ToolCallParser:
             self._to_raw()
         return self._out
 
-    def finish(self) -> ParsedDelta:
-        """The end of the reply: held-back text as content; a call left open dropped."""
+    def finish(self, finish_reason: str = "") -> ParsedDelta:
+        """The end of the reply: held-back text as content; a call left open dropped (and,
+        when max_tokens cut the reply, held text that was the start of the trigger)."""
         self._out = ParsedDelta()
         if self._phase is _Phase.TEXT:
-            if not self.calls or self._pending.strip(WHITESPACE):
+            held = self._pending.strip(WHITESPACE)
+            if finish_reason == FINISH_LENGTH and held and self.format.trigger.startswith(held):
+                self.is_cut = True
+            elif not self.calls or held:
                 self._out.content += self._pending
         elif self._phase is not _Phase.RAW and self._is_cut_in_call():
             self.is_cut = True
@@ -306,7 +310,7 @@ class ToolReply:
     def add(self, text: str, finish_reason: str = "") -> ParsedDelta:
         parsed = self.parser.feed(text)
         if finish_reason:
-            tail = self.parser.finish()
+            tail = self.parser.finish(finish_reason)
             parsed = ParsedDelta(parsed.content + tail.content, parsed.tool_calls + tail.tool_calls)
         return parsed
 
@@ -317,12 +321,13 @@ class ToolReply:
             and not parser.is_malformed else reason
 
 
-def parse_reply(tool_format: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_reply(tool_format: ToolFormat, text: str,
+                finish_reason: str = "") -> tuple[str | None, list[ToolCall]]:
     """A whole reply -> (content, calls): content None when the reply is calls only; a reply
     whose calls do not parse is all content; one cut inside a call keeps its complete calls
     (its content: the text before them)."""
     parser = ToolCallParser(tool_format)
-    content = parser.feed(text).content + parser.finish().content
+    content = parser.feed(text).content + parser.finish(finish_reason).content
     if parser.is_malformed or not (parser.calls or parser.is_cut):
         return text, []
     return content or None, parser.calls
