@@ -1,8 +1,9 @@
 """A JSON Schema -> the schema the grammar engine compiles: exactly (strict) or best effort.
 
 strict (OpenAI's `"strict": true`): the schema as given; a keyword llguidance cannot enforce
-exactly is a ValueError naming it (the API's 400). Keywords beside a `$ref` are dropped in
-either mode where the schema's draft (7 and before) ignores them, which is exact.
+exactly is a ValueError naming it (the API's 400). In either mode, keywords beside a `$ref`
+are dropped where the schema's draft (7 and before) ignores them (exact), and objects that
+list their properties and say nothing of other keys get none (a narrowing: close_objects).
 best effort (everything else): every keyword llguidance enforces is enforced; each one it
 cannot is replaced by the closest form it can (APPROXIMATIONS: our rewrites first, then
 llguidance's own `lenient` and `coerce_one_of` options) and named in the plan, so the API can
@@ -11,6 +12,7 @@ Owns: that choice and the keyword report. Does not own: the rewrites (schema_rew
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -22,6 +24,7 @@ from jsonschema import validators
 
 from justapi.structured.grammar import parser_limits, short_error
 from justapi.structured.schema_rewrites import (
+    close_objects,
     drop_ref_siblings,
     fix_bounds,
     fix_patterns,
@@ -93,11 +96,17 @@ def _plan(spec: str, strict: bool) -> SchemaPlan:
     schema = json.loads(spec)
     if refs_stand_alone(schema):
         schema, _ = drop_ref_siblings(schema)
+    closed = close_objects(schema)
+    if closed is not schema and not _validate(closed)[0]:
+        return SchemaPlan(_dumps(closed))
     error, _ = _validate(schema)
     if not error:
         return SchemaPlan(_dumps(schema))
     if strict:
         raise ValueError(f"json_schema: {error}{STRICT_HINT}")
+    if closed is not schema:
+        with contextlib.suppress(ValueError):
+            return _best_effort(closed)
     return _best_effort(schema)
 
 

@@ -1,6 +1,9 @@
 """Rewrites of JSON Schema parts the grammar engine cannot take, into the closest form it can.
 
-Each rewrite returns the new schema and the keywords it changed:
+`close_objects` narrows (every instance it allows is still valid): an object that lists its
+`properties` and says nothing of other keys gets no other keys, as llama.cpp's converter does
+(a small model otherwise invents keys until max_tokens). Each rewrite below returns the new
+schema and the keywords it changed:
 - keywords beside a `$ref` are dropped (draft 7 and before ignore them: exact; later drafts
   apply them, so there it is an approximation, used only where a recursive `$ref` has them);
 - a `pattern` (or a `patternProperties` key) llguidance cannot parse (look-around,
@@ -31,6 +34,42 @@ BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MAX_BOUND = 1e18
 """llguidance writes numeric ranges as regexes; beyond this magnitude some fail."""
 LOOKAROUND_OPENERS = ("(?=", "(?!", "(?<=", "(?<!")
+
+
+OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf",
+             "anyOf", "oneOf", "$ref", "$dynamicRef", "$recursiveRef", "if", "then", "else",
+             "not", "dependencies", "dependentSchemas", "propertyNames")
+"""An object node with one of these says (or may say, through another schema) what other
+keys it takes: it is left as it is."""
+PLAIN_PATHS = ("properties", "items", "prefixItems", "additionalProperties")
+"""Where close_objects looks for objects: not under combinators or definitions, whose
+subschemas meet other schemas (an `allOf` branch closed would refuse its sibling's keys)."""
+
+
+def close_objects(schema: Any) -> Any:
+    """Objects listing `properties` with nothing about other keys -> `additionalProperties:
+    false`, along plain paths from the root (PLAIN_PATHS)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = schema
+    if "properties" in schema and not any(key in schema for key in OPEN_KEYS):
+        out = {**schema, "additionalProperties": False}
+    changed: dict[str, Any] = {}
+    for key in PLAIN_PATHS:
+        value = out.get(key)
+        if key == "properties" and isinstance(value, dict):
+            new: Any = {name: close_objects(sub) for name, sub in value.items()}
+            if any(new[name] is not value[name] for name in value):
+                changed[key] = new
+        elif isinstance(value, list):
+            items = [close_objects(sub) for sub in value]
+            if any(a is not b for a, b in zip(items, value)):
+                changed[key] = items
+        elif isinstance(value, dict) and key != "properties":
+            new = close_objects(value)
+            if new is not value:
+                changed[key] = new
+    return {**out, **changed} if changed else out
 
 
 def drop_ref_siblings(schema: Any) -> tuple[Any, bool]:

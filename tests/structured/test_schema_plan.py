@@ -140,3 +140,22 @@ def test_planning_a_large_schema_is_quick_and_cached():
     assert plan_schema(schema, strict=False) is first  # cached by the schema's text
     assert llg.LLMatcher.validate_grammar(
         llg.LLMatcher.grammar_from_json_schema(first.spec)) == ""
+
+
+def test_objects_that_list_their_properties_get_no_others():
+    """A narrowing (as llama.cpp's converter does): every reply still validates, and an object
+    whose other keys another schema may name (a combinator, a $ref) is left open."""
+    base = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {
+        "plain": base, "list": {"type": "array", "items": base},
+        "merged": {"allOf": [base, {"properties": {"b": {"type": "string"}}}]},
+        "open": {**base, "patternProperties": {"^x": {}}}}}
+    compiled = plan_schema(schema, strict=True).schema
+    props = compiled["properties"]
+    assert compiled["additionalProperties"] is False
+    assert props["plain"]["additionalProperties"] is False
+    assert props["list"]["items"]["additionalProperties"] is False
+    assert props["merged"] == schema["properties"]["merged"]  # allOf branches stay open
+    assert "additionalProperties" not in props["open"]
+    assert plan_schema({**base, "additionalProperties": True}, strict=True).schema == {
+        **base, "additionalProperties": True}

@@ -29,6 +29,8 @@ SCENARIOS = {
     "attention": "the CPU decode attention kernel over an fp32 and a bf16 KV pool, in turns",
     "timeline": "where a served step's time goes (per-process timelines); serving vs offline",
     "structured": "structured outputs: constrained vs free decoding, grammar compile times",
+    "structured-corpus": "real-world schemas and BFCL tool cases: accepted / valid / correct, "
+                         "constrained vs free tok/s (vs llama-server where built)",
 }
 USAGE = "usage: python -m tools.bench SCENARIO [flags]   (python -m tools.bench SCENARIO --help)"
 
