@@ -6,8 +6,9 @@ and (where built) llama-server (`--jinja`), side by side in one run.
             valid (the reply validates against the schema: jsonschema, formats checked)
   tools     every BFCL case with `tool_choice: "required"`: replies with a call, calls that
             parse and validate against their tool's parameters, correct by BFCL's answers
-  speed     output tok/s of the schema prompts constrained vs free, at batch 1 and 16,
-            constrained and free runs alternating on one server (the ratio is the figure)
+  speed     output tok/s of schema prompts constrained vs free, at batch 1 and 16: each free
+            request gets its constrained twin's length (max_tokens, ignore_eos), constrained
+            and free runs alternating on one server (the ratio is the figure)
 
 Greedy decoding, the same GGUF for both servers. The machine is shared: only the ratios
 inside one run mean much.
@@ -68,11 +69,14 @@ def schema_body(case: SchemaCase, strict: bool, max_tokens: int) -> dict[str, An
 def score_schemas(cases: list[SchemaCase], replies: list[Reply]) -> dict[str, Any]:
     accepted = finished = valid = 0
     invalid: list[str] = []
+    outcomes: dict[str, str] = {}
     for case, (status, body, _) in zip(cases, replies, strict=True):
         if status != 200:
+            outcomes[case.file] = f"refused: {str(body.get('error'))[:160]}"
             continue
         accepted += 1
         choice = body["choices"][0]
+        outcomes[case.file] = choice["finish_reason"]
         if choice["finish_reason"] != "stop":
             continue
         finished += 1
@@ -80,8 +84,9 @@ def score_schemas(cases: list[SchemaCase], replies: list[Reply]) -> dict[str, An
         valid += not violation
         if violation:
             invalid.append(f"{case.file}: {violation[:120]}")
+            outcomes[case.file] = f"invalid: {violation[:120]}"
     return {"n": len(cases), "accepted": accepted, "finished": finished, "valid": valid,
-            "invalid": invalid}
+            "invalid": invalid, "outcomes": outcomes}
 
 
 def tool_body(case: ToolCase, max_tokens: int) -> dict[str, Any]:
@@ -91,16 +96,19 @@ def tool_body(case: ToolCase, max_tokens: int) -> dict[str, Any]:
 
 def score_tools(cases: list[ToolCase], replies: list[Reply]) -> dict[str, Any]:
     with_call = valid = correct = 0
+    without: list[str] = []
     for case, (status, body, _) in zip(cases, replies, strict=True):
         calls = (body["choices"][0]["message"].get("tool_calls") or []) if status == 200 else []
         if not calls:
+            without.append(case.id)
             continue
         with_call += 1
         parsed = [_call(case, call) for call in calls]
         if all(arguments is not None for _, arguments in parsed):
             valid += 1
             correct += is_correct(case, parsed)  # type: ignore[arg-type]
-    return {"n": len(cases), "with_call": with_call, "valid": valid, "correct": correct}
+    return {"n": len(cases), "with_call": with_call, "valid": valid, "correct": correct,
+            "without_call": without}
 
 
 def _call(case: ToolCase, call: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
@@ -118,42 +126,60 @@ def _call(case: ToolCase, call: dict[str, Any]) -> tuple[str, dict[str, Any] | N
 
 async def speed(url: str, cases: list[SchemaCase], batch: int, max_tokens: int,
                 rounds: int) -> dict[str, float]:
-    """Output tok/s constrained and free over the same prompts, runs alternating."""
+    """Output tok/s constrained and free over the same prompts, runs alternating; each free
+    request decodes exactly as many tokens as its constrained twin did."""
     totals = {"constrained": [0, 0.0], "free": [0, 0.0]}
     for _ in range(rounds):
-        for kind in ("constrained", "free"):
-            bodies = [schema_body(case, False, max_tokens) for case in cases]
-            if kind == "free":
-                bodies = [{k: v for k, v in body.items() if k != "response_format"}
-                          for body in bodies]
-            start = time.perf_counter()
-            replies = await post_all(url, bodies, batch)
-            totals[kind][1] += time.perf_counter() - start
-            totals[kind][0] += sum(b.get("usage", {}).get("completion_tokens", 0)
-                                   for status, b, _ in replies if status == 200)
+        bodies = [schema_body(case, False, max_tokens) for case in cases]
+        lengths = await _timed(url, bodies, batch, totals["constrained"])
+        free = [{**{k: v for k, v in body.items() if k != "response_format"},
+                 "max_tokens": max(1, length), "ignore_eos": True}
+                for body, length in zip(bodies, lengths)]
+        await _timed(url, free, batch, totals["free"])
     rates = {kind: tokens / seconds for kind, (tokens, seconds) in totals.items()}
     return {**rates, "ratio": rates["constrained"] / rates["free"]}
 
 
-def run_server(url: str, args: argparse.Namespace, schemas: list[SchemaCase],
+async def _timed(url: str, bodies: list[dict[str, Any]], batch: int,
+                 total: list[float]) -> list[int]:
+    """Run the bodies; add (tokens, seconds) to total; each reply's completion tokens."""
+    start = time.perf_counter()
+    replies = await post_all(url, bodies, batch)
+    total[1] += time.perf_counter() - start
+    lengths = [b.get("usage", {}).get("completion_tokens", 0) if status == 200 else 0
+               for status, b, _ in replies]
+    total[0] += sum(lengths)
+    return lengths
+
+
+def run_server(name: str, url: str, args: argparse.Namespace, schemas: list[SchemaCase],
                tools: list[ToolCase]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for strict in (False, True):
+    for strict in (False, True) if "schemas" in args.sections else ():
         bodies = [schema_body(case, strict, args.max_tokens) for case in schemas]
-        out["strict" if strict else "best_effort"] = score_schemas(
-            schemas, asyncio.run(post_all(url, bodies, args.concurrency)))
-    replies = asyncio.run(post_all(url, [tool_body(c, args.max_tokens) for c in tools],
-                                   args.concurrency))
-    out["tools"] = score_tools(tools, replies)
-    out["tools_required_by_category"] = {
-        category: score_tools([c for c in tools if c.category == category],
-                              [r for c, r in zip(tools, replies) if c.category == category])
-        for category in dict.fromkeys(c.category for c in tools)}
+        mode = "strict" if strict else "best_effort"
+        out[mode] = score_schemas(schemas, asyncio.run(post_all(url, bodies, args.concurrency)))
+        _progress(name, f"schemas {mode}")
+    if "tools" in args.sections:
+        replies = asyncio.run(post_all(url, [tool_body(c, args.max_tokens) for c in tools],
+                                       args.concurrency))
+        out["tools"] = score_tools(tools, replies)
+        _progress(name, "tools")
+        out["tools_by_category"] = {
+            category: score_tools([c for c in tools if c.category == category],
+                                  [r for c, r in zip(tools, replies) if c.category == category])
+            for category in dict.fromkeys(c.category for c in tools)}
     fast = [c for c in schemas if c.file in args.speed_files] or schemas[:16]
-    for batch in args.batches:
+    for batch in args.batches if "speed" in args.sections else ():
         out[f"speed_batch_{batch}"] = asyncio.run(speed(
             url, fast[:max(batch, 4)], batch, args.speed_tokens, args.rounds))
+        _progress(name, f"speed at batch {batch}")
     return out
+
+
+def _progress(name: str, what: str) -> None:
+    print(f"# {time.strftime('%H:%M:%S')} {name}: {what} done (load average "
+          f"{os.getloadavg()[0]:.1f})", flush=True)
 
 
 @contextlib.contextmanager
@@ -164,12 +190,17 @@ def justapi_server(serve_args: list[str]) -> Iterator[str]:
 
 def show(name: str, figures: dict[str, Any]) -> None:
     for mode in ("best_effort", "strict"):
-        f = figures[mode]
-        print(f"{name:<13} schemas {mode:<11} accepted {f['accepted']}/{f['n']}  finished "
-              f"{f['finished']}  valid {f['valid']}/{f['finished']}")
-    t = figures["tools"]
-    print(f"{name:<13} tools required      with a call {t['with_call']}/{t['n']}  valid "
-          f"{t['valid']}  correct {t['correct']}")
+        if mode in figures:
+            f = figures[mode]
+            print(f"{name:<13} schemas {mode:<11} accepted {f['accepted']}/{f['n']}  finished "
+                  f"{f['finished']}  valid {f['valid']}/{f['finished']}")
+    if "tools" in figures:
+        t = figures["tools"]
+        print(f"{name:<13} tools required      with a call {t['with_call']}/{t['n']}  "
+              f"valid {t['valid']}  correct {t['correct']}")
+    for category, t in figures.get("tools_by_category", {}).items():
+        print(f"{name:<13}   {category:<17} with a call {t['with_call']}/{t['n']}  valid "
+              f"{t['valid']}  correct {t['correct']}")
     for key, value in figures.items():
         if key.startswith("speed_batch_"):
             print(f"{name:<13} {key.replace('_', ' '):<19} constrained {value['constrained']:.1f}"
@@ -184,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     schemas = schema_cases(root)[:args.num_schemas or None]
     tools = tool_cases(root)[:args.num_tools or None]
     servers = [("justapi", lambda: justapi_server(["--model", args.gguf, *args.serve_arg]))]
-    if args.llama_server and Path(args.llama_server).is_file():
+    if args.llama_server and Path(args.llama_server).is_file() and not args.justapi_only:
         servers.append(("llama-server", lambda: llama_server(
             args.llama_server, args.gguf, args.threads, ["--jinja", *args.peer_arg])))
     print(f"# load average {os.getloadavg()[0]:.2f}; servers: "
@@ -193,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     report = {}
     for name, start in servers:
         with start() as url:
-            report[name] = run_server(url, args, schemas, tools)
+            report[name] = run_server(name, url, args, schemas, tools)
         show(name, report[name])
     print(f"# load average at the end {os.getloadavg()[0]:.2f}")
     if args.json:
@@ -219,6 +250,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--speed-tokens", type=int, default=128)
     parser.add_argument("--speed-files", type=lambda s: s.split(","), default=[])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--sections", type=lambda s: s.split(","),
+                        default=["schemas", "tools", "speed"])
+    parser.add_argument("--justapi-only", action="store_true", help="no llama-server")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args(argv)
     args.gguf = resolve_model_path(args.gguf)
