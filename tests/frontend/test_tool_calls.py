@@ -28,6 +28,7 @@ from justapi.frontend.tools.grammar import ToolSpec, tool_call_lark
 from justapi.frontend.tools.json_scan import MalformedJson, ObjectScanner
 from justapi.frontend.tools.parser import ToolCallParser, new_call_id, parse_reply
 from justapi.frontend.tools.render import chat_inputs
+from justapi.frontend.tools.watch import ToolCallWatch
 from justapi.structured.tokenizer import from_tokenizer
 from tests.support.api_stack import chat_template, tokenizer
 
@@ -322,3 +323,26 @@ def test_generic_system_text_joins_an_existing_system_message():
     assert messages[0]["content"].startswith("Be brief.\n\nYou can call the following tools:")
     plain, _ = chat_inputs(HISTORY[:1], TOOLS, GENERIC, describe_tools=False)
     assert plain == HISTORY[:1]  # tool_choice none: the prompt is untouched
+
+
+# --------------------------------------------------------------------- the reply's watch
+
+def test_the_watch_ends_a_reply_at_a_repeated_call_and_never_shows_it():
+    first = '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}'
+    same = '{"name": "get_weather", "arguments": {"days": 2, "city": "Oslo"}}'  # keys reordered
+    other = '{"name": "get_time", "arguments": {}}'
+    text = '{"tool_calls": [' + ", ".join([first, other, same, other]) + "]}"
+    for size in (1, 3, 7, len(text)):
+        watch = ToolCallWatch(GENERIC, {}, None, is_required=True)
+        shown, ended = "", False
+        for at in range(0, len(text), size):
+            piece, ended = watch.feed(text[at:at + size])
+            shown += piece
+            if ended:
+                break
+        assert ended and [c.name for c in watch.calls] == ["get_weather", "get_time"]
+        assert shown == '{"tool_calls": [' + first + ", " + other  # the repeat never shows
+        assert watch.feed("more") == ("", True)
+    calm = ToolCallWatch(GENERIC, {}, None, is_required=True)
+    shown, ended = calm.feed('{"tool_calls": [' + first + ", " + other + "]}")
+    assert not ended and shown + calm.flush() == '{"tool_calls": [' + first + ", " + other + "]}"
