@@ -3,8 +3,10 @@
 A Generation submits one SubmitRequest through the EngineClient and turns its token deltas
 into GenerationOutputs: new text (never a broken UTF-8 sequence, never a stop string or the
 token that ended the request), the new token ids, per-token logprobs when asked, and the
-finish reason. A matched stop string aborts the scheduler request at once. Latency and
-token metrics are recorded on the way. Owns: one request's text state. Does not own: API
+finish reason. A matched stop string aborts the scheduler request at once, and so does an
+OutputWatch that ends the output (a tool reply repeating a call); the watch also hears how
+the output finished (a structured reply is judged then). Latency and token metrics are
+recorded on the way. Owns: one request's text state. Does not own: API
 shapes (serving_*.py), the request stream (EngineClient), what text a token is (tokenizer).
 """
 from __future__ import annotations
