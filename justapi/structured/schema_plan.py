@@ -68,7 +68,9 @@ OTHER = "other"
 """Reported for an approximation llguidance warns of that APPROXIMATIONS does not name."""
 BEST_EFFORT_OPTIONS = {"lenient": True, "coerce_one_of": True}
 STRICT_HINT = " (the schema is strict; without \"strict\": true it would be approximated)"
-PLAN_CACHE_SIZE = 512
+PLAN_CACHE_SIZE = 256
+CACHED_MAX_CHARS = 1 << 16
+"""Plans of longer schemas are not kept (the cache stays under ~32 MiB whatever is sent)."""
 
 
 @dataclass(frozen=True)
@@ -88,10 +90,15 @@ class SchemaPlan:
 def plan_schema(schema: dict[str, Any], *, strict: bool) -> SchemaPlan:
     """The plan for `schema`; ValueError (`json_schema: ...`) for a strict schema with a
     keyword llguidance cannot enforce, or an invalid one."""
-    return _plan(json.dumps(schema, ensure_ascii=False), strict)
+    spec = json.dumps(schema, ensure_ascii=False)
+    return _cached_plan(spec, strict) if len(spec) <= CACHED_MAX_CHARS else _plan(spec, strict)
 
 
 @lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _cached_plan(spec: str, strict: bool) -> SchemaPlan:
+    return _plan(spec, strict)
+
+
 def _plan(spec: str, strict: bool) -> SchemaPlan:
     schema = json.loads(spec)
     if refs_stand_alone(schema):

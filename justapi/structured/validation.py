@@ -16,13 +16,17 @@ from jsonschema import FormatChecker, validators
 from jsonschema.exceptions import best_match
 
 VALIDATOR_CACHE_SIZE = 256
+CACHED_MAX_CHARS = 1 << 16
+"""Validators of longer schemas are built per reply, not kept."""
 MAX_VIOLATION_CHARS = 300
 
 
 def first_violation(schema_text: str, instance: Any) -> str:
     """The most relevant way `instance` breaks the schema ("" when it is valid)."""
     try:
-        error = best_match(_validator(schema_text).iter_errors(instance))
+        validator = _cached_validator(schema_text) if len(schema_text) <= CACHED_MAX_CHARS \
+            else _validator(schema_text)
+        error = best_match(validator.iter_errors(instance))
     except Exception as exc:  # a schema jsonschema cannot follow (an unresolvable $ref...)
         return f"the schema could not be applied: {type(exc).__name__}: {exc}"[
             :MAX_VIOLATION_CHARS]
@@ -42,6 +46,10 @@ def json_violation(schema_text: str, text: str) -> str:
 
 
 @lru_cache(maxsize=VALIDATOR_CACHE_SIZE)
+def _cached_validator(schema_text: str) -> Any:
+    return _validator(schema_text)
+
+
 def _validator(schema_text: str) -> Any:
     schema = json.loads(schema_text)
     return validators.validator_for(schema)(schema, format_checker=FormatChecker())
