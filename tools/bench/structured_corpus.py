@@ -155,7 +155,8 @@ async def _timed(url: str, bodies: list[dict[str, Any]], batch: int,
 def run_server(name: str, url: str, args: argparse.Namespace, schemas: list[SchemaCase],
                tools: list[ToolCase]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for strict in (False, True) if "schemas" in args.sections else ():
+    modes = (False, True) if name == "justapi" else (False,)  # llama-server has no strict mode
+    for strict in modes if "schemas" in args.sections else ():
         bodies = [schema_body(case, strict, args.max_tokens) for case in schemas]
         mode = "strict" if strict else "best_effort"
         out[mode] = score_schemas(schemas, asyncio.run(post_all(url, bodies, args.concurrency)))
@@ -223,13 +224,24 @@ def main(argv: list[str] | None = None) -> None:
           f"{len(tools)} tool cases", flush=True)
     report = {}
     for name, start in servers:
+        chosen = tools if name == "justapi" else _spread(tools, args.peer_num_tools)
         with start() as url:
-            report[name] = run_server(name, url, args, schemas, tools)
+            report[name] = run_server(name, url, args, schemas, chosen)
         show(name, report[name])
+        if args.json:  # after each server: a long run interrupted keeps what it measured
+            Path(args.json).write_text(json.dumps({"args": vars(args), "servers": report},
+                                                  indent=1))
     print(f"# load average at the end {os.getloadavg()[0]:.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "servers": report},
-                                              indent=1))
+
+
+def _spread(cases: list[ToolCase], limit: int) -> list[ToolCase]:
+    """At most `limit` cases (0: all), the same number from each category, in order."""
+    if not limit or limit >= len(cases):
+        return cases
+    categories = list(dict.fromkeys(case.category for case in cases))
+    per = max(1, limit // len(categories))
+    return [c for category in categories for c in
+            [c for c in cases if c.category == category][:per]]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -253,6 +265,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sections", type=lambda s: s.split(","),
                         default=["schemas", "tools", "speed"])
     parser.add_argument("--justapi-only", action="store_true", help="no llama-server")
+    parser.add_argument("--peer-num-tools", type=int, default=0,
+                        help="llama-server: at most N tool cases, spread over the categories "
+                             "(0: all)")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args(argv)
     args.gguf = resolve_model_path(args.gguf)
