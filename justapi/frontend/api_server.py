@@ -143,13 +143,17 @@ def _error_response(request: Request, error: ApiError) -> Response:
 def _add_generation_routes(app: FastAPI, serving: Serving) -> None:
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERRORS})
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _respond(request, create_completion(serving, body, time.perf_counter()))
+        headers: dict[str, str] = {}
+        return await _respond(request, create_completion(serving, body, time.perf_counter(),
+                                                         headers), headers)
 
     @app.post("/v1/chat/completions",
               responses={200: {"model": ChatCompletionResponse}, **ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        headers: dict[str, str] = {}
         return await _respond(request, create_chat_completion(serving, body,
-                                                              time.perf_counter()))
+                                                              time.perf_counter(), headers),
+                              headers)
 
     @app.post("/v1/responses", responses=ERRORS)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
@@ -170,10 +174,12 @@ def _add_embedding_routes(app: FastAPI, serving: Serving) -> None:
         return await _respond(request, create_embedding(serving, body, time.perf_counter()))
 
 
-async def _respond(request: Request, work: Awaitable[dict | AsyncIterator[bytes]]) -> Response:
+async def _respond(request: Request, work: Awaitable[dict | AsyncIterator[bytes]],
+                   headers: dict[str, str] | None = None) -> Response:
     """Run a handler while watching for the client going away: a disconnect cancels the work
     (whose cleanup aborts its scheduler requests). A stream is handed to StreamingResponse,
-    whose own disconnect watch cancels it the same way."""
+    whose own disconnect watch cancels it the same way. `headers`: the handler's own, set by
+    the time it returns."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -186,8 +192,11 @@ async def _respond(request: Request, work: Awaitable[dict | AsyncIterator[bytes]
         return Response(status_code=CLIENT_CLOSED_STATUS)
     result = task.result()
     if isinstance(result, dict):
-        return json_response(result)
-    return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
+        response = json_response(result)
+        response.headers.update(headers or {})
+        return response
+    return StreamingResponse(result, media_type="text/event-stream",
+                             headers={**SSE_HEADERS, **(headers or {})})
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
 
 from justapi.frontend.errors import ApiError
-from justapi.frontend.generation import Generation, GenerationOutput
+from justapi.frontend.generation import Generation, GenerationOutput, OutputWatch, TextOptions
 from justapi.frontend.openai_models import GenerationFields
 from justapi.frontend.prompts import Prompt
 from justapi.frontend.request_sampling import derive_seed
@@ -36,6 +36,13 @@ class OutputRules:
     """Keep special tokens in the text (a tool-call trigger that is one)."""
     param: str = ""
     """The request field that carried `structured` (for a 400 naming it)."""
+    approximated: tuple[str, ...] = ()
+    """Schema keywords compiled best effort as a closer form (reported in a header)."""
+    watch: Callable[[], OutputWatch] | None = None
+    """Each choice's watch over its text (a structured reply's check, tool calls)."""
+
+    def text_options(self, options: TextOptions) -> TextOptions:
+        return replace(options, watch=self.watch) if self.watch is not None else options
 
     def refusal(self, error: str | None) -> ApiError | None:
         """A 400 when the engine could not compile the constraint against the vocabulary (the
@@ -62,7 +69,8 @@ def start_choices(serving: Serving, request: GenerationFields, prompts: list[Pro
             seed = None if request.seed is None else derive_seed(request.seed, j)
             sampling = rules.sampling_for(request, limit, logprobs, seed,
                                           structured=output.structured)
-            options = rules.text_options(sampling, stop, output.show_special_tokens)
+            options = output.text_options(
+                rules.text_options(sampling, stop, output.show_special_tokens))
             plans.append((prompt.token_ids, sampling, options))
     serving.check_available(len(plans))  # everything validated: only now submit
     serving.log_request("HTTP", prompts, plans[0][1])

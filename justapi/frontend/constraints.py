@@ -4,21 +4,31 @@ Reads the constraint fields of every engine whose clients we serve: OpenAI's res
 (json_object, json_schema), vLLM's structured_outputs (and its older guided_* fields),
 llama-server's grammar / json_schema and SGLang's regex / ebnf. At most one constraint per
 request (two are a 400 naming the second); each is checked (justapi.structured) before
-anything runs, so a schema or grammar that cannot be compiled is a 400 naming the unsupported
-feature and the field, never an unconstrained answer. Owns: that mapping. Does not own: what
-the grammars accept (justapi/structured/) or tool calls (tools/).
+anything runs, never an unconstrained answer. A JSON Schema compiles exactly when its request
+says `"strict": true` (a keyword that cannot be enforced is a 400 naming it and the field),
+best effort otherwise (justapi/structured/schema_plan.py: what cannot be enforced is
+approximated and reported). Owns: that mapping. Does not own: what the grammars accept
+(justapi/structured/) or tool calls (tools/).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
+from justapi.frontend.choices import OutputRules
 from justapi.frontend.errors import ApiError
 from justapi.frontend.openai_models import OutputConstraintFields, StructuredOutputs
+from justapi.frontend.structured_replies import JsonReplyCheck, StructuredMetrics
 from justapi.sampling import StructuredOutput
 from justapi.structured import check_structured
+from justapi.structured.schema_plan import plan_schema
+
+APPROXIMATED_HEADER = "X-Schema-Approximated"
+"""Response header: the schema keywords best effort approximated, comma-separated."""
 
 
 @dataclass(frozen=True)
@@ -26,7 +36,13 @@ class Constraint:
     """One checked constraint and the request field it came from (for error messages)."""
 
     structured: StructuredOutput
+    """What is compiled (a best-effort schema: its approximated form)."""
     param: str
+    schema_text: str = ""
+    """json_schema: the user's own schema (replies are judged against it)."""
+    is_strict: bool = False
+    approximated: tuple[str, ...] = ()
+    """Keywords best effort replaced by a closer enforceable form."""
 
 
 def request_constraint(request: OutputConstraintFields) -> Constraint | None:
@@ -38,12 +54,48 @@ def request_constraint(request: OutputConstraintFields) -> Constraint | None:
                        f"{found[1].param}", param=found[1].param)
     if not found:
         return None
-    check(found[0])
-    return found[0]
+    return planned(found[0])
+
+
+def planned(constraint: Constraint) -> Constraint:
+    """The constraint as it compiles: a JSON Schema planned (strict or best effort), any other
+    kind checked; ApiError (400, param = the field) when it cannot compile."""
+    structured = constraint.structured
+    if structured.kind != "json_schema":
+        check(constraint)
+        return constraint
+    if constraint.schema_text:
+        return constraint  # planned already
+    try:
+        plan = plan_schema(json.loads(structured.spec), strict=constraint.is_strict)
+    except ValueError as exc:
+        raise ApiError(f"{constraint.param}: {exc}", param=constraint.param) from None
+    return dataclasses.replace(
+        constraint, structured=dataclasses.replace(structured, spec=plan.spec),
+        schema_text=structured.spec, approximated=plan.approximated)
+
+
+def output_rules(metrics: StructuredMetrics, constraint: Constraint | None) -> OutputRules:
+    """What the request's output must be (and how it is judged once finished); counts the
+    keywords its schema approximated."""
+    if constraint is None:
+        return OutputRules()
+    metrics.count_approximated(constraint.approximated)
+    watch = None
+    if constraint.schema_text:
+        watch = partial(JsonReplyCheck, metrics, constraint.schema_text, constraint.is_strict,
+                        constraint.param)
+    return OutputRules(constraint.structured, param=constraint.param,
+                       approximated=constraint.approximated, watch=watch)
+
+
+def approximated_header(keywords: tuple[str, ...]) -> dict[str, str]:
+    """The response header naming approximated keywords (none: no header)."""
+    return {APPROXIMATED_HEADER: ", ".join(keywords)} if keywords else {}
 
 
 def check(constraint: Constraint) -> None:
-    """ApiError (400, param = the field) unless the constraint compiles."""
+    """ApiError (400, param = the field) unless the constraint compiles as it is."""
     try:
         check_structured(constraint.structured)
     except ValueError as exc:
@@ -75,11 +127,13 @@ def _response_format(request: OutputConstraintFields) -> Iterator[Constraint]:
     if response_format.schema_ is not None:  # llama-server's {"type": ..., "schema": {...}}
         yield _json_schema(response_format.schema_, "response_format.schema")
         return
-    schema = response_format.json_schema.schema_ if response_format.json_schema else None
-    if response_format.type == "json_object" or schema is None:
+    json_schema = response_format.json_schema
+    schema = json_schema.schema_ if json_schema else None
+    if response_format.type == "json_object" or json_schema is None or schema is None:
         yield _make("json_object", "", "response_format")
     else:
-        yield _json_schema(schema, "response_format.json_schema.schema")
+        yield _json_schema(schema, "response_format.json_schema.schema",
+                           is_strict=bool(json_schema.strict))
 
 
 def _structured_outputs(fields: StructuredOutputs, prefix: str) -> Iterator[Constraint]:
@@ -98,7 +152,8 @@ def _structured_outputs(fields: StructuredOutputs, prefix: str) -> Iterator[Cons
         yield _make("json_object", "", prefix + "json_object")
 
 
-def _json_schema(schema: dict[str, Any] | str, param: str) -> Constraint:
+def _json_schema(schema: dict[str, Any] | str, param: str, *,
+                 is_strict: bool = False) -> Constraint:
     """A schema object, or its JSON text (SGLang, vLLM accept both)."""
     if isinstance(schema, str):
         try:
@@ -107,7 +162,8 @@ def _json_schema(schema: dict[str, Any] | str, param: str) -> Constraint:
             raise ApiError(f"{param}: the schema is not JSON ({exc})", param=param) from None
     if not isinstance(schema, dict):
         raise ApiError(f"{param}: a JSON Schema must be an object", param=param)
-    return _make("json_schema", json.dumps(schema, ensure_ascii=False), param)
+    constraint = _make("json_schema", json.dumps(schema, ensure_ascii=False), param)
+    return dataclasses.replace(constraint, is_strict=is_strict)
 
 
 def _choice(choices: list[str], param: str) -> Constraint:

@@ -3,15 +3,18 @@
 A Generation submits one SubmitRequest through the EngineClient and turns its token deltas
 into GenerationOutputs: new text (never a broken UTF-8 sequence, never a stop string or the
 token that ended the request), the new token ids, per-token logprobs when asked, and the
-finish reason. A matched stop string aborts the scheduler request at once. Latency and
-token metrics are recorded on the way. Owns: one request's text state. Does not own: API
+finish reason. A matched stop string aborts the scheduler request at once, and so does an
+OutputWatch that ends the output (a tool reply repeating a call); the watch also hears how
+the output finished (a structured reply is judged then). Latency and token metrics are
+recorded on the way. Owns: one request's text state. Does not own: API
 shapes (serving_*.py), the request stream (EngineClient), what text a token is (tokenizer).
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from justapi.frontend.engine_client import EngineClient, RequestDelta
 from justapi.frontend.metrics import RequestTimer
@@ -26,6 +29,23 @@ from justapi.wire.protocol import FINISH_ABORT, FINISH_ERROR, FINISH_STOP, Submi
 logger = logging.getLogger(__name__)
 
 
+class OutputWatch(Protocol):
+    """Reads one generation's text as it is shown (after stop strings), and may end it early
+    (the request is then aborted and finishes with "stop"), e.g. at a repeated tool call."""
+
+    can_end: bool
+    """Whether feed may end the generation (its text then goes token by token)."""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(the text to show now, True to end the generation after it)."""
+
+    def flush(self) -> str:
+        """Text held back, at the end."""
+
+    def finished(self, finish_reason: str) -> None:
+        """The generation ended (every finish reason, "abort" included)."""
+
+
 @dataclass(frozen=True)
 class TextOptions:
     """How a request's tokens become text."""
@@ -37,6 +57,8 @@ class TextOptions:
     skip_special_tokens: bool = True
     with_logprobs: bool = False
     """Keep one TokenLogprob per token (and decode token by token, for text offsets)."""
+    watch: Callable[[], OutputWatch] | None = None
+    """Makes each generation's watch (a structured reply's check, the tool-call reader)."""
 
 
 @dataclass
@@ -76,6 +98,7 @@ class Generation:
             tokenizer, skip_special_tokens=options.skip_special_tokens,
             prompt_token_ids=request.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:].tolist())
         self._matcher = StopStringMatcher(list(options.stop)) if options.stop else None
+        self._watch = options.watch() if options.watch is not None else None
         self._num_chars = 0
         self._stream = engine.submit(request)
 
@@ -134,8 +157,11 @@ class Generation:
         if (delta.finish_reason == FINISH_STOP and token_ids
                 and token_ids[-1] in self._options.hidden_token_ids):
             shown = token_ids[:-1]
-        if self._matcher is None and not self._options.with_logprobs:
-            output = GenerationOutput(self._detokenizer.add(shown), token_ids)
+        if self._matcher is None and not self._options.with_logprobs and not (
+                self._watch is not None and self._watch.can_end):
+            text = self._detokenizer.add(shown)
+            output = GenerationOutput(self._watch.feed(text)[0] if self._watch else text,
+                                      token_ids)
         else:
             output = self._token_by_token(delta, shown)
         if delta.finish_reason and not self.finish_reason:
@@ -171,12 +197,10 @@ class Generation:
                 logprobs.append(TokenLogprob(token_id, logprob, top, num_chars))
             if index >= len(shown):
                 break  # the hidden stop token: counted, never shown
-            text = self._detokenizer.add([token_id])
-            if self._matcher is not None:
-                text, matched = self._matcher.feed(text)
-                if matched:
-                    texts.append(text)
-                    return self._stopped_by_string(delta.token_ids, index + 1, texts, logprobs)
+            text, matched = self._shown(self._detokenizer.add([token_id]))
+            if matched:
+                texts.append(text)
+                return self._stopped_by_string(delta.token_ids, index + 1, texts, logprobs)
             texts.append(text)
             num_chars += len(text)
         return GenerationOutput("".join(texts), delta.token_ids, logprobs=logprobs)
@@ -190,16 +214,34 @@ class Generation:
         self._finish(FINISH_STOP)
         return GenerationOutput("".join(texts), token_ids[:num_kept], FINISH_STOP, logprobs)
 
+    def _shown(self, text: str) -> tuple[str, bool]:
+        """New text through the stop strings, then the watch; True: the output ends here."""
+        matched = False
+        if self._matcher is not None:
+            text, matched = self._matcher.feed(text)
+        if self._watch is not None:
+            text, ended = self._watch.feed(text)
+            matched = matched or ended
+        return text, matched
+
     def _flush(self) -> tuple[str, bool]:
-        """The text held back at the end (incomplete bytes, a possible stop-string start);
-        and whether a stop string matched in it."""
-        text = self._detokenizer.flush()
-        if self._matcher is None:
-            return text, False
-        text, matched = self._matcher.feed(text)
-        return (text, True) if matched else (text + self._matcher.flush(), False)
+        """The text held back at the end (incomplete bytes, a possible stop-string start, what
+        the watch held); and whether a stop string matched (or the watch ended) in it."""
+        text, matched = self._shown(self._detokenizer.flush())
+        if matched:
+            return text, True
+        if self._matcher is not None:
+            held = self._matcher.flush()
+            if self._watch is not None:
+                held, matched = self._watch.feed(held)
+            text += held
+        if self._watch is not None and not matched:
+            text += self._watch.flush()
+        return text, matched
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
+        if self._watch is not None:
+            self._watch.finished(reason)
         if self._timer is not None:
             self._timer.on_finish(reason)

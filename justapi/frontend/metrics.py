@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from justapi.frontend.failure_metrics import RequestFailures
 from justapi.frontend.monotonic import MonotonicTotal
 from justapi.frontend.router_metrics import RouterGaugesCollector
+from justapi.frontend.structured_replies import StructuredMetrics
 from justapi.wire.protocol import SchedulerStats
 
 PREFIX = "justapi:"
@@ -396,6 +397,7 @@ class FrontendMetrics:
         self.failures = RequestFailures(model_name, stats_source)  # by stage (faults.py)
         reg.register(self.failures)
         reg.register(RouterGaugesCollector(model_name, stats_source))  # vllm: names
+        self.structured = StructuredMetrics(reg, model_name, PREFIX)
 
     def start_request(self, num_prompt_tokens: int, arrival_s: float | None = None) -> RequestTimer:
         """arrival_s is a time.perf_counter() reading; default now."""

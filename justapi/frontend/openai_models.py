@@ -33,7 +33,8 @@ class JsonSchemaFormat(RequestModel):
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     """The JSON Schema the reply must validate against (omitted: any JSON object)."""
     strict: bool | None = None
-    """Accepted; the schema is enforced either way."""
+    """true: every keyword is enforced exactly, one that cannot be is a 400; otherwise best
+    effort (approximated keywords are reported: docs/structured-outputs.md)."""
 
 
 class ResponseFormat(RequestModel):
@@ -160,7 +161,7 @@ class FunctionDefinition(RequestModel):
     parameters: dict[str, Any] | None = None
     """A JSON Schema of the arguments object (omitted: no arguments)."""
     strict: bool | None = None
-    """Accepted; with tool_choice required or a named tool the schema is enforced either way."""
+    """true: `parameters` compiles exactly or is a 400; otherwise best effort."""
 
 
 class ToolDefinition(RequestModel):

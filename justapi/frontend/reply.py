@@ -111,7 +111,7 @@ def whole_reply(rules: ReplyRules, output: GenerationOutput) -> Reply:
     calls: list[ToolCall] = []
     finish_reason = output.finish_reason
     if rules.plan is not None:
-        content, calls = parse_reply(rules.plan.tool_format, text)
+        content, calls = parse_reply(rules.plan.tool_format, text, finish_reason)
         if calls and finish_reason == FINISH_STOP:
             finish_reason = FINISH_TOOL_CALLS
     tokens = splitter.reasoning_tokens if splitter else 0

@@ -18,7 +18,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from justapi.frontend.choices import OutputRules, collect_choices, start_choices, usage
-from justapi.frontend.constraints import Constraint, check, request_constraint
+from justapi.frontend.constraints import (
+    Constraint,
+    approximated_header,
+    check,
+    output_rules,
+    request_constraint,
+)
 from justapi.frontend.errors import ApiError
 from justapi.frontend.generation import Generation, GenerationOutput, TokenLogprob
 from justapi.frontend.openai_models import ChatCompletionRequest, ChatMessage, ToolDefinition
@@ -27,12 +33,7 @@ from justapi.frontend.reply import ReplyReader, ReplyRules, whole_reply
 from justapi.frontend.serving import Serving
 from justapi.frontend.sse import stream_choices
 from justapi.frontend.tools.render import chat_inputs
-from justapi.frontend.tools.request import (
-    ToolPlan,
-    special_token_id,
-    tool_constraint,
-    tool_plan,
-)
+from justapi.frontend.tools.request import ToolPlan, tool_output_rules, tool_plan
 from justapi.sampling import MAX_TOP_LOGPROBS, StructuredOutput
 
 
@@ -46,6 +47,11 @@ class ChatRun:
     output: OutputRules
     logprobs: int | None
     """top_logprobs width; None: no logprobs."""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The response's own headers (the schema keywords compiled as a closer form)."""
+        return approximated_header(self.output.approximated)
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict]:
@@ -103,9 +109,13 @@ def request_prompt(serving: Serving, request: ChatCompletionRequest,
 
 
 async def create_chat_completion(serving: Serving, request: ChatCompletionRequest,
-                                 arrival_s: float) -> dict | AsyncIterator[bytes]:
-    """A full response dict, or (stream=True) an async iterator of SSE event bytes."""
+                                 arrival_s: float, headers: dict[str, str] | None = None
+                                 ) -> dict | AsyncIterator[bytes]:
+    """A full response dict, or (stream=True) an async iterator of SSE event bytes; the
+    response's own headers are added to `headers`."""
     run = start_chat(serving, request, arrival_s)
+    if headers is not None:
+        headers.update(run.headers)
     header = {"id": serving.new_id("chatcmpl"), "object": "chat.completion",
               "created": int(time.time()), "model": serving.config.model_name}
     chunks = ChatChunks(serving, run)
@@ -127,22 +137,26 @@ def chat_output_rules(serving: Serving, request: ChatCompletionRequest,
     if plan is None:
         if response is None:
             return OutputRules()
-        return OutputRules(_after_thinking(rules, response), param=response.param)
+        return _after_thinking(rules, response, output_rules(serving.metrics.structured, response))
     if response is not None:
         raise ApiError(f"a request takes one output constraint; got tools and {response.param}",
                        param=response.param)
-    trigger_id = special_token_id(serving.tokenizer, plan.tool_format.trigger)
-    constraint = tool_constraint(plan, serving.tokenizer)
-    return OutputRules(_after_thinking(rules, constraint),
-                       show_special_tokens=trigger_id is not None, param="tools")
+    tools = tool_output_rules(plan, serving.tokenizer, serving.metrics.structured)
+    if tools.structured is None:
+        return tools
+    return _after_thinking(rules, Constraint(tools.structured, "tools"), tools)
 
 
-def _after_thinking(rules: ReplyRules, constraint: Constraint) -> StructuredOutput:
+def _after_thinking(rules: ReplyRules, constraint: Constraint,
+                    output: OutputRules) -> OutputRules:
+    """The output rules with the grammar applied after the thinking block, for a reasoning
+    model. Its reply then carries the thinking too, so the output's watch (which reads the
+    answer alone) is left out there."""
     structured = rules.reasoning.after_thinking(constraint.structured, rules.prompt_text)
     if structured is None or structured is constraint.structured:
-        return constraint.structured
+        return output
     check(replace(constraint, structured=structured))
-    return structured
+    return replace(output, structured=structured, watch=None)
 
 
 def chat_prompt(serving: Serving, messages: list[ChatMessage], tools: list[ToolDefinition] | None,
@@ -193,10 +207,11 @@ class ChatChunks:
         reply = whole_reply(self._run.rules, output)
         self._reasoning_tokens[index] = reply.reasoning_tokens
         message: dict = {"role": "assistant", "content": reply.content}
-        if not reply.tool_calls:
-            message["content"] = reply.content or ""
-        else:
+        if reply.tool_calls:
             message["tool_calls"] = [call.to_openai() for call in reply.tool_calls]
+        elif self._run.rules.plan is None:
+            message["content"] = reply.content or ""
+        # else a calls-only reply cut before its first call: content null, no calls
         if self._run.rules.has_reasoning:
             message["reasoning_content"] = message["reasoning"] = reply.reasoning
         return {"index": index, "message": message, "logprobs": self.logprobs(output),

@@ -14,12 +14,11 @@ from collections.abc import AsyncIterator
 
 from justapi.frontend.choices import (
     MAX_CHOICES,
-    OutputRules,
     collect_choices,
     start_choices,
     usage,
 )
-from justapi.frontend.constraints import request_constraint
+from justapi.frontend.constraints import approximated_header, output_rules, request_constraint
 from justapi.frontend.errors import ApiError
 from justapi.frontend.generation import GenerationOutput, TokenLogprob
 from justapi.frontend.openai_models import CompletionRequest
@@ -56,17 +55,19 @@ def check_supported(request: CompletionRequest) -> None:
         raise ApiError("stream_options needs stream: true", param="stream_options")
 
 
-async def create_completion(serving: Serving, request: CompletionRequest,
-                            arrival_s: float) -> dict | AsyncIterator[bytes]:
-    """A full response dict, or (stream=True) an async iterator of SSE event bytes."""
+async def create_completion(serving: Serving, request: CompletionRequest, arrival_s: float,
+                            headers: dict[str, str] | None = None) -> dict | AsyncIterator[bytes]:
+    """A full response dict, or (stream=True) an async iterator of SSE event bytes; the
+    response's own headers are added to `headers`."""
     serving.check_model(request.model)
     check_supported(request)
     constraint = request_constraint(request)
     prompts = completion_prompts(serving, request.prompt, request.n)
     limits = [serving.prompts.max_tokens_for(request.max_tokens, len(p.token_ids))
               for p in prompts]
-    output = OutputRules(constraint.structured, param=constraint.param) if constraint \
-        else OutputRules()
+    output = output_rules(serving.metrics.structured, constraint)
+    if headers is not None:
+        headers.update(approximated_header(output.approximated))
     generations = start_choices(serving, request, prompts, limits, request.logprobs, arrival_s,
                                 output=output)
     header = {"id": serving.new_id("cmpl"), "object": "text_completion",

@@ -24,7 +24,7 @@ import zmq.asyncio
 from pydantic import ValidationError
 
 from justapi.frontend.choices import OutputRules
-from justapi.frontend.constraints import Constraint, check
+from justapi.frontend.constraints import Constraint, planned
 from justapi.frontend.errors import ApiError, from_validation_errors
 from justapi.frontend.generation import Generation, GenerationOutput
 from justapi.frontend.openai_models import ChatCompletionRequest
@@ -140,7 +140,8 @@ class ZmqServer:
         stop = rules.stop_strings([str(s) for s in submit.stop])
         serving.check_available()
         serving.log_request("ZMQ", [Prompt(token_ids, submit.prompt or None)], sampling)
-        options = rules.text_options(sampling, stop, output.show_special_tokens)
+        options = output.text_options(
+            rules.text_options(sampling, stop, output.show_special_tokens))
         generation = serving.start(token_ids, sampling, options, time.perf_counter(), priority)
         return generation, ToolReply(plan.tool_format) if plan else None
 
@@ -218,8 +219,9 @@ def _chat_request(submit: SubmitGeneration) -> ChatCompletionRequest:
 def _constrained(sampling: SamplingParams, structured: StructuredOutput | None) -> SamplingParams:
     """The client's own constraint (checked here, as the HTTP fields are), or the tools'."""
     if structured is None:
-        if sampling.structured is not None:
-            check(Constraint(sampling.structured, "sampling.structured"))
+        if sampling.structured is not None:  # a JSON Schema compiles best effort
+            own = planned(Constraint(sampling.structured, "sampling.structured"))
+            return dataclasses.replace(sampling, structured=own.structured)
         return sampling
     if sampling.structured is not None:
         raise ApiError("a request takes one output constraint; got tool_options and "

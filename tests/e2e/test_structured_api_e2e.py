@@ -2,7 +2,10 @@
 the file), real grammars over the real vocabulary. Every reply that ends with "stop" parses and
 validates (the jsonschema package judges), regex and choice constraints hold, required tool
 calls parse and validate, a streamed call assembles into the non-streamed one, and the official
-client's parse helpers work."""
+client's parse helpers work. On the shared real-world corpora (skipped where absent): a sample
+of SchemaStore schemas, best effort and strict, whose finished replies break no keyword but
+the approximated ones; BFCL cases whose required replies all carry calls that validate; and
+streamed tool replies equal to whole ones call for call, cut-off replies included."""
 from __future__ import annotations
 
 import json
@@ -16,6 +19,8 @@ import openai
 import pydantic
 import pytest
 
+from justapi.structured.schema_plan import plan_schema
+from tools.corpora import corpora_dir, schema_cases, tool_cases
 from tools.harness import ServedPool
 
 pytestmark = pytest.mark.slow
@@ -177,12 +182,10 @@ def test_streamed_tool_call_assembles_into_the_same_call(pool):
             if not line.startswith("data: {"):
                 continue
             choice = json.loads(line[len("data: "):])["choices"][0]
-            for delta in choice["delta"].get("tool_calls", []):
-                if "id" in delta:
-                    calls[delta["index"]] = {"name": delta["function"]["name"],
-                                             "arguments": delta["function"]["arguments"]}
-                else:
-                    calls[delta["index"]]["arguments"] += delta["function"]["arguments"]
+            for delta in choice["delta"].get("tool_calls", []):  # each call whole, once
+                assert delta["index"] not in calls and delta["id"]
+                calls[delta["index"]] = {"name": delta["function"]["name"],
+                                         "arguments": delta["function"]["arguments"]}
             finish = choice["finish_reason"] or finish
     assert finish == whole["finish_reason"] == "tool_calls"
     assert [calls[0]] == [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
@@ -217,3 +220,129 @@ def test_openai_client_parse_and_tools_helpers(pool):
     choice = completion.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert isinstance(choice.message.tool_calls[0].function.parsed_arguments, GetWeather)
+
+
+# --------------------------------------------------------------------- the shared corpora
+CORPORA = corpora_dir()
+needs_corpora = pytest.mark.skipif(CORPORA is None, reason="no shared corpora beside the "
+                                   "checkout (../shared/corpora, or set JUSTAPI_CORPORA)")
+NUM_SAMPLE_SCHEMAS = 5
+"""The smallest schemas of the corpus (their replies are short): formats, look-around
+patterns, conditionals and oneOf among them."""
+SAMPLE_TOOL_CASES = ("simple_python_100", "multiple_1", "parallel_0", "parallel_multiple_1")
+CORPUS_MAX_TOKENS = 96
+
+
+def _replies_counted(pool) -> dict[tuple[str, str], float]:
+    """structured_replies_total by (kind, result)."""
+    text = httpx.get(f"{pool.base_url}/metrics", timeout=10).text
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        found = re.match(r'justapi:structured_replies_total\{(.*)\} (\S+)$', line)
+        if found:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', found.group(1)))
+            key = (labels["kind"], labels["result"])
+            out[key] = out.get(key, 0.0) + float(found.group(2))
+    return out
+
+
+def _errors(schema: dict, text: str) -> list:
+    validator = jsonschema.validators.validator_for(schema)(
+        schema, format_checker=jsonschema.FormatChecker())
+    return list(validator.iter_errors(json.loads(text)))
+
+
+@needs_corpora
+def test_corpus_schemas_best_effort_and_strict(pool):
+    """Every sampled schema is accepted best effort, the header names what was approximated,
+    and every finished reply breaks no keyword but those; strict replies break none."""
+    cases = sorted(schema_cases(CORPORA), key=lambda c: len(json.dumps(c.schema)))
+    cases = cases[:NUM_SAMPLE_SCHEMAS]
+    plans = [plan_schema(case.schema, strict=False) for case in cases]
+    jobs = [(case, plan, False) for case, plan in zip(cases, plans)]
+    jobs += [(case, plan, True) for case, plan in zip(cases, plans) if not plan.approximated]
+    assert any(plan.approximated for plan in plans) and any(strict for *_, strict in jobs)
+    before = _replies_counted(pool)
+
+    def ask(job) -> httpx.Response:
+        case, _, strict = job
+        return httpx.post(f"{pool.base_url}/v1/chat/completions", timeout=600, json={
+            "messages": [{"role": "user", "content": case.prompt}], "temperature": 0,
+            "max_tokens": CORPUS_MAX_TOKENS, "response_format": {"type": "json_schema",
+            "json_schema": {"name": "reply", "schema": case.schema, "strict": strict}}})
+
+    with ThreadPoolExecutor(len(jobs)) as threads:
+        responses = list(threads.map(ask, jobs))
+    num_finished = 0
+    for (case, plan, strict), response in zip(jobs, responses, strict=True):
+        assert response.status_code == 200, (case.file, response.text)
+        header = response.headers.get("x-schema-approximated")
+        assert header == (", ".join(plan.approximated) or None), case.file
+        choice = response.json()["choices"][0]
+        if choice["finish_reason"] != "stop":
+            continue
+        num_finished += 1
+        broken = {error.validator for error in _errors(case.schema, choice["message"]["content"])}
+        assert broken <= (set() if strict else set(plan.approximated)), (case.file, broken)
+    assert num_finished >= len(jobs) // 2, [r.json()["choices"][0] for r in responses]
+    after = _replies_counted(pool)
+    judged = sum(after.get(("json_schema", r), 0) - before.get(("json_schema", r), 0)
+                 for r in ("valid", "invalid"))
+    assert judged == num_finished  # each finished reply was judged (and counted) by the server
+
+
+def _tool_case(case_id: str):
+    return next(case for case in tool_cases(CORPORA) if case.id == case_id)
+
+
+def _tool_body(case, max_tokens: int = CORPUS_MAX_TOKENS) -> dict:
+    return {"messages": case.messages, "tools": case.tools, "tool_choice": "required",
+            "max_tokens": max_tokens, "temperature": 0}
+
+
+@needs_corpora
+def test_corpus_required_tool_replies_carry_calls_that_validate(pool):
+    cases = [_tool_case(case_id) for case_id in SAMPLE_TOOL_CASES]
+    replies = _all(pool, "/v1/chat/completions", [_tool_body(case) for case in cases])
+    for case, reply in zip(cases, replies, strict=True):
+        choice = reply["choices"][0]
+        calls = choice["message"].get("tool_calls")
+        assert calls and choice["finish_reason"] in ("tool_calls", "length"), (case.id, choice)
+        assert choice["message"]["content"] is None
+        parameters = {t["function"]["name"]: t["function"]["parameters"] for t in case.tools}
+        for call in calls:
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                parameters[call["function"]["name"]])
+
+
+def _streamed_calls(pool, body: dict) -> tuple[list[tuple[str, str]], str | None, str]:
+    calls, finish, content = [], None, ""
+    with httpx.stream("POST", f"{pool.base_url}/v1/chat/completions", timeout=600,
+                      json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            content += choice["delta"].get("content") or ""
+            for delta in choice["delta"].get("tool_calls", []):
+                assert delta["index"] == len(calls)  # each call once, whole
+                calls.append((delta["function"]["name"], delta["function"]["arguments"]))
+            finish = choice["finish_reason"] or finish
+    return calls, finish, content
+
+
+@needs_corpora
+def test_corpus_streamed_tool_replies_equal_whole_ones_even_cut_off(pool):
+    case = _tool_case("parallel_0")
+    whole = _post(pool, "/v1/chat/completions", _tool_body(case))
+    num_tokens = whole["usage"]["completion_tokens"]
+    cut = {**_tool_body(case), "max_tokens": max(2, num_tokens - 4)}  # inside the last call
+    cut_reply = _post(pool, "/v1/chat/completions", cut)
+    assert cut_reply["choices"][0]["finish_reason"] == "length"
+    for body, reply in ((_tool_body(case), whole), (cut, cut_reply)):
+        choice = reply["choices"][0]
+        expected = [(c["function"]["name"], c["function"]["arguments"])
+                    for c in choice["message"].get("tool_calls") or []]
+        calls, finish, content = _streamed_calls(pool, body)
+        assert (calls, finish, content) == (expected, choice["finish_reason"], ""), body
+        assert choice["message"]["content"] is None  # no call JSON as content, cut or not

@@ -78,7 +78,11 @@ CHAT_CASES = [
     ("response format type", {"messages": CHAT, "response_format": {"type": "xml"}},
      "response_format.type"),
     ("unsupported schema keyword", {"messages": CHAT, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+        "type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                               "schema": {"not": {}}}}},
+     "response_format.json_schema.schema"),
+    ("invalid schema", {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
      "response_format.json_schema.schema"),
     ("two constraints", {"messages": CHAT, "response_format": {"type": "json_object"},
                          "regex": "[a-z]+"}, "regex"),

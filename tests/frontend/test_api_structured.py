@@ -21,6 +21,8 @@ from tests.support.api_stack import MODEL, run, serving_stack, sse_events, token
 CHAT = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 SCHEMA_TEXT = json.dumps(SCHEMA)
+SENT = ("json_schema", json.dumps({**SCHEMA, "additionalProperties": False}))
+"""What the scheduler gets: the object closed (it lists its properties, says nothing else)."""
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -33,23 +35,23 @@ CALL_TEXT = ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Par
 MAPPINGS = [
     ({"response_format": {"type": "json_object"}}, ("json_object", "")),
     ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "city", "schema": SCHEMA, "strict": True}}}, ("json_schema", SCHEMA_TEXT)),
+        "name": "city", "schema": SCHEMA, "strict": True}}}, SENT),
     ({"response_format": {"type": "text"}}, None),
     ({"response_format": {"type": "json_object", "schema": SCHEMA}},  # llama-server
-     ("json_schema", SCHEMA_TEXT)),
-    ({"response_format": {"type": "json_schema", "schema": SCHEMA}}, ("json_schema", SCHEMA_TEXT)),
-    ({"structured_outputs": {"json": SCHEMA}}, ("json_schema", SCHEMA_TEXT)),
-    ({"structured_outputs": {"json": SCHEMA_TEXT}}, ("json_schema", SCHEMA_TEXT)),
+     SENT),
+    ({"response_format": {"type": "json_schema", "schema": SCHEMA}}, SENT),
+    ({"structured_outputs": {"json": SCHEMA}}, SENT),
+    ({"structured_outputs": {"json": SCHEMA_TEXT}}, SENT),
     ({"structured_outputs": {"regex": "[0-9]{3}"}}, ("regex", "[0-9]{3}")),
     ({"structured_outputs": {"choice": ["yes", "no"]}}, ("choice", '["yes", "no"]')),
     ({"structured_outputs": {"grammar": 'root ::= "a"'}}, ("gbnf", 'root ::= "a"')),
     ({"structured_outputs": {"json_object": True}}, ("json_object", "")),
-    ({"guided_json": SCHEMA}, ("json_schema", SCHEMA_TEXT)),
+    ({"guided_json": SCHEMA}, SENT),
     ({"guided_regex": "a+"}, ("regex", "a+")),
     ({"guided_choice": ["x"]}, ("choice", '["x"]')),
     ({"guided_grammar": 'start: "a"'}, ("gbnf", 'start: "a"')),
-    ({"json_schema": SCHEMA}, ("json_schema", SCHEMA_TEXT)),       # llama-server
-    ({"json_schema": SCHEMA_TEXT}, ("json_schema", SCHEMA_TEXT)),  # SGLang
+    ({"json_schema": SCHEMA}, SENT),       # llama-server
+    ({"json_schema": SCHEMA_TEXT}, SENT),  # SGLang
     ({"grammar": 'root ::= [0-9]+'}, ("gbnf", "root ::= [0-9]+")),
     ({"regex": "b+"}, ("regex", "b+")),
     ({"ebnf": 'root ::= "b"'}, ("gbnf", 'root ::= "b"')),
@@ -57,11 +59,17 @@ MAPPINGS = [
 
 # (fields, param named by the 400)
 REFUSALS = [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                  "schema": {
         "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}},
      "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                  "schema": {
         "type": "string", "format": "bogus-format"}}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "strin"}}}}}},  # invalid: best effort too
+     "response_format.json_schema.schema"),
+    ({"guided_json": {"type": "object", "required": "a"}}, "guided_json"),
     ({"structured_outputs": {"regex": "(?=x)y"}}, "structured_outputs.regex"),
     ({"regex": "a(b"}, "regex"),
     ({"grammar": "root ::= (("}, "grammar"),
@@ -173,15 +181,11 @@ def test_streamed_tool_call_deltas_assemble_into_the_same_calls():
                 ChatCompletionChunk.model_validate(event)
                 choice = event["choices"][0]
                 for delta in choice["delta"].get("tool_calls", []):
-                    calls = assembled[choice["index"]]
-                    if "id" in delta:  # a call's first delta: id, type, name
-                        assert delta["type"] == "function" and delta["function"]["name"]
-                        calls[delta["index"]] = {"id": delta["id"], "type": "function",
-                                                 "function": dict(delta["function"])}
-                    else:
-                        assert set(delta) == {"index", "function"}
-                        calls[delta["index"]]["function"]["arguments"] += \
-                            delta["function"]["arguments"]
+                    calls = assembled[choice["index"]]  # each call whole, in one delta
+                    assert delta["type"] == "function" and delta["function"]["name"]
+                    assert delta["index"] not in calls
+                    calls[delta["index"]] = {"id": delta["id"], "type": "function",
+                                             "function": dict(delta["function"])}
                 assert not choice["delta"].get("content")
                 if choice["finish_reason"]:
                     finish[choice["index"]] = choice["finish_reason"]
@@ -237,8 +241,11 @@ def test_openai_client_parse_helpers():
     ([{"type": "function", "function": {"name": "bad name"}}], "auto", "tools.0.function.name"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], "auto",
      "tools.0.function.parameters"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {
+    ([{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
         "type": "object", "not": {}}}}], "required", "tools.0.function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}], "required",
+     "tools.0.function.parameters"),
     ([WEATHER_TOOL, WEATHER_TOOL], "auto", "tools"),
     (None, "required", "tool_choice"),
 ])
@@ -315,7 +322,7 @@ def test_zmq_client_constraints_and_tool_calls():
     async def scenario():
         async with zmq_stack(_call_script, max_context=1024) as (stack, server):
             constrained, chunks, completion, refusals = await use(server.endpoint)
-            assert stack.fake.submitted[0].sampling.structured == schema
+            assert stack.fake.submitted[0].sampling.structured.spec == SENT[1]
             assert constrained.finish_reason == "length"
             calls = assemble_tool_calls(d for c in chunks for d in c.tool_calls)
             assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [

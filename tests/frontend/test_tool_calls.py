@@ -1,6 +1,9 @@
 """Tool calls in the frontend: each family's format parsed whole and streamed (any chunking
-gives the same calls), the grammar accepting exactly what the parser reads, the format chosen
-from the template, and tools / past calls / tool results rendered through chat templates."""
+gives the same calls, each call whole in one delta), replies cut inside a call keeping their
+complete calls, Llama 3 calling only at the reply's start, Mistral v11's name[ARGS]{...}, the
+grammar accepting exactly what the parser reads (one call when parallel calls are off), the
+format chosen from the template, and tools / past calls / tool results rendered through chat
+templates."""
 from __future__ import annotations
 
 import json
@@ -16,13 +19,16 @@ from justapi.frontend.tools.formats import (
     HERMES,
     LLAMA3,
     MISTRAL,
+    MISTRAL_V11,
+    MISTRAL_V11_IDS,
     ToolFormat,
     detect_tool_format,
 )
 from justapi.frontend.tools.grammar import ToolSpec, tool_call_lark
 from justapi.frontend.tools.json_scan import MalformedJson, ObjectScanner
-from justapi.frontend.tools.parser import ToolCallParser, new_call_id
+from justapi.frontend.tools.parser import ToolCallParser, new_call_id, parse_reply
 from justapi.frontend.tools.render import chat_inputs
+from justapi.frontend.tools.watch import ToolCallWatch
 from justapi.structured.tokenizer import from_tokenizer
 from tests.support.api_stack import chat_template, tokenizer
 
@@ -36,8 +42,17 @@ ARGS = '{"city": "Z\\u00fcrich \\"}{", "days": [1, {"a": "]"}]}'  # braces insid
 CALLS = [("get_weather", ARGS), ("get_time", "{}")]
 
 
-def _calls_for(tool_format: ToolFormat) -> list[tuple[str, str]]:
-    return CALLS if tool_format.is_parallel else CALLS[:1]
+def _calls_for(tool_format: ToolFormat) -> list[tuple[str, ...]]:
+    calls = CALLS if tool_format.is_parallel else CALLS[:1]
+    if tool_format.id_marker:  # the model writes its own call ids
+        return [(name, arguments, f"id{index}abcdef") for index, (name, arguments)
+                in enumerate(calls)]
+    return calls
+
+
+def _prose(tool_format: ToolFormat) -> str:
+    """Text a reply may have before its calls (none where calls open the reply)."""
+    return "" if tool_format.is_start_only else "Let me check.\n"
 
 
 def _parse(tool_format: ToolFormat, text: str, chunk_sizes: list[int] | None = None):
@@ -52,13 +67,9 @@ def _parse(tool_format: ToolFormat, text: str, chunk_sizes: list[int] | None = N
     streamed: dict[int, dict] = {}
     for delta in (d for out in outputs for d in out.tool_calls):
         call = delta.to_openai()
-        if "id" in call:
-            assert delta.index == len(streamed) and call["type"] == "function"
-            streamed[delta.index] = {"id": call["id"], "type": "function",
-                                     "function": dict(call["function"])}
-        else:
-            assert set(call) == {"index", "function"} and set(call["function"]) == {"arguments"}
-            streamed[delta.index]["function"]["arguments"] += call["function"]["arguments"]
+        assert delta.index == len(streamed) and call["type"] == "function"  # whole, once
+        streamed[delta.index] = {"id": call["id"], "type": "function",
+                                 "function": dict(call["function"])}
     content = "".join(out.content for out in outputs)
     return content, [c.to_openai() for c in parser.calls], parser.is_malformed, list(
         streamed.values())
@@ -66,11 +77,13 @@ def _parse(tool_format: ToolFormat, text: str, chunk_sizes: list[int] | None = N
 
 @pytest.mark.parametrize("tool_format", list(FORMATS.values()), ids=list(FORMATS))
 def test_each_format_parses_whole_and_streamed(tool_format):
-    text = "Let me check.\n" + tool_format.write_calls(_calls_for(tool_format))
+    text = _prose(tool_format) + tool_format.write_calls(_calls_for(tool_format))
     content, calls, is_malformed, streamed = _parse(tool_format, text)
-    assert content == "Let me check." and not is_malformed
+    assert content == _prose(tool_format).strip() and not is_malformed
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
-        _calls_for(tool_format)
+        [call[:2] for call in _calls_for(tool_format)]
+    if tool_format.id_marker:
+        assert [c["id"] for c in calls] == [call[2] for call in _calls_for(tool_format)]
     assert json.loads(calls[0]["function"]["arguments"])["city"] == 'Zürich "}{'
     assert streamed == calls
     rng = random.Random(7)
@@ -87,16 +100,35 @@ def test_calls_only_and_text_only_replies():
         assert _parse(tool_format, text, [3] * 30)[:3] == (text, [], False)
 
 
-def test_arguments_stream_as_the_model_writes_them():
+def test_a_call_goes_out_whole_once_complete():
     parser = ToolCallParser(HERMES, new_id=lambda _: "c")
     first = parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"ci')
-    assert [d.to_openai() for d in first.tool_calls] == [
-        {"index": 0, "id": "c", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"ci'}}]
+    assert first.tool_calls == [] and first.content == ""
     second = parser.feed('ty": "Paris"}}\n</tool_call>')
     assert [d.to_openai() for d in second.tool_calls] == [
-        {"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]
+        {"index": 0, "id": "c", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
     assert parser.finish().content == ""
+
+
+@pytest.mark.parametrize("tool_format", list(FORMATS.values()), ids=list(FORMATS))
+def test_a_reply_cut_inside_a_call_keeps_its_complete_calls(tool_format):
+    """max_tokens (or a repeated call) ends a reply mid-call: the complete calls stay calls,
+    the unfinished one is dropped, and nothing of it is ever content, streamed or whole."""
+    calls = _calls_for(tool_format)
+    whole = _prose(tool_format) + tool_format.write_calls(calls)
+    last = tool_format.write_call(*calls[-1])
+    start = whole.rindex(last)
+    for cut in (start + 8, start + len(last) // 2, start + len(last) - 1):
+        text = whole[:cut]
+        content, got, is_malformed, streamed = _parse(tool_format, text, [3] * len(text))
+        assert not is_malformed and content == _prose(tool_format).strip()
+        assert [c["function"]["name"] for c in got] == [c[0] for c in calls[:-1]]
+        assert streamed == got
+        whole_content, whole_calls = parse_reply(tool_format, text)  # the whole reply agrees
+        assert whole_content == (content or None)
+        assert [(c.name, c.arguments) for c in whole_calls] == [
+            (c["function"]["name"], c["function"]["arguments"]) for c in got]
 
 
 def test_key_order_and_string_arguments_are_tolerated():
@@ -109,7 +141,6 @@ def test_key_order_and_string_arguments_are_tolerated():
 
 
 @pytest.mark.parametrize("text", [
-    'Sure {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Os',  # cut short
     'Sure {"tool_calls": oops',                                               # not the envelope
     'Sure {"tool_calls": [{"arguments": {}}]}',                               # no name
 ])
@@ -119,11 +150,30 @@ def test_a_broken_call_region_is_content(text):
     assert content.replace(" ", "") == text.replace(" ", "")
 
 
-def test_llama3_call_and_python_tag_free_text():
-    text = LLAMA3.write_calls([("get_weather", '{"city": "Rome"}')])
-    assert text == '{"name": "get_weather", "parameters": {"city": "Rome"}}'
-    _, calls, _, streamed = _parse(LLAMA3, text, [5] * 20)
+def test_llama3_calls_only_at_the_start_of_the_reply():
+    call = LLAMA3.write_calls([("get_weather", '{"city": "Rome"}')])
+    assert call == '{"name": "get_weather", "parameters": {"city": "Rome"}}'
+    _, calls, _, streamed = _parse(LLAMA3, "\n " + call, [5] * 20)
     assert calls == streamed and calls[0]["function"]["arguments"] == '{"city": "Rome"}'
+    for text in ("Call it like " + call, "{\"names\": 1} then " + call, call + " " + call):
+        content, calls, is_malformed, _ = _parse(LLAMA3, text, [3] * 40)
+        assert not is_malformed
+        assert (content, len(calls)) == ((text, 0) if not text.startswith("{\"name\"")
+                                         else (call, 1))
+
+
+def test_mistral_v11_calls_are_name_args_pairs():
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS] {}'
+    content, calls, is_malformed, streamed = _parse(MISTRAL_V11, "Hi " + text, [2] * 60)
+    assert (content, is_malformed, streamed) == ("Hi", False, calls)
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
+    assert all(c["id"] == "id9" for c in calls)  # ids of 9 characters were asked for
+    with_ids = '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{}'
+    assert _parse(MISTRAL_V11_IDS, with_ids)[1][0]["id"] == "a1b2c3d4e"
+    for broken in ("[TOOL_CALLS]get time[ARGS]{}", "[TOOL_CALLS][ARGS]{}",
+                   "[TOOL_CALLS]f[CALL]{}"):
+        assert _parse(MISTRAL_V11, broken)[2]  # malformed: content
 
 
 def test_mistral_ids_are_nine_characters():
@@ -148,6 +198,9 @@ def test_format_from_template():
     assert detect_tool_format(QWEN_LIKE) is HERMES
     assert detect_tool_format(LLAMA3_LIKE) is LLAMA3
     assert detect_tool_format("{{ '[TOOL_CALLS]' }}{{ tools }}") is MISTRAL
+    v11 = "{{- '[TOOL_CALLS]' + tool.function.name + '[ARGS]' + arguments }}"
+    assert detect_tool_format(v11) is MISTRAL_V11
+    assert detect_tool_format(v11 + "{{ '[CALL_ID]' + tool_call.id }}") is MISTRAL_V11_IDS
 
 
 # --------------------------------------------------------------------- grammar
@@ -167,10 +220,12 @@ def _accepts(vocabulary, lark: str, text: str) -> bool:
 
 @pytest.mark.parametrize("tool_format", list(FORMATS.values()), ids=list(FORMATS))
 def test_grammar_accepts_what_the_parser_reads(vocabulary, tool_format):
-    calls = [("get_weather", '{"city": "Paris", "days": 3}'), ("get_time", "{}")]
+    ids = ("abcdefghi", "123456789") if tool_format.id_marker else ("", "")
+    calls = [("get_weather", '{"city": "Paris", "days": 3}', ids[0]), ("get_time", "{}", ids[1])]
     one = tool_format.write_calls(calls[:1])
     many = tool_format.write_calls(calls if tool_format.is_parallel else calls[:1])
-    bad = tool_format.write_calls([("get_weather", '{"town": "Paris"}')])
+    bad = tool_format.write_calls([("get_weather", '{"town": "Paris"}', ids[0])])
+    prose = "Let me look. " if not tool_format.is_start_only else ""
     tools = [WEATHER, CLOCK]
     required = tool_call_lark(tool_format, tools, is_required=True, is_parallel=True)
     assert _accepts(vocabulary, required, one) and _accepts(vocabulary, required, many)
@@ -181,19 +236,29 @@ def test_grammar_accepts_what_the_parser_reads(vocabulary, tool_format):
     assert _accepts(vocabulary, single, many) == (not tool_format.is_parallel)
     auto = tool_call_lark(tool_format, tools, is_required=False, is_parallel=True)
     assert _accepts(vocabulary, auto, "It is sunny, no call needed.")
-    assert _accepts(vocabulary, auto, "Let me look. " + many)
-    assert not _accepts(vocabulary, auto, "Let me look. " + bad)  # a started call is bound
-    assert _parse(tool_format, "Let me look. " + many)[1]  # and parses
+    assert _accepts(vocabulary, auto, prose + many)
+    assert not _accepts(vocabulary, auto, prose + bad)  # a started call is bound
+    assert _parse(tool_format, prose + many)[1]  # and parses
+    if tool_format.is_start_only:  # prose first: the rest is text, never a call
+        assert _accepts(vocabulary, auto, "See: " + bad)
+        assert _parse(tool_format, "See: " + bad)[1] == []
 
 
-def test_grammar_names_a_special_token_trigger(vocabulary):
+def test_grammar_names_special_token_markers(vocabulary):
     lark = tool_call_lark(MISTRAL, [CLOCK], is_required=False, is_parallel=True,
-                          trigger_token_id=1)
+                          special_ids={"[TOOL_CALLS]": 1})
     assert "<[1]>" in lark
     matcher = llg.LLMatcher(vocabulary, llg.LLMatcher.grammar_from_lark(lark), log_level=0)
     call = tokenizer().encode('[{"name": "get_time", "arguments": {}}]', add_special_tokens=False)
     token_ids = tokenizer().encode("Hi", add_special_tokens=False) + [1] + call + [2]
     assert matcher.validate_tokens(token_ids) == len(token_ids)
+    # Mistral v11: [TOOL_CALLS] (1) and [ARGS] (3) as tokens, the name as text, calls repeated
+    lark = tool_call_lark(MISTRAL_V11, [CLOCK], is_required=True, is_parallel=True,
+                          special_ids={"[TOOL_CALLS]": 1, "[ARGS]": 3})
+    matcher = llg.LLMatcher(vocabulary, llg.LLMatcher.grammar_from_lark(lark), log_level=0)
+    one = [1] + tokenizer().encode("get_time", add_special_tokens=False) + [3] + \
+        tokenizer().encode("{}", add_special_tokens=False)
+    assert matcher.validate_tokens(one + one + [2]) == 2 * len(one) + 1
 
 
 # --------------------------------------------------------------------- rendering
@@ -258,3 +323,26 @@ def test_generic_system_text_joins_an_existing_system_message():
     assert messages[0]["content"].startswith("Be brief.\n\nYou can call the following tools:")
     plain, _ = chat_inputs(HISTORY[:1], TOOLS, GENERIC, describe_tools=False)
     assert plain == HISTORY[:1]  # tool_choice none: the prompt is untouched
+
+
+# --------------------------------------------------------------------- the reply's watch
+
+def test_the_watch_ends_a_reply_at_a_repeated_call_and_never_shows_it():
+    first = '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}'
+    same = '{"name": "get_weather", "arguments": {"days": 2, "city": "Oslo"}}'  # keys reordered
+    other = '{"name": "get_time", "arguments": {}}'
+    text = '{"tool_calls": [' + ", ".join([first, other, same, other]) + "]}"
+    for size in (1, 3, 7, len(text)):
+        watch = ToolCallWatch(GENERIC, {}, None, is_required=True)
+        shown, ended = "", False
+        for at in range(0, len(text), size):
+            piece, ended = watch.feed(text[at:at + size])
+            shown += piece
+            if ended:
+                break
+        assert ended and [c.name for c in watch.calls] == ["get_weather", "get_time"]
+        assert shown == '{"tool_calls": [' + first + ", " + other  # the repeat never shows
+        assert watch.feed("more") == ("", True)
+    calm = ToolCallWatch(GENERIC, {}, None, is_required=True)
+    shown, ended = calm.feed('{"tool_calls": [' + first + ", " + other + "]}")
+    assert not ended and shown + calm.flush() == '{"tool_calls": [' + first + ", " + other + "]}"

@@ -37,16 +37,32 @@ class ToolFormat:
     """Whether the format can carry several calls in one reply."""
     id_length: int = 0
     """Tool call ids the template insists on (Mistral: 9 letters or digits); 0: OpenAI's."""
+    is_start_only: bool = False
+    """Only a reply that starts with the trigger calls (Llama 3: `{"name"` later is text)."""
+    args_marker: str = ""
+    """Set: a call is `name<args_marker>{arguments}`, not a JSON object (Mistral v11)."""
+    id_marker: str = ""
+    """Set (with args_marker): the model writes `name<id_marker><id><args_marker>{...}`, its
+    own id_length-character call id (Mistral Small 3.2)."""
 
-    def write_calls(self, calls: Sequence[tuple[str, str]]) -> str:
-        """The canonical text of (name, arguments JSON text) calls, as the grammar forces it."""
-        objects = [self.write_call(name, arguments) for name, arguments in calls]
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The format's fixed pieces that may be special tokens of a vocabulary."""
+        return tuple(m for m in (self.trigger, self.args_marker, self.id_marker) if m)
+
+    def write_calls(self, calls: Sequence[tuple[str, ...]]) -> str:
+        """The canonical text of (name, arguments JSON text[, call id]) calls, as the grammar
+        forces it."""
+        objects = [self.write_call(*call) for call in calls]
         after = "".join(self.after_call)
         inner = (after + "".join(self.between)).join(objects) + after
         prefix = "" if self.keeps_trigger else self.trigger
         return prefix + "".join(self.opener) + inner + "".join(self.closer)
 
-    def write_call(self, name: str, arguments: str) -> str:
+    def write_call(self, name: str, arguments: str, call_id: str = "") -> str:
+        if self.args_marker:
+            written_id = self.id_marker + call_id if self.id_marker else ""
+            return f"{name}{written_id}{self.args_marker}{arguments}"
         return f'{{"name": {json.dumps(name)}, "{self.arguments_key}": {arguments}}}'
 
 
@@ -61,20 +77,34 @@ HERMES = ToolFormat(
 """Qwen2.5 / Qwen3 / Hermes 2 Pro: <tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>."""
 LLAMA3 = ToolFormat(
     name="llama3", trigger='{"name"', keeps_trigger=True, opener=(), after_call=(),
-    between=("; ",), closer=(), arguments_key="parameters", is_parallel=False)
-"""Llama 3.x: {"name": ..., "parameters": ...}, one call (an optional <|python_tag|> before it
-is a special token the text never shows)."""
+    between=("; ",), closer=(), arguments_key="parameters", is_parallel=False,
+    is_start_only=True)
+"""Llama 3.x: {"name": ..., "parameters": ...}, one call, and only at the start of the reply
+(an optional <|python_tag|> before it is a special token the text never shows)."""
 MISTRAL = ToolFormat(
     name="mistral", trigger="[TOOL_CALLS]", keeps_trigger=False, opener=("[",), after_call=(),
     between=(", ",), closer=("]",), id_length=9)
 """Mistral: [TOOL_CALLS][{"name": ..., "arguments": ...}, ...]."""
-FORMATS = {f.name: f for f in (GENERIC, HERMES, LLAMA3, MISTRAL)}
+MISTRAL_V11 = ToolFormat(
+    name="mistral_v11", trigger="[TOOL_CALLS]", keeps_trigger=False, opener=(), after_call=(),
+    between=("[TOOL_CALLS]",), closer=(), id_length=9, args_marker="[ARGS]")
+"""Mistral's v11 templates (Devstral, Magistral, Ministral 3): [TOOL_CALLS]name[ARGS]{...}
+for each call."""
+MISTRAL_V11_IDS = ToolFormat(
+    name="mistral_v11_ids", trigger="[TOOL_CALLS]", keeps_trigger=False, opener=(),
+    after_call=(), between=("[TOOL_CALLS]",), closer=(), id_length=9, args_marker="[ARGS]",
+    id_marker="[CALL_ID]")
+"""Mistral Small 3.2: [TOOL_CALLS]name[CALL_ID]<9 letters or digits>[ARGS]{...}."""
+FORMATS = {f.name: f for f in (GENERIC, HERMES, LLAMA3, MISTRAL, MISTRAL_V11,
+                                MISTRAL_V11_IDS)}
 
 
 def detect_tool_format(template_source: str) -> ToolFormat:
     """The format a chat template speaks, from markers in its text (llama.cpp's way)."""
     if "[TOOL_CALLS]" in template_source:
-        return MISTRAL
+        if "[ARGS]" not in template_source:
+            return MISTRAL
+        return MISTRAL_V11_IDS if "[CALL_ID]" in template_source else MISTRAL_V11
     if "<tool_call>" in template_source:
         return HERMES
     if "<|start_header_id|>" in template_source and (

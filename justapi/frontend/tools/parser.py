@@ -1,12 +1,14 @@
 """Generated text -> message content and OpenAI tool calls, incrementally, for one choice.
 
 Feed the text as it is generated: each `feed` returns the content and the `tool_calls`
-deltas it adds, in OpenAI's streaming shape (a call's first delta carries its index, id, type
-and name; later ones fragments of its arguments, the model's raw JSON text, so fragments
-concatenate to the final `arguments`). The whole reply is parsed by the same code, so a
-stream and a full response agree. Text before the format's trigger is content (whitespace
-around calls is dropped); a call region that is malformed or cut short is returned as text.
-Owns: that parse. Does not own: the formats (formats.py) or response shapes (serving_chat.py).
+deltas it adds, in OpenAI's streaming shape. A call goes out whole, once its arguments close
+(one delta: index, id, type, name and arguments, the model's raw JSON text), so no client is
+ever handed part of a call. The whole reply is parsed by the same code, so a stream and a full
+response agree call for call. Text before the format's trigger is content (whitespace around
+calls is dropped). A reply that ends inside a call (cut by max_tokens, or ended at a repeated
+call) keeps its complete calls and drops the unfinished one; a call region that does not parse
+is returned as text. Owns: that parse. Does not own: the formats (formats.py) or response
+shapes (serving_chat.py).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from enum import Enum
 
 from justapi.frontend.tools.formats import ToolFormat, split_pieces
 from justapi.frontend.tools.json_scan import WHITESPACE, MalformedJson, ObjectScanner
-from justapi.wire.protocol import FINISH_STOP
+from justapi.frontend.tools.tagged_scan import TaggedCallScanner
+from justapi.wire.protocol import FINISH_LENGTH, FINISH_STOP
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 FINISH_TOOL_CALLS = "tool_calls"
@@ -72,7 +75,7 @@ class _Phase(Enum):
     PIECES = 1    # literal pieces of the format
     OBJECT = 2    # one call object
     AFTER = 3     # after a call: another one, the closer, or the end
-    RAW = 4       # a malformed call region: everything from it on is content
+    RAW = 4       # plain text from here on (a malformed call region, or no call can start)
 
 
 class ToolCallParser:
@@ -83,18 +86,17 @@ class ToolCallParser:
         self.format = tool_format
         self.calls: list[ToolCall] = []
         self.is_malformed = False
-        """A call region did not parse (or was cut short): its text went out as content."""
+        """A call region did not parse: its text went out as content."""
+        self.is_cut = False
+        """The reply ended inside a call: that call's text was dropped."""
         self._new_id = new_id
         self._pending = ""           # text not consumed yet
         self._region: list[str] = []  # text of the current call region (for RAW)
         self._phase = _Phase.TEXT
         self._pieces: tuple[str, ...] = ()
         self._then = _Phase.OBJECT   # the phase after the pieces
-        self._scanner = ObjectScanner()
-        self._started = False        # the current call's first delta is out
-        self._call_id = ""
+        self._scanner: ObjectScanner | TaggedCallScanner = ObjectScanner()
         self._num_region_calls = 0   # calls completed in the current region
-        self._num_sent = 0           # characters of its arguments sent
         self._out = ParsedDelta()
 
     def feed(self, text: str) -> ParsedDelta:
@@ -107,15 +109,20 @@ class ToolCallParser:
             self._to_raw()
         return self._out
 
-    def finish(self) -> ParsedDelta:
-        """The end of the reply: held-back text, or a call region left open, as content."""
+    def finish(self, finish_reason: str = "") -> ParsedDelta:
+        """The end of the reply: held-back text as content; a call left open dropped (and,
+        when max_tokens cut the reply, held text that was the start of the trigger)."""
         self._out = ParsedDelta()
         if self._phase is _Phase.TEXT:
-            if not self.calls or self._pending.strip(WHITESPACE):
+            held = self._pending.strip(WHITESPACE)
+            if finish_reason == FINISH_LENGTH and held and self.format.trigger.startswith(held):
+                self.is_cut = True
+            elif not self.calls or held:
                 self._out.content += self._pending
         elif self._phase is not _Phase.RAW and self._is_cut_in_call():
-            self._to_raw()
+            self.is_cut = True
         self._pending = ""
+        self._region = []
         return self._out
 
     def _is_cut_in_call(self) -> bool:
@@ -147,19 +154,37 @@ class ToolCallParser:
 
     def _text(self) -> bool:
         trigger = self.format.trigger
+        if self.format.is_start_only:
+            return self._start_only_text()
         start = self._pending.find(trigger)
         if start < 0:
             keep = _held_back(self._pending, trigger)
             self._out.content += self._pending[:keep]
             self._pending = self._pending[keep:]
             return False
+        self._enter_calls(start)
+        return True
+
+    def _start_only_text(self) -> bool:
+        """A format that calls only at the reply's start: the trigger there, or plain text."""
+        text = self._pending.lstrip(WHITESPACE)
+        if text.startswith(self.format.trigger):
+            self._enter_calls(len(self._pending) - len(text))
+            return True
+        if not self.format.trigger.startswith(text):
+            self._phase = _Phase.RAW
+            return True
+        return False  # whitespace, or the trigger's start: not decided yet
+
+    def _enter_calls(self, start: int) -> None:
+        """The trigger starts at `start` of the pending text."""
+        trigger = self.format.trigger
         self._out.content += self._pending[:start].rstrip(WHITESPACE)
         cut = start if self.format.keeps_trigger else start + len(trigger)
         self._region = [] if self.format.keeps_trigger else [trigger]
         self._num_region_calls = 0
         self._pending = self._pending[cut:]
         self._expect(self.format.opener, _Phase.OBJECT)
-        return True
 
     def _expect(self, pieces: tuple[str, ...], then: _Phase) -> None:
         self._pieces = split_pieces(pieces)
@@ -180,14 +205,18 @@ class ToolCallParser:
         self._pending = text
         self._phase = self._then
         if self._then is _Phase.OBJECT:
-            self._scanner = ObjectScanner()
+            self._scanner = self._new_scanner()
         return True
+
+    def _new_scanner(self) -> ObjectScanner | TaggedCallScanner:
+        if self.format.args_marker:
+            return TaggedCallScanner(self.format.args_marker, self.format.id_marker)
+        return ObjectScanner()
 
     def _object(self) -> bool:
         scanner = self._scanner
         read = scanner.feed(self._pending)
         self._pending = self._pending[read:]
-        self._send_call_progress()
         if not scanner.is_done:
             return False
         self._end_call()
@@ -209,52 +238,22 @@ class ToolCallParser:
             self._expect(self.format.closer, _Phase.TEXT)
         elif closer:
             raise MalformedJson(f"expected {closer[0]!r}")
-        else:
-            self._phase = _Phase.TEXT
+        else:  # the calls are over: text follows (a start-only format calls no more)
+            self._phase = _Phase.RAW if self.format.is_start_only else _Phase.TEXT
         return True
 
     # ---------------------------------------------------------------- one call
-    def _send_call_progress(self) -> None:
-        scanner = self._scanner
-        if not self._started:
-            name = _string_value(scanner.values.get("name"))
-            if name is None:
-                return
-            self._call_id = self._new_id(self.format.id_length)
-            self._out.tool_calls.append(ToolCallDelta(len(self.calls), self._call_id, name))
-            self._started = True
-        raw = next((scanner.values[key] for key in ARGUMENT_KEYS if key in scanner.values),
-                   None)
-        if raw is None:
-            if scanner.key not in ARGUMENT_KEYS:
-                return
-            raw = scanner.partial_value()
-            if not raw.startswith(("{", "[")):
-                return  # a string or scalar is sent whole, once read
-        elif raw.startswith('"'):
-            raw = _string_value(raw) or ""
-        if len(raw) > self._num_sent:
-            self._argument_delta(raw[self._num_sent:])
-            self._num_sent = len(raw)
-
-    def _argument_delta(self, fragment: str) -> None:
-        deltas = self._out.tool_calls
-        if deltas and deltas[-1].index == len(self.calls):
-            deltas[-1].arguments += fragment
-        else:
-            deltas.append(ToolCallDelta(len(self.calls), arguments=fragment))
-
     def _end_call(self) -> None:
+        """The call's arguments closed: it goes out whole, in one delta."""
         values = self._scanner.values
-        if not self._started:
+        name = _string_value(values.get("name"))
+        if name is None:
             raise MalformedJson("a tool call without a name")
-        arguments = _call_arguments(values)
-        if self._num_sent == 0:
-            self._argument_delta(arguments)
-        self.calls.append(ToolCall(self._call_id, _string_value(values["name"]) or "",
-                                   arguments))
-        self._started = False
-        self._num_sent = 0
+        call_id = _string_value(values.get("id")) or self._new_id(self.format.id_length)
+        call = ToolCall(call_id, name, _call_arguments(values))
+        self._out.tool_calls.append(ToolCallDelta(len(self.calls), call.id, call.name,
+                                                  call.arguments))
+        self.calls.append(call)
         self._num_region_calls += 1
         self._region = []
 
@@ -262,7 +261,6 @@ class ToolCallParser:
         """The call region is not a call: its text (from the end of its last complete call),
         and all that follows, is content."""
         self.is_malformed = True
-        self._started = False
         self._out.content += "".join(self._region) + self._pending
         self._pending = ""
         self._region = []
@@ -312,7 +310,7 @@ class ToolReply:
     def add(self, text: str, finish_reason: str = "") -> ParsedDelta:
         parsed = self.parser.feed(text)
         if finish_reason:
-            tail = self.parser.finish()
+            tail = self.parser.finish(finish_reason)
             parsed = ParsedDelta(parsed.content + tail.content, parsed.tool_calls + tail.tool_calls)
         return parsed
 
@@ -323,11 +321,13 @@ class ToolReply:
             and not parser.is_malformed else reason
 
 
-def parse_reply(tool_format: ToolFormat, text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_reply(tool_format: ToolFormat, text: str,
+                finish_reason: str = "") -> tuple[str | None, list[ToolCall]]:
     """A whole reply -> (content, calls): content None when the reply is calls only; a reply
-    whose calls do not parse is all content."""
+    whose calls do not parse is all content; one cut inside a call keeps its complete calls
+    (its content: the text before them)."""
     parser = ToolCallParser(tool_format)
-    content = parser.feed(text).content + parser.finish().content
-    if not parser.calls or parser.is_malformed:
+    content = parser.feed(text).content + parser.finish(finish_reason).content
+    if parser.is_malformed or not (parser.calls or parser.is_cut):
         return text, []
     return content or None, parser.calls
