@@ -40,7 +40,9 @@ def _failures(metrics: str) -> dict[str, float]:
 @pytest.mark.usefixtures("poisoned_detokenizer")
 def test_a_request_whose_text_fails_ends_alone() -> None:
     async def scenario() -> None:
-        async with serving_stack() as stack:
+        # steps slow enough that a failed request is still running at the scheduler when its
+        # text fails (at 1 ms a step, a loaded machine could see it finish first)
+        async with serving_stack(step_s=0.05) as stack:
             def body(seed: int, stream: bool) -> dict:
                 return {"prompt": "x", "max_tokens": 64, "seed": seed, "stream": stream}
             whole, streamed, bad_whole, bad_stream = await asyncio.gather(

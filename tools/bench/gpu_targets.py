@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from typing import Any
@@ -71,11 +72,12 @@ def _load(path: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
-        return 2
-    print("\n".join(lines(_load(args[0]), _load(args[1]))))
+    parser = argparse.ArgumentParser(prog="python -m tools.bench gpu-targets",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("offline", help="the JSON of `python -m tools.bench gpu`")
+    parser.add_argument("served", help="the JSON of `python -m tools.bench gpu-serve`")
+    args = parser.parse_args(argv)
+    print("\n".join(lines(_load(args.offline), _load(args.served))))
     return 0
 
 

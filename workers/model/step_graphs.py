@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,11 +30,23 @@ from workers.model.forward import DecoderModel
 from workers.model.paged_backend import TENSOR_FIELDS, PagedMetadata, TritonPagedBackend
 from workers.model.paged_layout import PagedLayout, block_m_for, pad_layout, paged_layout
 
-if TYPE_CHECKING:
-    from workers.model.mixed_graphs import MixedGraphs
-
 StepFn = Callable[[], torch.Tensor]
 logger = logging.getLogger(__name__)
+
+
+class AnyShapeGraphs(Protocol):
+    """The mixed steps' graphs (mixed_graphs.py's MixedGraphs), as the uniform ones use them."""
+
+    @property
+    def sizes(self) -> Sequence[int]:
+        """Their token buckets."""
+
+    def capture_all(self) -> None:
+        """Capture every bucket's graph, largest first."""
+
+    def run(self, batch: AttentionBatch, token_ids: np.ndarray,
+            rows: np.ndarray) -> torch.Tensor | None:
+        """The step's logits from its graph (None: no graph fits it)."""
 
 
 class GraphCapture(Protocol):
@@ -193,7 +205,7 @@ class StepGraphs:
         self.logits = torch.empty(max_seqs * max_q, model.params.vocab_size, device=backend.device)
         self.graphs: dict[GraphKey, StepFn] = {}
         self.report: CaptureReport | None = None
-        self.mixed: MixedGraphs | None = None  # the other steps' graphs, where built (cuda_graphs.py)
+        self.mixed: AnyShapeGraphs | None = None  # the other steps' graphs, where built (cuda_graphs.py)
 
     def _block_m(self, rows_per_seq: int) -> int:
         return block_m_for(rows_per_seq, self.backend.group)

@@ -125,8 +125,9 @@ class WeightPaths:
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
         if device_blocks is None:
-            device_blocks = ((not on_cpu or os.environ.get("JUSTAPI_DEVICE_BLOCKS") == "1") and mode == "auto"
-                             and importlib.util.find_spec("triton") is not None)
+            on_gpu = self.device.type == "cuda" and torch.cuda.is_available()
+            device_blocks = ((on_gpu or (on_cpu and os.environ.get("JUSTAPI_DEVICE_BLOCKS") == "1"))
+                             and mode == "auto" and importlib.util.find_spec("triton") is not None)
         self.device_blocks = device_blocks and mode == "auto"
         self.scratch_device = _device_scratch(self.device) if self.device_blocks else None
         self.compute_dtype = dtype
