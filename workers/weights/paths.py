@@ -21,7 +21,7 @@ Owns: the mode, the form per type, building the model. Does not own: kernels or 
 from __future__ import annotations
 
 import logging
-import os
+import time
 
 import torch
 from gguf import GGMLQuantizationType
@@ -30,13 +30,15 @@ from justapi.config.sections import WEIGHT_MODES
 from justapi.model.gguf_file import GGUFFile
 from workers.cpu_memory import release_freed_memory
 from workers.model.cpu_kernels import SOURCE_DIR, KernelBuildError, cache_dir, cpu_id
+from workers.model.kernel_records import PLANS_FILE, QUIET_SHARE, BusyProbe, cpu_name
 from workers.model.cpu_layer_chain import LayerChain
 from workers.model.forward import DecoderModel, Linear, LinearLike, has_onednn_bf16
 from workers.weights.block_kernels import BlockKernels, block_kernels
 from workers.weights.block_linear import BlockLinear, StackLinear, TileScratch
 from workers.weights.block_matrix import BlockMatrix, RowStack, is_block_type
 from workers.weights.gguf_loader import load_weights
-from workers.weights.path_plan import PathPlan, PlanCache, measure_plan
+from workers.weights.path_plan import CHECK_ROWS, PathPlan, PathTimer, settle_plan
+from workers.weights.plan_cache import PlanCache, PlanRecord
 from workers.weights.quant_blocks import Matrix, QuantMatrix, is_quantizable, planes_of
 from workers.weights.quant_linear import Int4Linear, require_int4_kernel
 
@@ -59,16 +61,10 @@ def candidate_paths() -> tuple[str, ...]:
     return ("int8",) + panels + ("blocks", "dense") + (("dense_bf16",) if fast_bf16 else ())
 
 
-def host_is_quiet() -> bool:
-    """Whether a plan measured now may be kept for later runs: the 1-minute load average is
-    below the cores. One measured beside other work (a test run, a build) picked int8 or blocks
-    for every row count, 512-row prefill chunks included, where the quiet host's dense path is
-    1.6-2x faster; cached, it outlived the load."""
-    return os.getloadavg()[0] < (os.cpu_count() or 1)
-
-
 class PathPlanner:
-    """Plans per (weight type, shape): measured once, then from memory or the cache file."""
+    """Plans per (weight type, shape): from the cache file, checked at this start, or measured
+    (path_plan.settle_plan); a measured plan is kept in the file only where the host was quiet
+    while it was measured (kernel_records.BusyProbe), with its thread count and CPU."""
 
     def __init__(self, kernels: BlockKernels, scratch: TileScratch, cache: PlanCache | None) -> None:
         self.kernels, self.scratch, self.cache = kernels, scratch, cache
@@ -80,24 +76,32 @@ class PathPlanner:
     def plan_for(self, matrix: BlockMatrix) -> PathPlan:
         memo = (matrix.type_name, matrix.shape)
         if memo not in self.plans:
-            self.plans[memo] = self._cached_or_measured(matrix)
+            self.plans[memo] = self._settled(matrix)
         return self.plans[memo]
 
-    def _cached_or_measured(self, matrix: BlockMatrix) -> PathPlan:
+    def _settled(self, matrix: BlockMatrix) -> PathPlan:
         key = PlanCache.key(cpu_id(), self._source, matrix.type_name, matrix.shape, self.paths)
-        plan = self.cache.get(key) if self.cache else None
-        if plan is None:
-            probe = BlockLinear(matrix, self.kernels, PathPlan.only("dense"), self.scratch)
-            plan, _ = measure_plan(probe.run, matrix.shape[1], self.paths)
-            self.measured += 1
-            if self.cache and host_is_quiet():
-                self.cache.put(key, plan)
-            elif self.cache:
-                logger.info("weights %s %dx%d: host busy (load average %.1f on %d cores): plan "
-                            "used for this run only", matrix.type_name, *matrix.shape,
-                            os.getloadavg()[0], os.cpu_count() or 1)
-        logger.info("weights %s %dx%d: %s", matrix.type_name, *matrix.shape, plan.describe())
-        return plan
+        record = self.cache.get(key) if self.cache else None
+        probe = BusyProbe().start()
+        probe_linear = BlockLinear(matrix, self.kernels, PathPlan.only("dense"), self.scratch)
+        settled = settle_plan(record.plan if record else None, PathTimer(probe_linear.run, matrix.shape[1], self.paths))
+        busy = probe.share()
+        what = f"weights {matrix.type_name} {matrix.shape[0]}x{matrix.shape[1]}"
+        if settled.how == "checked":
+            logger.info("%s: %s (cached; checked at %s rows)", what, settled.plan.describe(),
+                        " and ".join(map(str, CHECK_ROWS)))
+            return settled.plan
+        self.measured += 1
+        kept = self.cache is not None and busy <= QUIET_SHARE
+        if self.cache is not None and kept:
+            self.cache.put(key, PlanRecord(settled.plan, matrix.type_name, matrix.shape, torch.get_num_threads(),
+                                           cpu_name(), time.time(), busy))
+        elif self.cache is not None and record is not None:
+            self.cache.drop(key)  # it lost its check: the next start measures afresh
+        logger.info("%s: %s (%s%s; other processes used %.0f%% of the CPUs%s)", what, settled.plan.describe(),
+                    settled.how, " the cached plan, which lost its check" if settled.how == "replaced" else "",
+                    busy * 100, "" if kept else ": for this run only")
+        return settled.plan
 
 
 class WeightPaths:
@@ -161,7 +165,7 @@ class WeightPaths:
 
 def _default_cache() -> PlanCache | None:
     try:
-        return PlanCache(cache_dir() / "weight-paths.json")
+        return PlanCache(cache_dir() / PLANS_FILE)
     except KernelBuildError:
         return None
 
