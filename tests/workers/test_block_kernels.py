@@ -143,6 +143,19 @@ def test_int8_panels_give_the_same_bits_without_vnni(qtype):
     assert torch.equal(fallback.matmul(matrix, x, panels=True), block_kernels().matmul(matrix, x, panels=True))
 
 
+@pytest.mark.skipif("avx512f" not in cpu_id(), reason="this CPU has no AVX-512: its build is already the AVX2 one")
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=["Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_direct_path_of_an_avx2_build_gives_this_builds_bits(qtype):
+    """One to four rows of x read the blocks directly (maddubs + madd on AVX2, dpbusd with
+    VNNI): an AVX2-only build, what a Zen 3 runs, gives the bits of this CPU's build."""
+    fallback = BlockKernels(ctypes.CDLL(str(build("quant_matmul", NO_VNNI))))
+    matrix, _ = weights(qtype, 13, 2304 if qtype.name.endswith("_K") else 2208, seed=15)
+    x = torch.randn(4, matrix.in_features, generator=torch.Generator().manual_seed(16))
+    x[1] *= 1e3
+    for rows in (1, 2, 3, 4):
+        assert torch.equal(fallback.matmul(matrix, x[:rows]), block_kernels().matmul(matrix, x[:rows])), rows
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.Q2_K], ids=["Q4_0", "Q4_1", "Q8_0", "Q6_K", "Q2_K"])
 def test_panels_of_16_rows_give_the_bits_of_panels_of_8(qtype):
     """With AVX-512 VNNI, calls of more than 8 rows take panels of 16 rows (x + 128 unsigned,
@@ -189,13 +202,17 @@ def test_int8_and_int8_panels_give_the_same_bits(qtype):
     assert torch.equal(block_kernels().matmul(matrix, x[7:8], int8=True)[0], per_row[7])
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("cols", [160, 2208, 2048 + 64])
+DIRECT_CASES = [(qtype, cols) for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0) for cols in (160, 2208, 2048 + 64)] + \
+    [(qtype, cols) for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) for cols in (256, 2304, 4096)]
+
+
+@pytest.mark.parametrize("qtype,cols", DIRECT_CASES, ids=[f"{t.name}-{c}" for t, c in DIRECT_CASES])
 def test_the_int8_path_for_a_few_rows_gives_the_panels_bits(qtype, cols):
     """One to four rows of x take these types' codes straight from the blocks (no coded copy
     in L1); five and more take the coded tiles. Every row count gives each row the panels'
-    bits: odd group counts (a lone last block's offsets), rows past one 2048-value piece,
-    a partial tile of weight rows, an all-zero row and rows of very different magnitude."""
+    bits: odd group counts (a lone last block's offsets), rows past one 2048-value piece (K
+    quants: 9 superblocks, and two whole pieces), a partial tile of weight rows, an all-zero
+    row and rows of very different magnitude."""
     skip_without_panels("int8_panels")
     matrix, w = weights(qtype, 23, cols, seed=11)
     x = torch.randn(6, cols, generator=torch.Generator().manual_seed(12))

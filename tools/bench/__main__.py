@@ -27,6 +27,7 @@ SCENARIOS = {
     "tokenizer": "tokenizer, detokenizer and chat template speed",
     "step-parts": "where an in-process decode step's time goes, part by part (matmuls, attention, ...)",
     "attention": "the CPU decode attention kernel over an fp32 and a bf16 KV pool, in turns",
+    "gemv": "one-row matmuls from GGUF blocks: our int8 kernel against llama.cpp's ggml, in turns",
     "timeline": "where a served step's time goes (per-process timelines); serving vs offline",
     "structured": "structured outputs: constrained vs free decoding, grammar compile times",
 }

@@ -563,6 +563,7 @@ INLINE void tile_i8_direct(int type, const uint8_t *w, int64_t row_bytes, int64_
             y[(a + i) * n + n0 + r] = tv[r] + ((ov[r][0] + ov[r][1]) + (ov[r][2] + ov[r][3]));
     }
 }
+#include "kquant_direct.h"
 #else
 #define HAS_DIRECT 0
 #endif
@@ -581,7 +582,7 @@ int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const floa
         return NO_MEMORY;
     }
 #if HAS_DIRECT
-    const int direct = has_direct(type) && m <= DIRECT_ROWS;
+    const int direct = (has_direct(type) || has_kdirect(type)) && m <= DIRECT_ROWS;
 #endif
     #pragma omp parallel num_threads(num_threads)
     {
@@ -596,7 +597,13 @@ int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const floa
                 for (int64_t r = 0; r < m; r += 2) {  /* two rows of x at a time, one last alone */
 #define DIRECT(T, NX) tile_i8_direct(T, w, row_bytes, k, n0, rows, &xq, r, NX, y, n)
 #define DIRECTS(T) if (r + 1 < m) DIRECT(T, 2); else DIRECT(T, 1)
-                    if (type == Q4_1) DIRECTS(Q4_1); else if (type == Q4_0) DIRECTS(Q4_0); else DIRECTS(Q8_0);
+#define KDIRECT(T, NX) tile_kq_direct(T, w, row_bytes, k, n0, rows, &xq, r, NX, y, n)
+#define KDIRECTS(T) if (r + 1 < m) KDIRECT(T, 2); else KDIRECT(T, 1)
+                    if (type == Q4_1) DIRECTS(Q4_1); else if (type == Q4_0) DIRECTS(Q4_0);
+                    else if (type == Q8_0) DIRECTS(Q8_0); else if (type == Q4_K) KDIRECTS(Q4_K);
+                    else if (type == Q5_K) KDIRECTS(Q5_K); else KDIRECTS(Q6_K);
+#undef KDIRECTS
+#undef KDIRECT
 #undef DIRECTS
 #undef DIRECT
                 }
