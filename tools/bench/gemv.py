@@ -7,7 +7,8 @@ docs/bench.md says how to build one from the llama-cpp-python sdist). `--avx2` b
 kernel without AVX-512 and VNNI, as an AVX2 CPU (Zen 3) runs it: compare it with llama.cpp's
 AVX2 build. Prints GB/s of weights read per side (best and median round) and the ratio of
 medians against ggml's faster variant (plain, or the repacked layout llama-server uses for
-Q4_0 and Q4_K on AVX2). Read only ratios on a shared host.
+Q4_0 and Q4_K on AVX2). Read only ratios on a shared host; `--threads 1` times both sides in
+the thread's CPU time, which other processes' turns on the core do not inflate.
 Owns: this comparison. Does not own: the kernels.
 """
 from __future__ import annotations

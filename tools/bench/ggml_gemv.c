@@ -5,7 +5,7 @@
  * Both sides read the same quantized bytes (made by ggml_quantize_chunk): COPIES copies of an
  * N x K matrix of ggml type TYPE, together larger than the last-level cache, so every call
  * streams its weights from memory as a decode step does. Each round times one pass over the
- * copies per side (ours: quant_matmul_i8 with one row of x; ggml: mul_mat in the plain CPU
+ * copies per side (with THREADS 1, in this thread's CPU time; ours: quant_matmul_i8 with one row of x; ggml: mul_mat in the plain CPU
  * buffer, and, with REPACK 1, in the repacking buffer llama-server puts Q4_0/Q4_K/IQ4_NL weights
  * in on AVX2 CPUs: the caller says where that applies, since the buffer aborts on a type it has
  * no layout for), the sides' order rotating each round. Prints one line per side:
@@ -35,9 +35,11 @@ typedef struct {
     struct ggml_cgraph *graph[MAX_COPIES];
 } ggml_side;
 
+static clockid_t clock_id = CLOCK_MONOTONIC;
+
 static double now_s(void) {
     struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
+    clock_gettime(clock_id, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
@@ -84,6 +86,9 @@ int main(int argc, char **argv) {
     const int64_t n = atoll(argv[3]), k = atoll(argv[4]);
     const int threads = atoi(argv[5]), rounds = atoi(argv[6]), copies = atoi(argv[7]), repack = atoi(argv[8]);
     if (copies < 1 || copies > MAX_COPIES || rounds < 1) return 2;
+    /* one thread: both sides run on this thread, so its CPU time leaves out the time other
+     * processes held the core (a shared host), though not their effect on caches and memory */
+    if (threads == 1) clock_id = CLOCK_THREAD_CPUTIME_ID;
 
     srand(1);
     float *src = malloc((size_t)(n * k) * sizeof(float)), *x = malloc((size_t)k * sizeof(float));
