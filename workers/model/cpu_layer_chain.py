@@ -7,7 +7,8 @@ with the same arguments and in the same order, from C, so the hidden states are 
 as the loop's (tests/workers/test_layer_chain.py compares them).
 
 It covers a model whose layers are all plain (a gated FFN, biases or none, no q/k or post
-norms, no sliding window) with every matmul kept as GGUF blocks (`--weights auto`), and a step of short
+norms, no sliding window) with every matmul kept as GGUF blocks (`--weights auto`; a matrix
+stacked from parts of different types, as a Q4_K_M file's q/k/v, part by part), and a step of short
 chunks only (decode, speculative verification: no prefill chunk) whose plans pick a C kernel for
 each matrix; anything else runs the loop. `JUSTAPI_LAYER_CHAIN=0` turns it off.
 Owns: that eligibility and the call. Does not own: the kernels (csrc/, block_kernels.py,
@@ -27,7 +28,7 @@ from workers.model.cpu_kernels import load_kernel, paged_attention
 from workers.model.ffn import GatedFfn
 from workers.model.layer_ops import ACTIVATIONS, layer_ops
 from workers.weights.block_kernels import block_kernels
-from workers.weights.block_linear import BlockLinear
+from workers.weights.block_linear import BlockLinear, StackLinear
 
 if TYPE_CHECKING:
     from workers.model.forward import DecoderModel
@@ -44,9 +45,14 @@ class _Kernels(ctypes.Structure):
                 ("store_kv", ptr), ("attention", ptr), ("act_mul", ptr)]
 
 
+MAX_PARTS = 3
+"""Most row blocks of one stacked matrix layer_chain.c takes (q, k and v of different types)."""
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [("weight", ptr * 4), ("type", i64 * 4), ("out_features", i64 * 4), ("in_features", i64 * 4),
-                ("path", i64 * 4), ("attn_norm", ptr), ("ffn_norm", ptr), ("qkv_bias", ptr), ("out_bias", ptr),
+    _fields_ = [("weight", (ptr * MAX_PARTS) * 4), ("type", (i64 * MAX_PARTS) * 4),
+                ("out_features", (i64 * MAX_PARTS) * 4), ("path", (i64 * MAX_PARTS) * 4), ("in_features", i64 * 4),
+                ("parts", i64 * 4), ("attn_norm", ptr), ("ffn_norm", ptr), ("qkv_bias", ptr), ("out_bias", ptr),
                 ("kv", ptr), ("rotary", i64),
                 ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
 
@@ -58,7 +64,15 @@ class _Step(ctypes.Structure):
                 ("num_keys", ptr), ("num_rows", ptr), ("mask", ptr), ("block_size", i64), ("max_blocks", i64),
                 ("num_blocks", i64), ("num_seqs", i64), ("q_max", i64), ("q_rows", ptr), ("valid_rows", ptr),
                 ("out_rows", ptr), ("x", ptr), ("delta", ptr), ("h", ptr), ("qkv", ptr), ("qk", ptr), ("q", ptr),
-                ("attn", ptr), ("attn_pad", ptr), ("gate_up", ptr), ("act", ptr)]
+                ("attn", ptr), ("attn_pad", ptr), ("gate_up", ptr), ("act", ptr), ("part", ptr)]
+
+
+def _parts(linear: object) -> list[BlockLinear]:
+    """A matrix's BlockLinears: itself, or a StackLinear's parts (at most MAX_PARTS, all
+    BlockLinear); [] where the chain cannot compute it."""
+    parts = linear.parts if isinstance(linear, StackLinear) else [linear]
+    ok = 0 < len(parts) <= MAX_PARTS and all(isinstance(p, BlockLinear) for p in parts)
+    return list(parts) if ok else []
 
 
 def _address(library: ctypes.CDLL, name: str) -> int:
@@ -80,19 +94,24 @@ class LayerChain:
     def __init__(self, model: DecoderModel, library: ctypes.CDLL, kernels: dict[torch.dtype, _Kernels]) -> None:
         self.model, self._fn, self._kernels = model, library.layer_chain, kernels  # by pool dtype
         p = model.params
-        self.linears: list[list[BlockLinear]] = []
+        self.linears: list[list[list[BlockLinear]]] = []
+        """Per layer, its 4 matrices' parts (one BlockLinear, or a StackLinear's parts)."""
         self._layers = (_Layer * len(model.layers))()
+        self.widest_part = 0
+        """Columns of the widest part of a stacked matrix (0: none is stacked)."""
         for record, layer in zip(self._layers, model.layers):
             assert isinstance(layer.ffn, GatedFfn)
-            linears = [lin for lin in (layer.qkv, layer.attn_out, layer.ffn.gate_up, layer.ffn.down)
-                       if isinstance(lin, BlockLinear)]
-            assert len(linears) == 4
-            self.linears.append(linears)
-            for j, lin in enumerate(linears):
-                matrix = lin.matrix
-                record.weight[j] = matrix.raw.data_ptr()
-                record.type[j] = int(matrix.qtype)
-                record.out_features[j], record.in_features[j] = matrix.shape
+            linears = [_parts(lin) for lin in (layer.qkv, layer.attn_out, layer.ffn.gate_up, layer.ffn.down)]
+            assert all(linears)
+            self.linears.append(linears)  # type: ignore[arg-type]
+            for j, parts in enumerate(linears):
+                record.parts[j], record.in_features[j] = len(parts), parts[0].in_features
+                for k, lin in enumerate(parts):
+                    record.weight[j][k] = lin.matrix.raw.data_ptr()
+                    record.type[j][k] = int(lin.matrix.qtype)
+                    record.out_features[j][k] = lin.out_features
+                if len(parts) > 1:
+                    self.widest_part = max(self.widest_part, *(lin.out_features for lin in parts))
             record.attn_norm, record.ffn_norm = layer.attn_norm.data_ptr(), layer.ffn_norm.data_ptr()
             record.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
             record.out_bias = None if layer.attn_out_bias is None else layer.attn_out_bias.data_ptr()
@@ -103,7 +122,7 @@ class LayerChain:
         ffn = model.layers[0].ffn
         assert isinstance(ffn, GatedFfn)
         self.ffn_size, self.activation = ffn.ffn_size, ACTIVATIONS[ffn.activation]
-        self._paths: dict[int, list[tuple[str, ...]] | None] = {}
+        self._paths: dict[int, list[tuple[tuple[str, ...], ...]] | None] = {}
         """Each row count's path per matrix, or None where one is not a C kernel's (a dense tile)."""
         self._scratch: dict[str, torch.Tensor] = {}
 
@@ -115,8 +134,7 @@ class LayerChain:
         for layer in model.layers:
             if not isinstance(layer.ffn, GatedFfn) or layer.ffn.activation not in ACTIVATIONS:
                 return None
-            if not all(isinstance(lin, BlockLinear) for lin in
-                       (layer.qkv, layer.attn_out, layer.ffn.gate_up, layer.ffn.down)):
+            if not all(_parts(lin) for lin in (layer.qkv, layer.attn_out, layer.ffn.gate_up, layer.ffn.down)):
                 return None
             if any(t is not None for t in (layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.post_ffn_norm)):
                 return None  # (the loop's per-head q/k norms are torch's, whose bits C would not match)
@@ -152,8 +170,9 @@ class LayerChain:
         if backend.kernel is not paged_attention():
             return False
         if num_rows not in self._paths:
-            paths = [tuple(lin.plan.path_for(num_rows) for lin in linears) for linears in self.linears]
-            covered = all(path in KERNEL_PATHS for layer in paths for path in layer)
+            paths = [tuple(tuple(lin.plan.path_for(num_rows) for lin in parts) for parts in linears)
+                     for linears in self.linears]
+            covered = all(path in KERNEL_PATHS for layer in paths for parts in layer for path in parts)
             self._paths[num_rows] = paths if covered else None
         return self._paths[num_rows] is not None
 
@@ -208,6 +227,8 @@ class LayerChain:
         buffers = {"h": (rows, x.shape[1]), "qkv": (rows, (num_qk + kv_heads) * hd), "qk": (rows, num_qk * hd),
                    "q": (padded, heads * hd), "attn": (rows, heads * hd), "attn_pad": (padded, heads * hd),
                    "gate_up": (rows, 2 * self.ffn_size), "act": (rows, self.ffn_size)}
+        if self.widest_part:
+            buffers["part"] = (rows, self.widest_part)
         for name, (count, width) in buffers.items():
             setattr(step, name, self._buffer(name, count, width).data_ptr())
         paths = self._paths[rows]
@@ -215,9 +236,10 @@ class LayerChain:
         for record, kv, layer_paths, linears in zip(self._layers, kv_layers, paths, self.linears):
             assert kv.is_contiguous() and kv.shape == kv0.shape and kv.dtype == kv0.dtype
             record.kv = kv.data_ptr()
-            for j, (path, lin) in enumerate(zip(layer_paths, linears)):
-                record.path[j] = KERNEL_PATHS[path]
-                lin.num_calls[path] += 1
+            for j, (part_paths, parts) in enumerate(zip(layer_paths, linears)):
+                for k, (path, lin) in enumerate(zip(part_paths, parts)):
+                    record.path[j][k] = KERNEL_PATHS[path]
+                    lin.num_calls[path] += 1
         status = self._fn(ctypes.byref(self._kernels[kv0.dtype]), self._layers, len(self._layers),
                           ctypes.byref(step))
         if status == -1:

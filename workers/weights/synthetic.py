@@ -48,6 +48,8 @@ class SyntheticSpec:
     """Type of every weight matrix (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K)."""
     embed_type: str = ""
     """Type of token_embd; "" = same as `type`."""
+    v_type: str = ""
+    """Type of attn_v and ffn_down; "" = same as `type` (Q6_K with Q4_K: a Q4_K_M file's mix)."""
     tied: bool = True
     """No output.weight: the head reuses token_embd."""
     rope_theta: float = 10000.0
@@ -63,7 +65,7 @@ class SyntheticSpec:
                              f"{self.kv_heads} need hidden % heads == 0, heads % kv_heads == 0, even head_dim")
         if self.vocab < min_vocab():
             raise ValueError(f"synthetic model vocab must be >= {min_vocab()}, got {self.vocab}")
-        for name in ("type", "embed_type"):
+        for name in ("type", "embed_type", "v_type"):
             value = getattr(self, name)
             if value and value.upper() not in GGMLQuantizationType.__members__:
                 raise ValueError(f"synthetic model {name} {value!r} is not a GGML tensor type")
@@ -170,7 +172,8 @@ def write_synthetic_gguf(path: str, spec: SyntheticSpec) -> None:
         _add_norm(writer, f"blk.{i}.attn_norm.weight", rng, spec.hidden)
         _add_norm(writer, f"blk.{i}.ffn_norm.weight", rng, spec.hidden)
         for name, (rows, cols) in shapes.items():
-            _add_matrix(writer, f"blk.{i}.{name}.weight", _dense(rng, rows, cols), spec.type, rng)
+            qtype = spec.v_type if spec.v_type and name in ("attn_v", "ffn_down") else spec.type
+            _add_matrix(writer, f"blk.{i}.{name}.weight", _dense(rng, rows, cols), qtype, rng)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
