@@ -70,9 +70,9 @@ class _Step(ctypes.Structure):
 def _parts(linear: object) -> list[BlockLinear]:
     """A matrix's BlockLinears: itself, or a StackLinear's parts (at most MAX_PARTS, all
     BlockLinear); [] where the chain cannot compute it."""
-    parts = linear.parts if isinstance(linear, StackLinear) else [linear]
-    ok = 0 < len(parts) <= MAX_PARTS and all(isinstance(p, BlockLinear) for p in parts)
-    return list(parts) if ok else []
+    parts: list = linear.parts if isinstance(linear, StackLinear) else [linear]
+    blocks = [p for p in parts if isinstance(p, BlockLinear)]
+    return blocks if 0 < len(blocks) == len(parts) <= MAX_PARTS else []
 
 
 def _address(library: ctypes.CDLL, name: str) -> int:
@@ -103,7 +103,7 @@ class LayerChain:
             assert isinstance(layer.ffn, GatedFfn)
             linears = [_parts(lin) for lin in (layer.qkv, layer.attn_out, layer.ffn.gate_up, layer.ffn.down)]
             assert all(linears)
-            self.linears.append(linears)  # type: ignore[arg-type]
+            self.linears.append(linears)
             for j, parts in enumerate(linears):
                 record.parts[j], record.in_features[j] = len(parts), parts[0].in_features
                 for k, lin in enumerate(parts):
