@@ -3,12 +3,10 @@ blocks made by tests/support/kquant_pack.py from rows whose 32-value groups span
 magnitude, against gguf's own decoder:
 
 - expansion (fp32 and bf16) and lookups equal gguf's values bit for bit;
-- the fp32 matmul equals x @ W.T within fp32 summation's bound, |err| <= K u sum |x| |w|
-  (u = 2^-24; the sum of K products in any order);
-- the int8 matmul, and the same arithmetic by panels of 8 rows of x, equal it within the
+- the int8 matmul, and the same arithmetic by panels of 8 rows of x, equal x @ W.T within the
   rounding of x to 8 bits per 32 values: each x moves by at most half its group's step
-  d = max |x| / 127, so |err| <= sum_groups d / 2 sum |w| (+ the fp32 sum's bound on the
-  rounded x);
+  d = max |x| / 127, so |err| <= sum_groups d / 2 sum |w| (+ fp32 summation's bound on the
+  rounded x, K u sum |x| |w|, u = 2^-24);
 - a row of x gives the same bits alone as among others;
 and negative controls show both bounds catch a code-order bug.
 """
@@ -71,7 +69,7 @@ def test_expansion_and_lookups_equal_gguf(qtype):
     assert matrix.num_bytes == matrix.raw.numel() and matrix.raw.dtype == torch.uint8
 
 
-KERNELS = {"fp32": {"int8": False}, "int8": {"int8": True}, "int8_panels": {"panels": True}}
+KERNELS = {"int8": {}, "int8_panels": {"panels": True}}
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=[t.name for t in BLOCK_TYPES])
@@ -84,7 +82,7 @@ def test_matmul_equals_the_dequantized_product_within_its_bound(qtype, kernel):
     x[3] *= 1000.0  # rows of very different magnitude
     y = block_kernels().matmul(matrix, x, **KERNELS[kernel])
     error = (y.double() - x.double() @ w.double().T).abs()
-    bound = fp32_bound(x, w) if kernel == "fp32" else int8_bound(x, w)
+    bound = int8_bound(x, w)
     assert y.shape == (rows, 37) and y.dtype == torch.float32
     assert bool((error <= bound).all()), f"worst error/bound {float((error / bound).max()):.3f}"
     alone = block_kernels().matmul(matrix, x[rows - 2:rows - 1], **KERNELS[kernel])
@@ -113,7 +111,7 @@ def test_bounds_catch_codes_in_the_wrong_order(kernel):
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
     swapped = w.view(8, -1, 2).flip(-1).reshape(8, 256)  # neighbours exchanged: a nibble-order bug
     error = (block_kernels().matmul(matrix, x, **KERNELS[kernel]).double() - x.double() @ swapped.double().T).abs()
-    bound = fp32_bound(x, swapped) if kernel == "fp32" else int8_bound(x, swapped)
+    bound = int8_bound(x, swapped)
     assert bool((error > bound).any())
 
 
@@ -197,9 +195,9 @@ def test_int8_and_int8_panels_give_the_same_bits(qtype):
     matrix, _ = weights(qtype, 37, 2 * cols_for(qtype) + (0 if qtype.name.endswith("_K") else 2048), seed=9)
     x = torch.randn(8 * 16 + 21, matrix.in_features, generator=torch.Generator().manual_seed(10))  # 2 passes
     x[5] *= 300.0
-    per_row = block_kernels().matmul(matrix, x, int8=True)
+    per_row = block_kernels().matmul(matrix, x)
     assert torch.equal(block_kernels().matmul(matrix, x, panels=True), per_row)
-    assert torch.equal(block_kernels().matmul(matrix, x[7:8], int8=True)[0], per_row[7])
+    assert torch.equal(block_kernels().matmul(matrix, x[7:8])[0], per_row[7])
 
 
 DIRECT_CASES = [(qtype, cols) for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0) for cols in (160, 2208, 2048 + 64)] + \
@@ -223,7 +221,7 @@ def test_the_int8_path_for_a_few_rows_gives_the_panels_bits(qtype, cols):
     assert bool((reference[2] == 0).all())
     for rows in range(1, 7):
         for start in range(0, 7 - rows):
-            got = block_kernels().matmul(matrix, x[start:start + rows], int8=True)
+            got = block_kernels().matmul(matrix, x[start:start + rows])
             assert torch.equal(got, reference[start:start + rows]), (rows, start)
     error = (reference.double() - x.double() @ w.double().T).abs()
     assert bool((error <= int8_bound(x, w)).all())

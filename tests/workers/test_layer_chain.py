@@ -1,5 +1,5 @@
 """A CPU decode step's layers as one C call (workers/model/cpu_layer_chain.py): on each matmul
-path it takes (int8, int8 panels, blocks) and for several block types, steps of decode and
+path it takes (int8, int8 panels) and for several block types, steps of decode and
 verification rows (1-3 a sequence) give the hidden states of the Python layer loop bit for bit,
 and the same greedy tokens; steps it does not cover (prefill, dense tiles) run the loop; models it does not cover
 have no chain; a bad slot is a ValueError that writes nothing."""
@@ -67,7 +67,7 @@ def count_runs(monkeypatch) -> list[int]:
     return runs
 
 
-CASES = [("Q4_1", "int8", 64), ("Q8_0", "int8", 64), ("Q4_0", "int8_panels", 64), ("Q5_1", "blocks", 64),
+CASES = [("Q4_1", "int8", 64), ("Q8_0", "int8", 64), ("Q4_0", "int8_panels", 64), ("Q5_1", "int8", 64),
          ("Q4_K", "int8", 256), ("Q6_K", "int8_panels", 256)]
 
 

@@ -34,15 +34,15 @@ def test_fit_line_recovers_a_line_and_clamps_negative_parts():
 
 def test_plan_from_timings_splits_rows_where_the_lines_cross():
     rows = [1, 2, 4, 8, 16, 32, 64]
-    seconds = {"int8": [1 + 0.5 * r for r in rows], "blocks": [2 + 0.45 * r for r in rows],
+    seconds = {"int8": [1 + 0.5 * r for r in rows], "int8_panels": [2 + 0.45 * r for r in rows],
                "dense": [10 + 0.2 * r for r in rows]}
-    # blocks' line drops below int8's at r = 20 and dense's below both at r = 32, but a path
+    # int8_panels' line drops below int8's at r = 20 and dense's below both at r = 32, but a path
     # within 5% of the fastest keeps the rows if it is the simpler one (earlier in PATHS):
-    # int8 until 1 + 0.5 r > 1.05 min (r = 33: over dense's 16.6 by 5.4%), blocks until r = 36
+    # int8 until 1 + 0.5 r > 1.05 min (r = 33: over dense's 16.6 by 5.4%), the panels until r = 36
     plan = plan_from_timings(rows, seconds)
-    assert plan.steps == ((32, "int8"), (35, "blocks"), (1 << 16, "dense"))
+    assert plan.steps == ((32, "int8"), (35, "int8_panels"), (1 << 16, "dense"))
     assert [plan.path_for(r) for r in (1, 32, 33, 35, 36, 4096, 10**6)] == \
-        ["int8", "int8", "blocks", "blocks", "dense", "dense", "dense"]
+        ["int8", "int8", "int8_panels", "int8_panels", "dense", "dense", "dense"]
     noisy = {p: list(t) for p, t in seconds.items()}
     noisy["dense"][2] = 0.1  # one wild median moves the fit, it does not carve out a range
     assert len(plan_from_timings(rows, noisy).steps) <= 3
@@ -53,21 +53,23 @@ def test_plan_from_timings_splits_rows_where_the_lines_cross():
 
 
 def test_a_path_measurement_stopped_timing_does_not_take_larger_counts():
-    """blocks was timed at 1-4 rows only (far behind there): its flat fitted line lies below
+    """dense was timed at 1-4 rows only (far behind there): its flat fitted line lies below
     the others past 512 rows, but it was never measured there, so it takes nothing."""
     rows = [1, 2, 4, 8, 16, 32, 64, 128, 512]
     seconds = {"int8": [2 + 0.5 * r for r in rows], "int8_panels": [4 + 0.2 * r for r in rows],
-               "blocks": [20.0, 20.5, 21.0]}
+               "dense": [20.0, 20.5, 21.0]}
     plan = plan_from_timings(rows, seconds)
     assert {path for _, path in plan.steps} == {"int8", "int8_panels"}
     assert plan.path_for(10**5) == "int8_panels" and plan.path_for(1) == "int8"
     # where every path stopped early (not from measure_plan), the plan still names one
-    assert plan_from_timings(rows, {"blocks": [20.0, 20.5, 21.0]}).path_for(10**5) == "blocks"
+    assert plan_from_timings(rows, {"dense": [20.0, 20.5, 21.0]}).path_for(10**5) == "dense"
 
 
 def test_path_plan_validates_and_describes():
     assert PathPlan(((4, "int8"), (8, "dense"))).describe() == "int8 <= 4 rows < dense"
-    assert PathPlan.only("blocks").path_for(10**6) == "blocks"
+    assert PathPlan.only("dense").path_for(10**6) == "dense"
+    with pytest.raises(ValueError, match="unknown weight paths"):
+        PathPlan(((4, "blocks"),))  # the retired fp32 block kernel: a cached plan naming it is measured again
     with pytest.raises(ValueError, match="must rise"):
         PathPlan(((8, "int8"), (4, "dense")))
     with pytest.raises(ValueError, match="unknown weight paths"):
@@ -119,10 +121,10 @@ def test_measure_plan_on_a_fake_clock():
                                  timer=lambda: clock[0])
     assert seconds["dense"] == pytest.approx([10.7, 11.3, 13.7, 23.3])
     assert plan.steps == ((34, "int8"), (1 << 16, "dense"))
-    cost["blocks"] = (40.0, 1.0)  # 2x behind at every count: timed at the first three only
-    plan, seconds = measure_plan(run, 8, ["int8", "dense", "blocks"], rows=(1, 4, 16, 64), repeats=3,
+    cost["dense_bf16"] = (40.0, 1.0)  # 2x behind at every count: timed at the first three only
+    plan, seconds = measure_plan(run, 8, ["int8", "dense", "dense_bf16"], rows=(1, 4, 16, 64), repeats=3,
                                  timer=lambda: clock[0])
-    assert len(seconds["blocks"]) == 3 and len(seconds["dense"]) == 4
+    assert len(seconds["dense_bf16"]) == 3 and len(seconds["dense"]) == 4
     assert plan.steps == ((34, "int8"), (1 << 16, "dense"))
 
 
@@ -131,7 +133,7 @@ def test_a_path_behind_at_few_rows_but_catching_up_is_timed_on():
     rows of a wide matrix, ahead from a few dozen. Dropping them for being 2x behind early
     sent a 7B model's prefill chunks to a slower path."""
     clock = [0.0]
-    cost = {"int8": (1.0, 0.5), "int8_panels": (30.0, 0.1), "blocks": (40.0, 1.0)}
+    cost = {"int8": (1.0, 0.5), "int8_panels": (30.0, 0.1), "dense": (40.0, 1.0)}
 
     def run(path: str, x: torch.Tensor) -> None:
         a, b = cost[path]
@@ -140,7 +142,7 @@ def test_a_path_behind_at_few_rows_but_catching_up_is_timed_on():
     rows = (1, 2, 4, 8, 16, 32, 64, 128)
     plan, seconds = measure_plan(run, 8, list(cost), rows=rows, repeats=3, timer=lambda: clock[0])
     assert len(seconds["int8_panels"]) == len(rows)  # 20x behind at first, but catching up
-    assert len(seconds["blocks"]) == 3  # behind and falling further behind
+    assert len(seconds["dense"]) == 3  # behind and falling further behind
     assert plan.path_for(8) == "int8" and plan.path_for(128) == "int8_panels"
     assert plan.steps[0] == (77, "int8")  # 1 + 0.5 r = 1.05 (30 + 0.1 r) at r = 77.2
 
@@ -151,14 +153,16 @@ def blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> 
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype_path", ["dense", "blocks", "int8"])
+@pytest.mark.parametrize("dtype_path", ["dense", "int8", "int8_panels"])
 def test_block_linear_paths_equal_the_dense_product(dtype_path):
+    if dtype_path == "int8_panels" and not block_kernels().has_panels:
+        pytest.skip("the int8 panels need AVX2")
     matrix = blocks(Q.Q6_K, 72, 512)
     scratch = TileScratch(max_bytes=16 * 512 * 4)  # 16 rows a tile: 5 tiles, the last partial
     linear = BlockLinear(matrix, block_kernels(), PathPlan.only(dtype_path), scratch)
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(0))
     reference = x.double() @ matrix.dense().double().T
-    tolerance = 2e-2 if dtype_path == "int8" else 1e-4  # int8: x rounded to 8 bits per 32 values
+    tolerance = 2e-2 if dtype_path != "dense" else 1e-4  # int8: x rounded to 8 bits per 32 values
     error = (linear(x).double() - reference).abs().max() / reference.abs().max()
     assert error < tolerance and linear.num_calls[dtype_path] == 1
     assert scratch.buffer.numel() <= 16 * 512 * 4  # never more than one tile
@@ -194,7 +198,7 @@ def test_stack_linear_puts_the_parts_side_by_side():
 def test_auto_keeps_every_quantized_matrix_as_the_files_blocks(tiny_gguf, type_name):
     """K-quant rows are 256-value blocks: the tiny model's dims are 256."""
     path = tiny_gguf(type=type_name, embed_type="Q8_0", hidden=256, heads=4, kv_heads=2, ffn=256, layers=2)
-    model = load_model(GGUFFile(path), weights="auto", progress=False, plan=PathPlan.only("blocks"))
+    model = load_model(GGUFFile(path), weights="auto", progress=False, plan=PathPlan.only("dense"))
     linears = [lin for layer in model.layers for lin in layer.linears()]
     assert all(isinstance(lin, BlockLinear) and lin.matrix.type_name == type_name for lin in linears)
     assert isinstance(model.token_embd, BlockMatrix) and model.output.matrix is model.token_embd  # tied
@@ -271,11 +275,11 @@ class FakePaths:
 
 
 def test_a_poisoned_plan_is_caught_by_the_start_check_and_replaced():
-    """The cached plan says blocks for every count (measured under load), where int8 is 3x
+    """The cached plan says int8_panels for every count (measured under load), where int8 is 3x
     faster at one row: the check at 1 and 16 rows catches it and a fresh plan replaces it. A
     cached plan that still wins is kept after the check alone, without a measurement."""
-    paths = FakePaths({"int8": (1.0, 0.5), "blocks": (3.0, 1.5), "dense": (10.5, 0.2)})
-    settled = settle_plan(PathPlan.only("blocks"), paths.timer())
+    paths = FakePaths({"int8": (1.0, 0.5), "int8_panels": (3.0, 1.5), "dense": (10.5, 0.2)})
+    settled = settle_plan(PathPlan.only("int8_panels"), paths.timer())
     assert settled.how == "replaced" and settled.plan.path_for(1) == "int8" and settled.plan.path_for(16) == "int8"
     assert losing_counts(settled.plan, settled.check) == []
     calls = paths.calls
@@ -315,7 +319,7 @@ def test_the_planner_replaces_a_poisoned_record_and_keeps_only_quiet_measurement
     where they did not, so the next start measures afresh instead of trusting it."""
     from workers.weights import paths as paths_module
 
-    fake = FakePaths({"int8": (1.0, 0.5), "blocks": (3.0, 1.5), "dense": (10.5, 0.2)})
+    fake = FakePaths({"int8": (1.0, 0.5), "int8_panels": (3.0, 1.5), "dense": (10.5, 0.2)})
     probe = type("Probe", (), {"start": lambda self: self, "share": lambda self: busy})
     monkeypatch.setattr(paths_module, "BusyProbe", probe)
     monkeypatch.setattr(paths_module, "PathTimer",
@@ -326,7 +330,7 @@ def test_the_planner_replaces_a_poisoned_record_and_keeps_only_quiet_measurement
     planner.paths = tuple(fake.cost)
     matrix = blocks(Q.Q4_K, 8, 256)
     key = PlanCache.key(paths_module.cpu_id(), planner._source, "Q4_K", (8, 256), planner.paths)
-    cache.put(key, PlanRecord(PathPlan.only("blocks"), "Q4_K", (8, 256), torch.get_num_threads(), cpu_name()))
+    cache.put(key, PlanRecord(PathPlan.only("int8_panels"), "Q4_K", (8, 256), torch.get_num_threads(), cpu_name()))
     plan = planner.plan_for(matrix)
     assert plan.path_for(1) == "int8" and planner.measured == 1
     record = cache.get(key)

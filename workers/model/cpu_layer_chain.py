@@ -34,14 +34,14 @@ if TYPE_CHECKING:
     from workers.model.forward import DecoderModel
 
 ENABLE_ENV = "JUSTAPI_LAYER_CHAIN"
-KERNEL_PATHS = {"int8": 0, "int8_panels": 1, "blocks": 2}  # layer_chain.c's matmul slots
+KERNEL_PATHS = {"int8": 0, "int8_panels": 1}  # layer_chain.c's matmul slots
 _STATUS = {-10: "a block matmul failed", -11: "a KV slot is outside the pool",
            -1: "out of memory for the attention's scratch", -2: "a block table names a block outside the pool"}
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [("matmul", ptr * 3), ("rms_norm", ptr), ("add_rms_norm", ptr), ("rotary", ptr),
+    _fields_ = [("matmul", ptr * 2), ("rms_norm", ptr), ("add_rms_norm", ptr), ("rotary", ptr),
                 ("store_kv", ptr), ("attention", ptr), ("act_mul", ptr)]
 
 
@@ -153,7 +153,7 @@ class LayerChain:
         by_dtype = {}
         for dtype, store in ops.STORE_SYMBOLS.items():  # the pool's dtype picks the store and attention
             kernels = by_dtype[dtype] = _Kernels()
-            for name, slot in (("quant_matmul_i8", 0), ("quant_matmul_i8_panels", 1), ("quant_matmul", 2)):
+            for name, slot in (("quant_matmul_i8", 0), ("quant_matmul_i8_panels", 1)):
                 kernels.matmul[slot] = _address(blocks.library, name)
             for field, name in (("rms_norm", "rms_norm_rows"), ("add_rms_norm", "add_rms_norm_rows"),
                                 ("rotary", "rotary_rows"), ("store_kv", store), ("act_mul", "act_mul_rows")):

@@ -5,7 +5,6 @@ Paths over one BlockMatrix (block_linear.py runs them):
   int8        block kernel, activations rounded to 8 bits per 32 values, integer dot products
   int8_panels the same arithmetic with x's rows in panels of 8, one int32 lane each: a group's
               float work once per 8 rows (steps of many rows)
-  blocks      block kernel in fp32 (each block decoded to fp32 in L1)
   dense       a tile of the matrix expanded to fp32 in a scratch buffer, dense GEMM (MKL)
   dense_bf16  the same in bf16: a candidate only where the CPU multiplies bf16 in hardware
 Each path's time is modelled as a + b * rows (a: what a call costs whatever its rows, such as
@@ -31,7 +30,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-PATHS = ("int8", "int8_panels", "blocks", "dense", "dense_bf16")
+PATHS = ("int8", "int8_panels", "dense", "dense_bf16")
 MEASURE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 """Row counts timed at start-up: decode batches and speculative verification sit among them,
 and 512 for prefill chunks: the dense GEMM gains per row up to there (SmolLM2's gate/up:

@@ -13,7 +13,7 @@ step's matmuls take.
 - auto (CPU): every quantized matrix stays the file's GGUF blocks (block_matrix.py) and nothing
   else: memory is the file's. Each matmul takes the path the step's row count picks from a
   plan measured on this machine at start-up per weight type and shape (path_plan.py: the block
-  kernels with int8 or fp32 activations for small steps, a tile expanded into a scratch buffer
+  kernels with int8 activations, per row or in panels, for small steps, a tile expanded into a scratch buffer
   and a dense fp32 or bf16 GEMM for large ones), cached per CPU. On CUDA auto is fp32 (bf16):
   int4 never won there (docs/quantization.md). Without a C compiler auto runs fp32.
 Owns: the mode, the form per type, building the model. Does not own: kernels or loading.
@@ -58,7 +58,7 @@ def candidate_paths() -> tuple[str, ...]:
     fast_bf16 = has_hardware_bf16() and has_onednn_bf16()
     kernels = block_kernels()
     panels = ("int8_panels",) if kernels is not None and kernels.has_panels else ()
-    return ("int8",) + panels + ("blocks", "dense") + (("dense_bf16",) if fast_bf16 else ())
+    return ("int8",) + panels + ("dense",) + (("dense_bf16",) if fast_bf16 else ())
 
 
 class PathPlanner:
@@ -71,7 +71,8 @@ class PathPlanner:
         self.paths = candidate_paths()
         self.plans: dict[tuple[str, tuple[int, int]], PathPlan] = {}
         self.measured = 0
-        self._source = (SOURCE_DIR / "quant_matmul.c").read_text() + (SOURCE_DIR / "gguf_blocks.h").read_text()
+        self._source = "".join(path.read_text() for path in [SOURCE_DIR / "quant_matmul.c",
+                                                              *sorted(SOURCE_DIR.glob("*.h"))])
 
     def plan_for(self, matrix: BlockMatrix) -> PathPlan:
         memo = (matrix.type_name, matrix.shape)

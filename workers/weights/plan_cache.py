@@ -17,7 +17,7 @@ import torch
 from workers.model.kernel_records import read_json, update_json
 from workers.weights.path_plan import PathPlan
 
-CACHE_VERSION = 10
+CACHE_VERSION = 11
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ typedef int (*attention_fn)(const float *q, const void *kv, const int64_t *table
 typedef void (*act_mul_fn)(const float *x, float *out, int64_t rows, int64_t f, int act, int num_threads);
 
 struct Kernels {
-    matmul_fn matmul[3];  /* by path: 0 int8, 1 int8_panels, 2 blocks (fp32 activations) */
+    matmul_fn matmul[2];  /* by path: 0 int8, 1 int8_panels */
     rms_norm_fn rms_norm;
     add_rms_norm_fn add_rms_norm;
     rotary_fn rotary;
@@ -78,7 +78,7 @@ static int matmul(const struct Kernels *kn, const struct Layer *ly, int which, c
     for (int64_t p = 0; p < parts; p++) n += ly->out_features[which][p];
     for (int64_t p = 0, col = 0; p < parts; col += ly->out_features[which][p], p++) {
         const int64_t path = ly->path[which][p], width = ly->out_features[which][p];
-        if (path < 0 || path > 2) return CHAIN_BAD_MATMUL;
+        if (path < 0 || path > 1) return CHAIN_BAD_MATMUL;
         if (kn->matmul[path]((int)ly->type[which][p], ly->weight[which][p], width, k, x, rows, parts > 1 ? part : y,
                              num_threads))
             return CHAIN_BAD_MATMUL;
