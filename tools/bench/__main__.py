@@ -17,6 +17,7 @@ SCENARIOS = {
     "serve": "configurations of `justapi serve` side by side (continuous/static, cache, overhead)",
     "pd": "PD disaggregation vs colocated workers on the long-burst workload",
     "peer": "the same streaming workloads against justapi serve and llama-server (or a URL)",
+    "llama1b": "the ~1B llama shape (Q4_K_M by llama-quantize) against llama-server, and its memory",
     "spec": "speculative decoding: n-gram, trees, draft models, batch sweep (in-process)",
     "quant": "weight paths fp32 / bf16 / q4 / auto: speed, memory, perplexity (in-process)",
     "scheduler": "scheduler core step and prefix-cache match times (no model)",
