@@ -81,6 +81,7 @@ def _register_commands() -> None:
     """`justapi serve`, the ops commands (justapi/ops/) and `justapi bench` (justapi/bench/)."""
     from justapi.bench.command import bench
     from justapi.launch.serve import serve
+    from justapi.ops.doctor import doctor
     from justapi.ops.drain import drain
     from justapi.ops.flush_cache import flush_cache
     from justapi.ops.health import health
@@ -89,7 +90,7 @@ def _register_commands() -> None:
     from justapi.ops.perplexity import perplexity
     from justapi.ops.status import status
 
-    for command in (serve, status, health, drain, flush_cache, keys, inspect, perplexity, bench):
+    for command in (serve, status, health, drain, flush_cache, keys, inspect, perplexity, doctor, bench):
         main.add_command(command)
 
 

@@ -22,7 +22,7 @@ from justapi.ops.status import render as render_status
 from justapi.wire.auth import read_secret_key
 from justapi.wire.protocol import StatusReply
 
-OPS_COMMANDS = ("status", "health", "drain", "flush-cache", "keys", "inspect", "perplexity")
+OPS_COMMANDS = ("status", "health", "drain", "flush-cache", "keys", "inspect", "perplexity", "doctor")
 ADMIN_COMMANDS = ("status", "health", "drain", "flush-cache")
 
 WORKERS = [

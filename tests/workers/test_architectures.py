@@ -178,13 +178,13 @@ def block_matrices(model: DecoderModel) -> list[BlockMatrix]:
 def test_auto_keeps_the_files_blocks_and_computes_what_fp32_does(pair):
     """`--weights auto` on every architecture: each quantized matrix (experts, fused rows, head)
     stays the file's blocks byte for byte, with no dense copy, and a prefill's logits equal the
-    fp32 model's (the blocks path decodes each block exactly; only the sums' order differs)."""
+    fp32 model's (the dense tile decodes each block exactly; only the sums' order differs)."""
     if pair.path.endswith("-F32.gguf"):
         pytest.skip("an F32 file has no blocks to keep")
     if block_kernels() is None:
         pytest.skip("no C compiler: block kernels unavailable")
     gguf = GGUFFile(pair.path)
-    auto = load_model(gguf, weights="auto", progress=False, plan=PathPlan.only("blocks"))
+    auto = load_model(gguf, weights="auto", progress=False, plan=PathPlan.only("dense"))
     quantized = [t for t in gguf.reader.tensors if t.tensor_type.name == "Q8_0"]
     assert quantized and sum(m.raw.numel() for m in block_matrices(auto)) == \
         sum(int(t.n_bytes) for t in quantized)

@@ -3,12 +3,10 @@ blocks made by workers/weights/kquant_pack.py (IQ4_NL, IQ4_XS: iq4_pack.py) from
 32-value groups span orders of magnitude, against gguf's own decoder:
 
 - expansion (fp32 and bf16) and lookups equal gguf's values bit for bit;
-- the fp32 matmul equals x @ W.T within fp32 summation's bound, |err| <= K u sum |x| |w|
-  (u = 2^-24; the sum of K products in any order);
-- the int8 matmul, and the same arithmetic by panels of 8 rows of x, equal it within the
+- the int8 matmul, and the same arithmetic by panels of 8 rows of x, equal x @ W.T within the
   rounding of x to 8 bits per 32 values: each x moves by at most half its group's step
-  d = max |x| / 127, so |err| <= sum_groups d / 2 sum |w| (+ the fp32 sum's bound on the
-  rounded x);
+  d = max |x| / 127, so |err| <= sum_groups d / 2 sum |w| (+ fp32 summation's bound on the
+  rounded x, K u sum |x| |w|, u = 2^-24);
 - a row of x gives the same bits alone as among others;
 and negative controls show both bounds catch a code-order bug.
 """
@@ -75,7 +73,7 @@ def test_expansion_and_lookups_equal_gguf(qtype):
     assert matrix.num_bytes == matrix.raw.numel() and matrix.raw.dtype == torch.uint8
 
 
-KERNELS = {"fp32": {"int8": False}, "int8": {"int8": True}, "int8_panels": {"panels": True}}
+KERNELS = {"int8": {}, "int8_panels": {"panels": True}}
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=[t.name for t in BLOCK_TYPES])
@@ -88,7 +86,7 @@ def test_matmul_equals_the_dequantized_product_within_its_bound(qtype, kernel):
     x[3] *= 1000.0  # rows of very different magnitude
     y = block_kernels().matmul(matrix, x, **KERNELS[kernel])
     error = (y.double() - x.double() @ w.double().T).abs()
-    bound = fp32_bound(x, w) if kernel == "fp32" else int8_bound(x, w)
+    bound = int8_bound(x, w)
     assert y.shape == (rows, 37) and y.dtype == torch.float32
     assert bool((error <= bound).all()), f"worst error/bound {float((error / bound).max()):.3f}"
     alone = block_kernels().matmul(matrix, x[rows - 2:rows - 1], **KERNELS[kernel])
@@ -117,7 +115,7 @@ def test_bounds_catch_codes_in_the_wrong_order(kernel):
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
     swapped = w.view(8, -1, 2).flip(-1).reshape(8, 256)  # neighbours exchanged: a nibble-order bug
     error = (block_kernels().matmul(matrix, x, **KERNELS[kernel]).double() - x.double() @ swapped.double().T).abs()
-    bound = fp32_bound(x, swapped) if kernel == "fp32" else int8_bound(x, swapped)
+    bound = int8_bound(x, swapped)
     assert bool((error > bound).any())
 
 
@@ -146,6 +144,19 @@ def test_int8_panels_give_the_same_bits_without_vnni(qtype):
     matrix, _ = weights(qtype, 21, 2048 + 8 * 32 + 32 * (not has_super_blocks(qtype)), seed=7)
     x = torch.randn(19, matrix.in_features, generator=torch.Generator().manual_seed(8))  # AVX-512: panels of 16
     assert torch.equal(fallback.matmul(matrix, x, panels=True), block_kernels().matmul(matrix, x, panels=True))
+
+
+@pytest.mark.skipif("avx512f" not in cpu_id(), reason="this CPU has no AVX-512: its build is already the AVX2 one")
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=["Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_direct_path_of_an_avx2_build_gives_this_builds_bits(qtype):
+    """One to four rows of x read the blocks directly (maddubs + madd on AVX2, dpbusd with
+    VNNI): an AVX2-only build, what a Zen 3 runs, gives the bits of this CPU's build."""
+    fallback = BlockKernels(ctypes.CDLL(str(build("quant_matmul", NO_VNNI))))
+    matrix, _ = weights(qtype, 13, 2304 if qtype.name.endswith("_K") else 2208, seed=15)
+    x = torch.randn(4, matrix.in_features, generator=torch.Generator().manual_seed(16))
+    x[1] *= 1e3
+    for rows in (1, 2, 3, 4):
+        assert torch.equal(fallback.matmul(matrix, x[:rows]), block_kernels().matmul(matrix, x[:rows])), rows
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q6_K, Q.Q2_K, Q.IQ4_NL],
@@ -190,18 +201,23 @@ def test_int8_and_int8_panels_give_the_same_bits(qtype):
     matrix, _ = weights(qtype, 37, 2 * cols_for(qtype) + (0 if has_super_blocks(qtype) else 2048), seed=9)
     x = torch.randn(8 * 16 + 21, matrix.in_features, generator=torch.Generator().manual_seed(10))  # 2 passes
     x[5] *= 300.0
-    per_row = block_kernels().matmul(matrix, x, int8=True)
+    per_row = block_kernels().matmul(matrix, x)
     assert torch.equal(block_kernels().matmul(matrix, x, panels=True), per_row)
-    assert torch.equal(block_kernels().matmul(matrix, x[7:8], int8=True)[0], per_row[7])
+    assert torch.equal(block_kernels().matmul(matrix, x[7:8])[0], per_row[7])
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.IQ4_NL], ids=["Q4_0", "Q4_1", "Q8_0", "IQ4_NL"])
-@pytest.mark.parametrize("cols", [160, 2208, 2048 + 64])
+DIRECT_CASES = [(qtype, cols) for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.IQ4_NL) for cols in (160, 2208, 2048 + 64)] + \
+    [(qtype, cols) for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) for cols in (256, 2304, 4096)]
+
+
+@pytest.mark.parametrize("qtype,cols", DIRECT_CASES, ids=[f"{t.name}-{c}" for t, c in DIRECT_CASES])
 def test_the_int8_path_for_a_few_rows_gives_the_panels_bits(qtype, cols):
     """One to four rows of x take these types' codes straight from the blocks (no coded copy
-    in L1; IQ4_NL's nibbles looked up in its table in a register); five and more take the coded tiles. Every row count gives each row the panels'
-    bits: odd group counts (a lone last block's offsets), rows past one 2048-value piece,
-    a partial tile of weight rows, an all-zero row and rows of very different magnitude."""
+    in L1; IQ4_NL's nibbles looked up in its table in a register); five and more take the
+    coded tiles. Every row count gives each row the panels' bits: odd group counts (a lone
+    last block's offsets), rows past one 2048-value piece (K quants: 9 superblocks, and two
+    whole pieces), a partial tile of weight rows, an all-zero row and rows of very different
+    magnitude."""
     skip_without_panels("int8_panels")
     matrix, w = weights(qtype, 23, cols, seed=11)
     x = torch.randn(6, cols, generator=torch.Generator().manual_seed(12))
@@ -212,7 +228,7 @@ def test_the_int8_path_for_a_few_rows_gives_the_panels_bits(qtype, cols):
     assert bool((reference[2] == 0).all())
     for rows in range(1, 7):
         for start in range(0, 7 - rows):
-            got = block_kernels().matmul(matrix, x[start:start + rows], int8=True)
+            got = block_kernels().matmul(matrix, x[start:start + rows])
             assert torch.equal(got, reference[start:start + rows]), (rows, start)
     error = (reference.double() - x.double() @ w.double().T).abs()
     assert bool((error <= int8_bound(x, w)).all())

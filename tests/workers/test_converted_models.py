@@ -253,8 +253,8 @@ def test_scaled_ropes_are_read_from_the_converted_files(converted):
 @pytest.mark.parametrize("name", ["phi3-longrope", "qwen2-yarn"])
 def test_the_c_layer_chain_rotates_with_the_scaled_tables(converted, name):
     """q8_0 files under `--weights auto` (every matrix the file's blocks): decode steps run as
-    one C call (cpu_layer_chain.py) and, decoding past the original context, give the fp32
-    layer loop's logits."""
+    one C call (cpu_layer_chain.py) and, decoding past the original context, give the layer
+    loop's logits over the same blocks (the loop rotates with torch's tables)."""
     from workers.weights.block_kernels import block_kernels
     from workers.weights.path_plan import PathPlan
     from workers.weights.paths import load_model
@@ -262,7 +262,7 @@ def test_the_c_layer_chain_rotates_with_the_scaled_tables(converted, name):
     if block_kernels() is None:
         pytest.skip("no C compiler: no block kernels")
     gguf = GGUFFile(str(converted[name].path))
-    chained = load_model(gguf, weights="auto", progress=False, plan=PathPlan.only("blocks"))
+    chained = load_model(gguf, weights="auto", progress=False, plan=PathPlan.only("int8"))
     assert chained.layer_chain is not None
     runs = []
     chain_run = chained.layer_chain.run
@@ -270,7 +270,9 @@ def test_the_c_layer_chain_rotates_with_the_scaled_tables(converted, name):
     seqs = Seqs({"a": ORIGINAL + 6}, VOCAB, seed=7)
     chunks = [seqs.chunk("a", 0, ORIGINAL - 4)] + [seqs.chunk("a", p, 1) for p in range(ORIGINAL - 4, ORIGINAL + 6)]
     logits = {}
-    for model in (chained, load_model(gguf, weights="fp32", progress=False)):
+    looped = load_model(gguf, weights="auto", progress=False, plan=PathPlan.only("int8"))
+    looped.layer_chain = None
+    for model in (chained, looped):
         runner = make_runner(model, kernel=True)
         logits[model] = torch.cat([all_row_logits(runner, i, [c], [seqs.new("a")] if i == 0 else [])[0][-1:]
                                    for i, c in enumerate(chunks)])

@@ -5,6 +5,7 @@ their own)."""
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import shutil
 
@@ -391,19 +392,34 @@ def kernel_build(name: str) -> cpu_kernels.PagedAttentionKernel:
     return cpu_kernels.PagedAttentionKernel(native.library, bf16_products=name == "bf16 products")
 
 
+class QuietProbe:
+    """kernel_records.BusyProbe on a host where other processes used `share` of the CPUs."""
+
+    share_value = 0.0
+
+    def start(self):
+        return self
+
+    def share(self):
+        return self.share_value
+
+
 def test_the_bf16_products_are_what_this_cpu_measured_faster_recorded_beside_the_build(monkeypatch):
     """Where the build has bf16 products, the loaded kernel takes them only if they measured
     faster here, and says so in a record beside the library that every later process reads; the
     bf16 pool's entry point (what the layer chain calls) follows the choice."""
     monkeypatch.delenv(cpu_kernels.PRODUCTS_ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "BusyProbe", QuietProbe)
     kernel = native_kernel()
-    records = list(cpu_kernels.cache_dir().glob("paged_attention-*.products"))
+    records = list(cpu_kernels.cache_dir().glob("paged_attention-*.products.json"))
     if not kernel.can_pair:
         assert not kernel.bf16_products and kernel.symbol(torch.bfloat16) == "paged_attention_short_bf16"
         return
     assert len(records) == 1
-    choice, _, fp32, _, _, pairs, _ = records[0].read_text().split()
-    assert kernel.bf16_products == (choice == "bf16") == (float(pairs) <= cpu_kernels.PAIRS_MARGIN * float(fp32))
+    entry = json.loads(records[0].read_text())[str(torch.get_num_threads())]
+    assert entry["threads"] == torch.get_num_threads() and entry["cpu"] == cpu_kernels.cpu_name()
+    assert kernel.bf16_products == (entry["choice"] == "bf16") == \
+        (entry["bf16_ms"] <= cpu_kernels.PAIRS_MARGIN * entry["fp32_ms"] + 1e-3)
     assert kernel.symbol(torch.bfloat16) == ("paged_attention_short_bf16_pairs" if kernel.bf16_products
                                              else "paged_attention_short_bf16")
     assert kernel.symbol(torch.float32) == "paged_attention_short"
@@ -412,34 +428,63 @@ def test_the_bf16_products_are_what_this_cpu_measured_faster_recorded_beside_the
 def test_the_products_choice_is_measured_once_a_near_tie_keeps_fp32_and_the_variable_overrides(tmp_path, monkeypatch):
     kernel = kernel_build("bf16 products")
     monkeypatch.delenv(cpu_kernels.PRODUCTS_ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "BusyProbe", QuietProbe)
     measured = []
 
     def timings(k, ratio):
         measured.append(k)
         return 1.0, ratio
 
+    def record(name):
+        return json.loads((tmp_path / f"paged_attention-{name}.products.json").read_text())
+
     first, second = tmp_path / "paged_attention-a.so", tmp_path / "paged_attention-b.so"
     monkeypatch.setattr(cpu_kernels, "_products_timings", lambda k: timings(k, 0.9))
-    assert cpu_kernels.choose_bf16_products(kernel, first)
-    assert (tmp_path / "paged_attention-a.products").read_text().startswith("bf16 ")
+    assert cpu_kernels.choose_bf16_products(kernel, first) and len(measured) == 2  # two passes
+    threads = str(torch.get_num_threads())
+    assert record("a")[threads]["choice"] == "bf16" and record("a")[threads]["threads"] == int(threads)
     monkeypatch.setattr(cpu_kernels, "_products_timings", lambda k: timings(k, 0.5 / cpu_kernels.PAIRS_MARGIN))
-    assert cpu_kernels.choose_bf16_products(kernel, first) and len(measured) == 1  # the record, not a measurement
+    assert cpu_kernels.choose_bf16_products(kernel, first) and len(measured) == 2  # the record, not a measurement
     monkeypatch.setattr(cpu_kernels, "_products_timings", lambda k: timings(k, 0.97))
-    assert not cpu_kernels.choose_bf16_products(kernel, second) and len(measured) == 2
+    assert not cpu_kernels.choose_bf16_products(kernel, second) and len(measured) == 4
     monkeypatch.setenv(cpu_kernels.PRODUCTS_ENV, "bf16")
     assert cpu_kernels.choose_bf16_products(kernel, second)
     monkeypatch.setenv(cpu_kernels.PRODUCTS_ENV, "fp32")
-    assert not cpu_kernels.choose_bf16_products(kernel, first) and len(measured) == 2
+    assert not cpu_kernels.choose_bf16_products(kernel, first) and len(measured) == 4
     monkeypatch.delenv(cpu_kernels.PRODUCTS_ENV)
-    (tmp_path / "paged_attention-b.products").write_text("bf")  # a torn record is measured again
+    (tmp_path / "paged_attention-b.products.json").write_text("{\"bf")  # a torn record is measured again
     monkeypatch.setattr(cpu_kernels, "_products_timings", lambda k: timings(k, 0.5))
-    assert cpu_kernels.choose_bf16_products(kernel, second) and len(measured) == 3
-    assert (tmp_path / "paged_attention-b.products").read_text().startswith("bf16 fp32 1000.000 ms bf16 500.000 ms")
+    assert cpu_kernels.choose_bf16_products(kernel, second) and len(measured) == 6
+    assert record("b")[threads] | {"measured_at": 0} == {
+        "choice": "bf16", "fp32_ms": 1000.0, "bf16_ms": 500.0, "threads": int(threads),
+        "cpu": cpu_kernels.cpu_name(), "measured_at": 0, "others_busy": 0.0}
     assert cpu_kernels.choose_bf16_products(kernel, tmp_path / "missing" / "paged_attention-c.so")  # no record there
-    assert len(measured) == 4 and not (tmp_path / "missing").exists()
+    assert len(measured) == 8 and not (tmp_path / "missing").exists()
     kernel.can_pair = False  # a build without them
     monkeypatch.setenv(cpu_kernels.PRODUCTS_ENV, "bf16")
     assert not cpu_kernels.choose_bf16_products(kernel, first)
+
+
+def test_the_products_choice_is_recorded_only_when_the_host_was_quiet_and_both_passes_agree(tmp_path, monkeypatch):
+    """Measured beside other work, or with passes that disagree (a burst of load in one), the
+    choice holds for this process (disagreeing: the exact fp32 products) and is not recorded:
+    the next process measures again. A record of another thread count is not this one's."""
+    kernel = kernel_build("bf16 products")
+    monkeypatch.delenv(cpu_kernels.PRODUCTS_ENV, raising=False)
+    library = tmp_path / "paged_attention-a.so"
+    path = cpu_kernels.products_record(library)
+    busy = type("BusyHost", (QuietProbe,), {"share_value": 0.5})
+    monkeypatch.setattr(cpu_kernels, "BusyProbe", busy)
+    monkeypatch.setattr(cpu_kernels, "_products_timings", lambda k: (1.0, 0.5))
+    assert cpu_kernels.choose_bf16_products(kernel, library) and not path.exists()
+    monkeypatch.setattr(cpu_kernels, "BusyProbe", QuietProbe)
+    ratios = iter([0.5, 1.5])
+    monkeypatch.setattr(cpu_kernels, "_products_timings", lambda k: (1.0, next(ratios)))
+    assert not cpu_kernels.choose_bf16_products(kernel, library) and not path.exists()
+    path.write_text(json.dumps({str(torch.get_num_threads() + 1): {"choice": "bf16"}}))
+    monkeypatch.setattr(cpu_kernels, "_products_timings", lambda k: (1.0, 1.5))
+    assert not cpu_kernels.choose_bf16_products(kernel, library)
+    assert set(json.loads(path.read_text())) == {str(torch.get_num_threads()), str(torch.get_num_threads() + 1)}
 
 
 def attend_by(kernel, batch, kv, q):

@@ -1,5 +1,5 @@
 """A CPU decode step's layers as one C call (workers/model/cpu_layer_chain.py): on each matmul
-path it takes (int8, int8 panels, blocks) and for several block types, steps of decode and
+path it takes (int8, int8 panels) and for several block types, steps of decode and
 verification rows (1-3 a sequence) give the hidden states of the Python layer loop bit for bit,
 and the same greedy tokens; steps it does not cover (prefill, dense tiles) run the loop; models it does not cover
 have no chain; a bad slot is a ValueError that writes nothing."""
@@ -67,7 +67,7 @@ def count_runs(monkeypatch) -> list[int]:
     return runs
 
 
-CASES = [("Q4_1", "int8", 64), ("Q8_0", "int8", 64), ("Q4_0", "int8_panels", 64), ("Q5_1", "blocks", 64),
+CASES = [("Q4_1", "int8", 64), ("Q8_0", "int8", 64), ("Q4_0", "int8_panels", 64), ("Q5_1", "int8", 64),
          ("Q4_K", "int8", 256), ("Q6_K", "int8_panels", 256)]
 
 
@@ -91,6 +91,27 @@ def test_decode_steps_give_the_loops_bits(tiny_gguf, monkeypatch, qtype, path, h
     assert len(hidden_chain) == len(hidden_loop) == 6
     for got, want in zip(hidden_chain, hidden_loop):
         assert torch.equal(got, want)
+
+
+def test_a_matrix_stacked_from_two_types_runs_in_the_chain_part_by_part(tiny_gguf, monkeypatch):
+    """A Q4_K_M file's attention: q and k Q4_K, v Q6_K, so qkv is a stack of parts (and ffn_down
+    Q6_K). The chain computes each part into its columns, as the loop's StackLinear does: the
+    same bits, with the chain taking every decode step (1 and 2 rows: the direct path, 3 and 6:
+    the coded tiles)."""
+    gguf = tiny_gguf(layers=2, hidden=256, heads=4, kv_heads=2, ffn=512, vocab=384, context=256, type="Q4_K",
+                     v_type="Q6_K", embed_type="Q8_0")
+    plan = PathPlan(((8, "int8"), (1 << 16, "dense")))
+    runs = count_runs(monkeypatch)
+    results = {}
+    for chain in (True, False):
+        model, pool, runner = load(gguf, plan, chain)
+        assert len(model.layers[0].qkv.parts) == 3  # q, k (Q4_K) and v (Q6_K), each its own part
+        assert (model.layer_chain is not None) == chain
+        results[chain] = decode(model, runner, steps=5)
+        pool.close()
+    assert runs == [3, 6, 6, 3, 6]
+    assert results[True][1] == results[False][1]
+    assert all(torch.equal(a, b) for a, b in zip(results[True][0], results[False][0]))
 
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])

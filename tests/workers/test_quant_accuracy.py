@@ -57,7 +57,7 @@ def test_int4_perplexity_within_one_percent_of_fp32(engines, fp32_perplexity, re
         assert result.perplexity != fp32.perplexity  # computed on another kernel
 
 
-@pytest.mark.parametrize("path", ["int8", "int8_panels"])  # measured +0.29% .. +0.75%; fp32 activations ("blocks") +0.00%
+@pytest.mark.parametrize("path", ["int8", "int8_panels"])  # measured +0.29% .. +0.75%; fp32 activations (dense) +0.00%
 def test_auto_block_kernels_keep_perplexity_within_one_percent(engines, fp32_perplexity, smollm2_path,
                                                                    monkeypatch, record_property, path):
     if path == "int8_panels" and not block_kernels().has_panels:

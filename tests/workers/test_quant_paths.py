@@ -116,7 +116,7 @@ def test_auto_runs_fp32_on_a_cpu_without_the_int8_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "has_panels", False)
     fallback = paths_module.WeightPaths("auto")
     assert fallback.mode == "fp32" and fallback.form(GGMLQuantizationType.Q4_1) == "dense"
-    forced = paths_module.WeightPaths("auto", plan=PathPlan.only("blocks"))
+    forced = paths_module.WeightPaths("auto", plan=PathPlan.only("int8"))
     assert forced.mode == "auto" and forced.form(GGMLQuantizationType.Q4_1) == "blocks"
 
 

@@ -85,9 +85,9 @@ def path_tables(model_path: str, repeats: int) -> dict[tuple[str, tuple[int, int
 
 
 def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2, 4)) -> None:
-    """One decode step's matmuls on each kernel, in turns: auto's three paths (int8, blocks,
+    """One decode step's matmuls on each kernel, in turns: auto's paths (int8, int8_panels,
     tile: expanded into the scratch buffer, then GEMM), the int8 path with every type on its
-    coded tiles (a build without the direct path that Q4_0/Q4_1/Q8_0 take at 1-4 rows), an
+    coded tiles (a build without the direct path that Q4_0/Q4_1/Q8_0/K-quants take at 1-4 rows), an
     fp32 copy (what --weights fp32 multiplies) and torch's int4 kernel (q4) where the types
     allow."""
     model = load_blocks(model_path)
@@ -99,7 +99,7 @@ def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2,
     print(f"\none decode step's matmuls ({len(linears)} of them, {weight_mib:.0f} MiB of blocks), "
           f"median ms in turns (types: {sorted({lin.matrix.type_name for lin in linears})})")
     coded = BlockKernels(ctypes.CDLL(str(build("quant_matmul", ("-DDIRECT_ROWS=0",)))))
-    names = ["int8", "int8 coded", "int8_panels", "blocks", "tile", "dense fp32 copy"] + (["int4 (q4)"] if int4 else [])
+    names = ["int8", "int8 coded", "int8_panels", "tile", "dense fp32 copy"] + (["int4 (q4)"] if int4 else [])
     print(f"{'rows':>5} | " + " ".join(f"{name:>15}" for name in names) + " | GB/s of blocks (int8)")
     with torch.inference_mode():
         for rows in rows_list:
@@ -107,7 +107,6 @@ def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2,
             calls = {"int8": lambda: [lin.run("int8", x) for lin, x in zip(linears, xs)],
                      "int8 coded": lambda: [coded.matmul(lin.matrix, x) for lin, x in zip(linears, xs)],
                      "int8_panels": lambda: [lin.run("int8_panels", x) for lin, x in zip(linears, xs)],
-                     "blocks": lambda: [lin.run("blocks", x) for lin, x in zip(linears, xs)],
                      "tile": lambda: [lin.run("dense", x) for lin, x in zip(linears, xs)],
                      "dense fp32 copy": lambda: [d(x) for d, x in zip(dense, xs)]}
             if int4:

@@ -8,12 +8,10 @@ Does not own: the attention metadata (attention.py) or the pool (kv_pool.py).
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -23,6 +21,9 @@ from typing import Callable, TypeVar
 
 import numpy as np
 import torch
+
+from workers.model.kernel_records import (CACHE_ENV, QUIET_SHARE, BusyProbe, KernelBuildError,  # noqa: F401
+                                          cache_dir, cpu_id, cpu_name, locked, read_json, write_json)
 
 log = logging.getLogger(__name__)
 
@@ -36,42 +37,12 @@ scalar (the gated activation 3-5x slower than torch's at 16-256 rows); results a
 (unlike -ffast-math, it licenses no reassociation)."""
 ENABLE_ENV = "JUSTAPI_CPU_KERNELS"
 BAD_BLOCK, BAD_SHAPE = -2, -3  # paged_attention.c's status codes (OUT_OF_MEMORY = -1)
-CACHE_ENV = "JUSTAPI_KERNEL_CACHE"
 PRODUCTS_ENV = "JUSTAPI_CPU_ATTENTION_PRODUCTS"
 """bf16 | fp32 | auto (unset): the bf16 pool's products in the attention kernel, where the CPU
 has AVX512-BF16 (auto: whichever measured faster on this CPU, see choose_bf16_products)."""
 PAIRS_MARGIN = 0.95
 """auto takes bf16 products only where they took at most this share of the fp32 products' time
 (a near tie keeps the exact products)."""
-
-
-class KernelBuildError(RuntimeError):
-    pass
-
-
-def cpu_id() -> str:
-    """What a -march=native build depends on: the CPU model and its feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    wanted = ("model name", "flags", "Features", "CPU part")
-    return "\n".join(sorted({line for line in lines if line.startswith(wanted)}))
-
-
-def cache_dir() -> Path:
-    """A directory only this user can write (a library loaded from it runs as this user)."""
-    base = os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "justapi", "kernels")
-    for path in (Path(base), Path(tempfile.gettempdir()) / f"justapi-kernels-{os.getuid()}"):
-        try:
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError:
-            continue
-        info = path.stat()
-        if info.st_uid == os.getuid() and not info.st_mode & 0o022:
-            return path
-    raise KernelBuildError(f"no private directory to build kernels in (tried {base})")
 
 
 def build(name: str, extra_flags: tuple[str, ...] = ()) -> Path:
@@ -226,12 +197,19 @@ def _products_timings(kernel: PagedAttentionKernel, rounds: int = 5) -> tuple[fl
     return best[0], best[1]
 
 
+def products_record(library_path: Path) -> Path:
+    """The record of the products' choice beside a build of paged_attention.c."""
+    return library_path.with_name(library_path.stem + ".products.json")
+
+
 def choose_bf16_products(kernel: PagedAttentionKernel, library_path: Path) -> bool:
     """Whether the bf16 pool's attention takes bf16 products here: JUSTAPI_CPU_ATTENTION_PRODUCTS
-    where set, else measured once per CPU and build (_products_timings: they halve the
-    multiply-adds, but on some CPUs vdpbf16ps issues on fewer ports than fp32 FMAs and the pairs
-    loop was 5-30% slower) and recorded beside the library, so every process on this machine
-    computes the same bits."""
+    where set, else measured once per CPU, build and thread count (_products_timings: they halve
+    the multiply-adds, but on some CPUs vdpbf16ps issues on fewer ports than fp32 FMAs and the
+    pairs loop was 5-30% slower) and recorded beside the library under its lock, so every
+    process on this machine computes the same bits. A measurement is recorded only where two
+    passes agree and the host was quiet while they ran (kernel_records.BusyProbe); otherwise it
+    holds for this process only."""
     if not kernel.can_pair:
         return False
     forced = os.environ.get(PRODUCTS_ENV, "auto")
@@ -239,33 +217,40 @@ def choose_bf16_products(kernel: PagedAttentionKernel, library_path: Path) -> bo
         return forced == "bf16"
     if forced != "auto":
         log.warning("%s=%r is not bf16, fp32 or auto: measuring", PRODUCTS_ENV, forced)
-    record = library_path.with_suffix(".products")
+    record, threads = products_record(library_path), str(torch.get_num_threads())
     try:
-        with open(library_path.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one process measures; the rest read its record
-            try:
-                recorded = record.read_text().split()[0]
-            except (OSError, IndexError):
-                recorded = ""
-            if recorded in ("bf16", "fp32"):
-                return recorded == "bf16"
-            choice, line = _measure_products(kernel)
-            tmp = record.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(line)
-            os.replace(tmp, record)
+        with locked(record):  # one process measures; the rest read its record
+            recorded = read_json(record).get(threads)
+            if isinstance(recorded, dict) and recorded.get("choice") in ("bf16", "fp32"):
+                return recorded["choice"] == "bf16"
+            choice, entry = _measure_products(kernel)
+            if entry is not None:
+                entries = read_json(record)
+                entries[threads] = entry
+                write_json(record, entries)
             return choice
     except OSError as exc:  # no record here: this process measures for itself
         log.warning("cannot record the attention products' choice beside %s: %s", library_path.name, exc)
         return _measure_products(kernel)[0]
 
 
-def _measure_products(kernel: PagedAttentionKernel) -> tuple[bool, str]:
-    """(bf16 products?, the record's line)."""
-    fp32, pairs = _products_timings(kernel)
-    choice = "bf16" if pairs <= PAIRS_MARGIN * fp32 else "fp32"
-    log.info("CPU attention over a bf16 pool: %s products (fp32 %.3f ms, bf16 %.3f ms)",
-             choice, fp32 * 1e3, pairs * 1e3)
-    return choice == "bf16", f"{choice} fp32 {fp32 * 1e3:.3f} ms bf16 {pairs * 1e3:.3f} ms\n"
+def _measure_products(kernel: PagedAttentionKernel) -> tuple[bool, dict | None]:
+    """(bf16 products?, the record's entry, or None where it is not to be kept): two passes in
+    turns; the choice stands if both make it, else fp32 (the exact products) for this process."""
+    probe = BusyProbe().start()
+    passes = [_products_timings(kernel) for _ in range(2)]
+    choices = {"bf16" if pairs <= PAIRS_MARGIN * fp32 else "fp32" for fp32, pairs in passes}
+    fp32, pairs = min(t[0] for t in passes), min(t[1] for t in passes)
+    agree, busy = len(choices) == 1, probe.share()
+    choice = choices.pop() if agree else "fp32"
+    kept = agree and busy <= QUIET_SHARE
+    log.info("CPU attention over a bf16 pool: %s products (fp32 %.3f ms, bf16 %.3f ms; other processes "
+             "%.0f%% of the CPUs%s)", choice, fp32 * 1e3, pairs * 1e3, busy * 100,
+             "" if kept else ": for this process only, measured again at the next start")
+    entry = {"choice": choice, "fp32_ms": round(fp32 * 1e3, 3), "bf16_ms": round(pairs * 1e3, 3),
+             "threads": torch.get_num_threads(), "cpu": cpu_name(), "measured_at": round(time.time()),
+             "others_busy": round(busy, 3)}
+    return choice == "bf16", entry if kept else None
 
 
 def _paged_attention_kernel(library: ctypes.CDLL) -> PagedAttentionKernel:

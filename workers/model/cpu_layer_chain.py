@@ -7,7 +7,8 @@ with the same arguments and in the same order, from C, so the hidden states are 
 as the loop's (tests/workers/test_layer_chain.py compares them).
 
 It covers a model whose layers are all plain (a gated FFN, biases or none, no q/k or post
-norms, no sliding window) with every matmul kept as GGUF blocks (`--weights auto`), and a step of short
+norms, no sliding window) with every matmul kept as GGUF blocks (`--weights auto`; a matrix
+stacked from parts of different types, as a Q4_K_M file's q/k/v, part by part), and a step of short
 chunks only (decode, speculative verification: no prefill chunk) whose plans pick a C kernel for
 each matrix; anything else runs the loop. `JUSTAPI_LAYER_CHAIN=0` turns it off.
 Owns: that eligibility and the call. Does not own: the kernels (csrc/, block_kernels.py,
@@ -27,13 +28,13 @@ from workers.model.cpu_kernels import load_kernel, paged_attention
 from workers.model.ffn import GatedFfn
 from workers.model.layer_ops import ACTIVATIONS, layer_ops
 from workers.weights.block_kernels import block_kernels
-from workers.weights.block_linear import BlockLinear
+from workers.weights.block_linear import BlockLinear, StackLinear
 
 if TYPE_CHECKING:
     from workers.model.forward import DecoderModel
 
 ENABLE_ENV = "JUSTAPI_LAYER_CHAIN"
-KERNEL_PATHS = {"int8": 0, "int8_panels": 1, "blocks": 2}  # layer_chain.c's matmul slots
+KERNEL_PATHS = {"int8": 0, "int8_panels": 1}  # layer_chain.c's matmul slots
 _STATUS = {-10: "a block matmul failed", -11: "a KV slot is outside the pool",
            -12: "a row map is outside the step's rows",
            -1: "out of memory for the attention's scratch", -2: "a block table names a block outside the pool",
@@ -42,13 +43,18 @@ i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [("matmul", ptr * 3), ("rms_norm", ptr), ("add_rms_norm", ptr), ("rotary", ptr),
+    _fields_ = [("matmul", ptr * 2), ("rms_norm", ptr), ("add_rms_norm", ptr), ("rotary", ptr),
                 ("store_kv", ptr), ("attention", ptr), ("act_mul", ptr)]
 
 
+MAX_PARTS = 3
+"""Most row blocks of one stacked matrix layer_chain.c takes (q, k and v of different types)."""
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [("weight", ptr * 4), ("type", i64 * 4), ("out_features", i64 * 4), ("in_features", i64 * 4),
-                ("path", i64 * 4), ("attn_norm", ptr), ("ffn_norm", ptr), ("qkv_bias", ptr), ("out_bias", ptr),
+    _fields_ = [("weight", (ptr * MAX_PARTS) * 4), ("type", (i64 * MAX_PARTS) * 4),
+                ("out_features", (i64 * MAX_PARTS) * 4), ("path", (i64 * MAX_PARTS) * 4), ("in_features", i64 * 4),
+                ("parts", i64 * 4), ("attn_norm", ptr), ("ffn_norm", ptr), ("qkv_bias", ptr), ("out_bias", ptr),
                 ("kv", ptr), ("rotary", i64),
                 ("scale", ctypes.c_float), ("softcap", ctypes.c_float)]
 
@@ -60,7 +66,15 @@ class _Step(ctypes.Structure):
                 ("num_keys", ptr), ("num_rows", ptr), ("mask", ptr), ("block_size", i64), ("max_blocks", i64),
                 ("num_blocks", i64), ("num_seqs", i64), ("q_max", i64), ("q_rows", ptr), ("valid_rows", ptr),
                 ("out_rows", ptr), ("x", ptr), ("delta", ptr), ("h", ptr), ("qkv", ptr), ("qk", ptr), ("q", ptr),
-                ("attn", ptr), ("attn_pad", ptr), ("gate_up", ptr), ("act", ptr)]
+                ("attn", ptr), ("attn_pad", ptr), ("gate_up", ptr), ("act", ptr), ("part", ptr)]
+
+
+def _parts(linear: object) -> list[BlockLinear]:
+    """A matrix's BlockLinears: itself, or a StackLinear's parts (at most MAX_PARTS, all
+    BlockLinear); [] where the chain cannot compute it."""
+    parts: list = linear.parts if isinstance(linear, StackLinear) else [linear]
+    blocks = [p for p in parts if isinstance(p, BlockLinear)]
+    return blocks if 0 < len(blocks) == len(parts) <= MAX_PARTS else []
 
 
 def _address(library: ctypes.CDLL, name: str) -> int:
@@ -82,19 +96,24 @@ class LayerChain:
     def __init__(self, model: DecoderModel, library: ctypes.CDLL, kernels: dict[torch.dtype, _Kernels]) -> None:
         self.model, self._fn, self._kernels = model, library.layer_chain, kernels  # by pool dtype
         p = model.params
-        self.linears: list[list[BlockLinear]] = []
+        self.linears: list[list[list[BlockLinear]]] = []
+        """Per layer, its 4 matrices' parts (one BlockLinear, or a StackLinear's parts)."""
         self._layers = (_Layer * len(model.layers))()
+        self.widest_part = 0
+        """Columns of the widest part of a stacked matrix (0: none is stacked)."""
         for record, layer in zip(self._layers, model.layers):
             assert isinstance(layer.ffn, GatedFfn)
-            linears = [lin for lin in (layer.qkv, layer.attn_out, layer.ffn.gate_up, layer.ffn.down)
-                       if isinstance(lin, BlockLinear)]
-            assert len(linears) == 4
+            linears = [_parts(lin) for lin in (layer.qkv, layer.attn_out, layer.ffn.gate_up, layer.ffn.down)]
+            assert all(linears)
             self.linears.append(linears)
-            for j, lin in enumerate(linears):
-                matrix = lin.matrix
-                record.weight[j] = matrix.raw.data_ptr()
-                record.type[j] = int(matrix.qtype)
-                record.out_features[j], record.in_features[j] = matrix.shape
+            for j, parts in enumerate(linears):
+                record.parts[j], record.in_features[j] = len(parts), parts[0].in_features
+                for k, lin in enumerate(parts):
+                    record.weight[j][k] = lin.matrix.raw.data_ptr()
+                    record.type[j][k] = int(lin.matrix.qtype)
+                    record.out_features[j][k] = lin.out_features
+                if len(parts) > 1:
+                    self.widest_part = max(self.widest_part, *(lin.out_features for lin in parts))
             record.attn_norm, record.ffn_norm = layer.attn_norm.data_ptr(), layer.ffn_norm.data_ptr()
             record.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.data_ptr()
             record.out_bias = None if layer.attn_out_bias is None else layer.attn_out_bias.data_ptr()
@@ -105,7 +124,7 @@ class LayerChain:
         ffn = model.layers[0].ffn
         assert isinstance(ffn, GatedFfn)
         self.ffn_size, self.activation = ffn.ffn_size, ACTIVATIONS[ffn.activation]
-        self._paths: dict[int, list[tuple[str, ...]] | None] = {}
+        self._paths: dict[int, list[tuple[tuple[str, ...], ...]] | None] = {}
         """Each row count's path per matrix, or None where one is not a C kernel's (a dense tile)."""
         self._scratch: dict[str, torch.Tensor] = {}
 
@@ -117,8 +136,7 @@ class LayerChain:
         for layer in model.layers:
             if not isinstance(layer.ffn, GatedFfn) or layer.ffn.activation not in ACTIVATIONS:
                 return None
-            if not all(isinstance(lin, BlockLinear) for lin in
-                       (layer.qkv, layer.attn_out, layer.ffn.gate_up, layer.ffn.down)):
+            if not all(_parts(lin) for lin in (layer.qkv, layer.attn_out, layer.ffn.gate_up, layer.ffn.down)):
                 return None
             if any(t is not None for t in (layer.q_norm, layer.k_norm, layer.post_attn_norm, layer.post_ffn_norm)):
                 return None  # (the loop's per-head q/k norms are torch's, whose bits C would not match)
@@ -137,7 +155,7 @@ class LayerChain:
         by_dtype = {}
         for dtype, store in ops.STORE_SYMBOLS.items():  # the pool's dtype picks the store and attention
             kernels = by_dtype[dtype] = _Kernels()
-            for name, slot in (("quant_matmul_i8", 0), ("quant_matmul_i8_panels", 1), ("quant_matmul", 2)):
+            for name, slot in (("quant_matmul_i8", 0), ("quant_matmul_i8_panels", 1)):
                 kernels.matmul[slot] = _address(blocks.library, name)
             for field, name in (("rms_norm", "rms_norm_rows"), ("add_rms_norm", "add_rms_norm_rows"),
                                 ("rotary", "rotary_rows"), ("store_kv", store), ("act_mul", "act_mul_rows")):
@@ -154,8 +172,9 @@ class LayerChain:
         if backend.kernel is not paged_attention():
             return False
         if num_rows not in self._paths:
-            paths = [tuple(lin.plan.path_for(num_rows) for lin in linears) for linears in self.linears]
-            covered = all(path in KERNEL_PATHS for layer in paths for path in layer)
+            paths = [tuple(tuple(lin.plan.path_for(num_rows) for lin in parts) for parts in linears)
+                     for linears in self.linears]
+            covered = all(path in KERNEL_PATHS for layer in paths for parts in layer for path in parts)
             self._paths[num_rows] = paths if covered else None
         return self._paths[num_rows] is not None
 
@@ -210,6 +229,8 @@ class LayerChain:
         buffers = {"h": (rows, x.shape[1]), "qkv": (rows, (num_qk + kv_heads) * hd), "qk": (rows, num_qk * hd),
                    "q": (padded, heads * hd), "attn": (rows, heads * hd), "attn_pad": (padded, heads * hd),
                    "gate_up": (rows, 2 * self.ffn_size), "act": (rows, self.ffn_size)}
+        if self.widest_part:
+            buffers["part"] = (rows, self.widest_part)
         for name, (count, width) in buffers.items():
             setattr(step, name, self._buffer(name, count, width).data_ptr())
         paths = self._paths[rows]
@@ -217,9 +238,10 @@ class LayerChain:
         for record, kv, layer_paths, linears in zip(self._layers, kv_layers, paths, self.linears):
             assert kv.is_contiguous() and kv.shape == kv0.shape and kv.dtype == kv0.dtype
             record.kv = kv.data_ptr()
-            for j, (path, lin) in enumerate(zip(layer_paths, linears)):
-                record.path[j] = KERNEL_PATHS[path]
-                lin.num_calls[path] += 1
+            for j, (part_paths, parts) in enumerate(zip(layer_paths, linears)):
+                for k, (path, lin) in enumerate(zip(part_paths, parts)):
+                    record.path[j][k] = KERNEL_PATHS[path]
+                    lin.num_calls[path] += 1
         status = self._fn(ctypes.byref(self._kernels[kv0.dtype]), self._layers, len(self._layers),
                           ctypes.byref(step))
         if status == -1:

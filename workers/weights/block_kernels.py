@@ -1,12 +1,12 @@
 """The CPU kernels that read GGUF blocks in place (workers/model/csrc/quant_matmul.c), called
 with torch tensors.
 
-- `matmul(matrix, x, int8=True)`: y = x @ W.T, x rounded to 8 bits per 32 values (llama.cpp's
-  Q8_0 activations) and integer dot products with the weights' codes;
-- `matmul(matrix, x, int8=False)`: the same in fp32 (each block decoded to fp32 in L1);
+- `matmul(matrix, x)`: y = x @ W.T, x rounded to 8 bits per 32 values (llama.cpp's Q8_0
+  activations) and integer dot products with the weights' codes (`panels=True`: the same
+  arithmetic with x's rows in panels, for steps of many rows);
 - `dequantize(raw, qtype, in_features, out=...)`: rows expanded to fp32 or bf16 (lookups, and
   the tiles large steps multiply with a dense GEMM).
-Both matmuls compute a row of x in one fixed order whatever the other rows are.
+Both compute a row of x in one fixed order whatever the other rows are, and give each other's bits.
 Built by workers/model/cpu_kernels.py (per CPU, -march=native); None where it cannot be.
 Owns: the calls. Does not own: which path a step takes (block_linear.py, path_plan.py).
 """
@@ -45,7 +45,7 @@ class BlockKernels:
 
     def __init__(self, library: ctypes.CDLL) -> None:
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        for name in ("quant_matmul", "quant_matmul_i8", "quant_matmul_i8_panels"):
+        for name in ("quant_matmul_i8", "quant_matmul_i8_panels"):
             fn = getattr(library, name)
             fn.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
             fn.restype = i32
@@ -57,7 +57,7 @@ class BlockKernels:
         self.has_panels = bool(library.quant_has_panels())
         """Whether `matmul(..., panels=True)` runs here (x86 with AVX2)."""
 
-    def matmul(self, matrix: Blocks, x: torch.Tensor, int8: bool = True, panels: bool = False) -> torch.Tensor:
+    def matmul(self, matrix: Blocks, x: torch.Tensor, panels: bool = False) -> torch.Tensor:
         """x fp32 [rows, in] -> fp32 [rows, out]; `panels`: the int8 arithmetic with x's rows
         in panels of 8 (one int32 lane each), for steps of many rows."""
         out_features, in_features = matrix.shape
@@ -66,7 +66,7 @@ class BlockKernels:
             raise ValueError(f"x of shape {tuple(x.shape)} does not match a {out_features}x{in_features} weight")
         y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
         library = self.library
-        fn = library.quant_matmul_i8_panels if panels else library.quant_matmul_i8 if int8 else library.quant_matmul
+        fn = library.quant_matmul_i8_panels if panels else library.quant_matmul_i8
         _check(fn(int(matrix.qtype), matrix.raw.data_ptr(), out_features, in_features, x.data_ptr(),
                   x.shape[0], y.data_ptr(), torch.get_num_threads()), matrix.type_name)
         return y

@@ -65,8 +65,8 @@ class BlockLinear:
 
     def run(self, path: str, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in] -> fp32 [rows, out] on `path`, whatever the plan says."""
-        if path in ("int8", "blocks", "int8_panels"):
-            return self.kernels.matmul(self.matrix, x, int8=path != "blocks", panels=path == "int8_panels")
+        if path in ("int8", "int8_panels"):
+            return self.kernels.matmul(self.matrix, x, panels=path == "int8_panels")
         if path in ("dense", "dense_bf16"):
             return self._dense(x, torch.bfloat16 if path == "dense_bf16" else torch.float32)
         raise ValueError(f"unknown weight path {path!r} (known: {', '.join(PATHS)})")

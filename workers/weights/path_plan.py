@@ -5,34 +5,32 @@ Paths over one BlockMatrix (block_linear.py runs them):
   int8        block kernel, activations rounded to 8 bits per 32 values, integer dot products
   int8_panels the same arithmetic with x's rows in panels of 8, one int32 lane each: a group's
               float work once per 8 rows (steps of many rows)
-  blocks      block kernel in fp32 (each block decoded to fp32 in L1)
   dense       a tile of the matrix expanded to fp32 in a scratch buffer, dense GEMM (MKL)
   dense_bf16  the same in bf16: a candidate only where the CPU multiplies bf16 in hardware
 Each path's time is modelled as a + b * rows (a: what a call costs whatever its rows, such as
 decoding the weights or expanding a tile; b: the work per row), fitted by least squares (on
 relative residuals) to the fastest of a few rounds at several row counts; a step of M rows
-takes the path whose line is lowest at M. Lines cross at most once pairwise, so a plan is a few
-ranges, and one noisy time (the machine is shared) moves a crossover a little instead of
-flipping a range. `fit_line`,
-`plan_from_timings` and `PathPlan.path_for` are pure; `measure_plan` times the candidates in
-turns (one call of each per round), so other processes' load falls on all of them alike, and
-keeps each one's fastest round.
-Owns: the choice rule, the measurement and its cache. Does not own: the kernels.
+takes the path whose line is lowest at M, or a simpler one within TIE_MARGIN of it. Lines
+cross at most once pairwise, so a plan is a few ranges, and one noisy time (the machine is
+shared) moves a crossover a little instead of flipping a range. A fresh plan is timed again
+where it matters before anything keeps it, and a kept plan is checked at every start
+(settle_plan): no checked count takes a path more than SLOWER_LIMIT slower than the best timed
+in the same check. `fit_line`, `plan_from_timings`, `losing_counts`, `patch_plan` and
+`PathPlan.path_for` are pure; the timings take the candidates in turns (one call of each per
+round), so other processes' load falls on all of them alike, and keep each one's fastest round.
+Owns: the choice rule and the measurement. Does not own: the kernels, the cache file
+(plan_cache.py).
 """
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
 
-PATHS = ("int8", "int8_panels", "blocks", "dense", "dense_bf16")
+PATHS = ("int8", "int8_panels", "dense", "dense_bf16")
 MEASURE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 """Row counts timed at start-up: decode batches and speculative verification sit among them,
 and 512 for prefill chunks: the dense GEMM gains per row up to there (SmolLM2's gate/up:
@@ -43,7 +41,15 @@ LONG_CALL_S = 0.05
 """A count whose slowest call at the previous count took longer is timed over 2 rounds, not
 `repeats`: a 7B model's matrices (11008 x 4096) take 0.1-1 s a call at 128-512 rows, where
 the noise of one round matters less than the start-up time of five."""
-CACHE_VERSION = 9
+TIE_MARGIN = 0.05
+"""Paths within this share of the fastest are a near tie: the simpler one (earlier in PATHS)
+takes the rows. Noise of a few percent then moves no range, and the plan keeps fewer paths."""
+SLOWER_LIMIT = 1.10
+"""A plan's choice at a checked row count may take at most this times the best path's time
+measured in the same check; more, and the plan is measured again (or patched there)."""
+CHECK_ROWS = (1, 16)
+"""Where every start checks a cached plan: a decode step of one sequence and of sixteen."""
+CHECK_REPEATS = 3
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ def fit_line(rows: Sequence[int], seconds: Sequence[float]) -> tuple[float, floa
 
 def plan_from_timings(rows: Sequence[int], seconds: Mapping[str, Sequence[float]],
                       max_rows: int = 1 << 16) -> PathPlan:
-    """The plan of the fitted lines (ties: the earlier path in `seconds`): each path's range
+    """The plan of the fitted lines (near ties: the simpler path, simplest_near_best): each path's range
     ends where another's line drops below it, found at every crossing up to `max_rows`; past
     the last count measured, each path's last segment extended. A path may have times for the
     first few counts only (measurement stopped timing it)."""
@@ -122,7 +128,7 @@ def plan_from_timings(rows: Sequence[int], seconds: Mapping[str, Sequence[float]
 
     def best(count: int) -> str:
         eligible = [path for path in lines if count <= reach[path]] or list(lines)
-        return min(eligible, key=lambda path: cost(path, count))
+        return simplest_near_best({path: cost(path, count) for path in eligible})
 
     # the ranges break where a path's reach ends and where the cost model changes (past last)
     ends = {c for r in reach.values() for c in (r, r + 1)} | {last, last + 1}
@@ -139,14 +145,26 @@ def plan_from_timings(rows: Sequence[int], seconds: Mapping[str, Sequence[float]
     return PathPlan(tuple(steps))
 
 
+def simplest_near_best(seconds: Mapping[str, float]) -> str:
+    """The simplest path (earliest in PATHS) whose time is within TIE_MARGIN of the fastest."""
+    low = min(seconds.values())
+    near = [path for path, t in seconds.items() if t <= (1 + TIE_MARGIN) * low]
+    return min(near, key=lambda path: PATHS.index(path) if path in PATHS else len(PATHS))
+
+
 def _crossings(lines: list[tuple[float, float]]) -> set[int]:
-    """Row counts just below and at each pairwise crossing of the lines."""
+    """Row counts just below and at each pairwise crossing of the lines, and of each line with
+    another scaled by 1 + TIE_MARGIN (where a near tie begins or ends)."""
     out: set[int] = set()
+    scale = 1 + TIE_MARGIN
     for i, (a1, b1) in enumerate(lines):
         for a2, b2 in lines[i + 1:]:
-            if b1 != b2:
-                at = (a2 - a1) / (b1 - b2)
-                out |= {int(at), int(at) + 1}
+            for (c1, d1), (c2, d2) in (((a1, b1), (a2, b2)), ((a1 * scale, b1 * scale), (a2, b2)),
+                                       ((a1, b1), (a2 * scale, b2 * scale))):
+                if d1 != d2:
+                    at = (c2 - c1) / (d1 - d2)
+                    if 0 <= at < 1 << 30:
+                        out |= {int(at), int(at) + 1}
     return out
 
 
@@ -209,40 +227,104 @@ def _far_behind(seconds: Mapping[str, Sequence[float]], path: str) -> bool:
     return times[-1] - times[-2] >= leader[n - 1] - leader[n - 2]
 
 
-class PlanCache:
-    """Measured plans in a JSON file beside the kernel builds, keyed by what they depend on:
-    this CPU, torch, the kernel source, thread count, weight type and shape."""
+class PathTimer:
+    """Times one matrix's candidate paths: `run(path, x)` for x of `in_features` columns, every
+    path in turns (paired_times), on `timer` (a fake clock in tests)."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, run: Callable[[str, torch.Tensor], object], in_features: int, paths: Sequence[str],
+                 timer: Callable[[], float] = time.perf_counter, rows: Sequence[int] = MEASURE_ROWS) -> None:
+        self.run, self.in_features, self.paths, self.timer = run, in_features, tuple(paths), timer
+        self.rows = tuple(rows)
+        """The row counts a measurement times (measure_plan)."""
 
-    @staticmethod
-    def key(cpu: str, kernel_source: str, type_name: str, shape: tuple[int, int], paths: Sequence[str]) -> str:
-        text = "\0".join([cpu, torch.__version__, kernel_source, str(torch.get_num_threads()),
-                          type_name, f"{shape[0]}x{shape[1]}", ",".join(paths), str(CACHE_VERSION)])
-        return hashlib.sha256(text.encode()).hexdigest()[:24]
+    def measure(self) -> tuple[PathPlan, dict[str, list[float]]]:
+        return measure_plan(self.run, self.in_features, self.paths, self.rows, timer=self.timer)
 
-    def get(self, key: str) -> PathPlan | None:
-        entry = self._read().get(key)
-        if not isinstance(entry, list):
-            return None
-        try:
-            return PathPlan(tuple((int(rows), str(path)) for rows, path in entry))
-        except (TypeError, ValueError):
-            return None
+    def at(self, counts: Sequence[int], repeats: int = CHECK_REPEATS) -> dict[int, dict[str, float]]:
+        """{count: {path: fastest of `repeats` rounds}} for every candidate path."""
+        generator = torch.Generator().manual_seed(1)
+        out = {}
+        with torch.inference_mode():
+            for count in counts:
+                x = torch.randn(count, self.in_features, generator=generator)
+                calls = {path: functools.partial(self.run, path, x) for path in self.paths}
+                out[count] = paired_times(calls, repeats, self.timer)
+        return out
 
-    def put(self, key: str, plan: PathPlan) -> None:
-        """Merge into the file and rename over it (concurrent workers: the last write wins,
-        and every write is a whole file)."""
-        entries = self._read()
-        entries[key] = [list(step) for step in plan.steps]
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entries))
-        os.replace(tmp, self.path)
 
-    def _read(self) -> dict:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
+def losing_counts(plan: PathPlan, times: Mapping[int, Mapping[str, float]],
+                  limit: float = SLOWER_LIMIT) -> list[int]:
+    """The counts at which the plan's path took more than `limit` times the fastest path timed
+    in the same check (or was not timed at all: a path this CPU no longer offers)."""
+    out = []
+    for count, seconds in sorted(times.items()):
+        chosen = seconds.get(plan.path_for(count))
+        if chosen is None or chosen > limit * min(seconds.values()):
+            out.append(count)
+    return out
+
+
+def patch_plan(plan: PathPlan, times: Mapping[int, Mapping[str, float]], limit: float = SLOWER_LIMIT) -> PathPlan:
+    """The plan with each losing count (losing_counts) given the path that won there (near ties:
+    the simpler one): a count the fitted lines misjudge (8 rows on the int8 panels cost what
+    7 do, which no line says) takes what was measured there."""
+    fixes = {count: simplest_near_best(times[count]) for count in losing_counts(plan, times, limit)}
+    if not fixes:
+        return plan
+    last_bound = plan.steps[-1][0]
+    points = {rows for rows, _ in plan.steps} | {1} | {c for count in fixes for c in (count - 1, count) if c >= 1}
+    if max(fixes) >= last_bound:
+        points.add(max(fixes) + 1)  # larger counts keep the plan's last path
+    steps: list[tuple[int, str]] = []
+    for point in sorted(points):
+        path = fixes.get(point, plan.path_for(point))
+        if steps and steps[-1][1] == path:
+            steps[-1] = (point, path)
+        else:
+            steps.append((point, path))
+    return PathPlan(tuple(steps))
+
+
+def confirm_counts(plan: PathPlan, most: int = MEASURE_ROWS[-1]) -> list[int]:
+    """Where a fresh plan is timed again before it is kept: CHECK_ROWS and both sides of each
+    boundary between its ranges, up to `most` rows."""
+    bounds = {c for rows, _ in plan.steps[:-1] for c in (rows, rows + 1)}
+    return sorted(c for c in set(CHECK_ROWS) | bounds if c <= most)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What a start does with one matrix's plan: `how` is "checked" (the cached plan won its
+    check), "measured" (nothing cached) or "replaced" (the cached plan lost its check);
+    `check` holds the last check's times."""
+
+    plan: PathPlan
+    how: str
+    check: dict[int, dict[str, float]]
+
+
+def settle_plan(cached: PathPlan | None, timer: PathTimer) -> Settled:
+    """The plan to serve with. A cached plan is timed against every path at CHECK_ROWS and kept
+    if it is within SLOWER_LIMIT of the best at each; otherwise (or with none) the paths are
+    measured (in turns, each path's fastest round) and the new plan timed again at
+    confirm_counts. Where that confirmation finds a count it loses, everything is measured a
+    second time, each time taken as the faster of the two passes, the lines fitted again and
+    any count still losing patched (patch_plan): no count checked takes a path more than
+    SLOWER_LIMIT slower than the best measured there."""
+    if cached is not None:
+        check = timer.at(CHECK_ROWS)
+        if not losing_counts(cached, check):
+            return Settled(cached, "checked", check)
+    how = "measured" if cached is None else "replaced"
+    plan, seconds = timer.measure()
+    check = timer.at(confirm_counts(plan, timer.rows[-1]))
+    if not losing_counts(plan, check):
+        return Settled(plan, how, check)
+    _, again = timer.measure()
+    merged = {path: [min(a, b) for a, b in zip(seconds[path], again[path])] + seconds[path][len(again[path]):]
+              + again[path][len(seconds[path]):] for path in seconds}
+    plan = plan_from_timings(timer.rows, merged)
+    recheck = timer.at(sorted(set(confirm_counts(plan, timer.rows[-1])) | set(check)))
+    for count, times in check.items():  # the faster of the two checks, per path
+        recheck[count] = {path: min(t, times.get(path, t)) for path, t in recheck[count].items()}
+    return Settled(patch_plan(plan, recheck), how, recheck)

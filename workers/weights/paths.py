@@ -13,14 +13,15 @@ step's matmuls take.
 - auto (CPU): every quantized matrix stays the file's GGUF blocks (block_matrix.py) and nothing
   else: memory is the file's. Each matmul takes the path the step's row count picks from a
   plan measured on this machine at start-up per weight type and shape (path_plan.py: the block
-  kernels with int8 or fp32 activations for small steps, a tile expanded into a scratch buffer
-  and a dense fp32 or bf16 GEMM for large ones), cached per CPU. Without a C compiler auto runs
-  fp32. On CUDA with Triton, auto keeps the blocks in device memory (device_linear.py: the
-  blocks decoded inside the matmul for small steps, expanded bf16 tiles and cuBLAS for large
-  ones) for every type whose kernels pass their check at start (triton_blocks.py types); other
-  types are dequantized to bf16. Without Triton auto is fp32 (bf16) there.
-  A file with quantized matrices of a type no CPU kernel reads (IQ3_S, IQ2_XXS, ...) is refused
-  under auto and q4 on CPU (justapi/model/weight_types.py): expanding them would be ~8x the file.
+  kernels with int8 activations, per row or in panels, for small steps, a tile expanded into a
+  scratch buffer and a dense fp32 or bf16 GEMM for large ones), cached per CPU. Without a C
+  compiler auto runs fp32. On CUDA with Triton, auto keeps the blocks in device memory
+  (device_linear.py: the blocks decoded inside the matmul for small steps, expanded bf16 tiles
+  and cuBLAS for large ones) for every type whose kernels pass their check at start
+  (triton_blocks.py types); other types are dequantized to bf16. Without Triton auto is fp32
+  (bf16) there. A file with quantized matrices of a type no CPU kernel reads (IQ3_S, IQ2_XXS,
+  ...) is refused under auto and q4 on CPU (justapi/model/weight_types.py): expanding them
+  would be ~8x the file.
 Owns: the mode, the form per type, building the model. Does not own: kernels or loading.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -38,13 +40,15 @@ from justapi.model.gguf_file import GGUFFile
 from justapi.model.weight_types import check_weight_types
 from workers.cpu_memory import release_freed_memory
 from workers.model.cpu_kernels import SOURCE_DIR, KernelBuildError, cache_dir, cpu_id
+from workers.model.kernel_records import PLANS_FILE, QUIET_SHARE, BusyProbe, cpu_name
 from workers.model.cpu_layer_chain import LayerChain
 from workers.model.forward import DecoderModel, Linear, LinearLike, has_onednn_bf16
 from workers.weights.block_kernels import BlockKernels, block_kernels
 from workers.weights.block_linear import BlockLinear, StackLinear, TileScratch
 from workers.weights.block_matrix import BlockMatrix, RowStack, is_block_type
 from workers.weights.gguf_loader import load_weights
-from workers.weights.path_plan import PathPlan, PlanCache, measure_plan
+from workers.weights.path_plan import CHECK_ROWS, PathPlan, PathTimer, settle_plan
+from workers.weights.plan_cache import PlanCache, PlanRecord
 from workers.weights.quant_blocks import Matrix, QuantMatrix, is_quantizable, planes_of
 from workers.weights.quant_linear import Int4Linear, require_int4_kernel
 
@@ -64,48 +68,51 @@ def candidate_paths() -> tuple[str, ...]:
     fast_bf16 = has_hardware_bf16() and has_onednn_bf16()
     kernels = block_kernels()
     panels = ("int8_panels",) if kernels is not None and kernels.has_panels else ()
-    return ("int8",) + panels + ("blocks", "dense") + (("dense_bf16",) if fast_bf16 else ())
-
-
-def host_is_quiet() -> bool:
-    """Whether a plan measured now may be kept for later runs: the 1-minute load average is
-    below the cores. One measured beside other work (a test run, a build) picked int8 or blocks
-    for every row count, 512-row prefill chunks included, where the quiet host's dense path is
-    1.6-2x faster; cached, it outlived the load."""
-    return os.getloadavg()[0] < (os.cpu_count() or 1)
+    return ("int8",) + panels + ("dense",) + (("dense_bf16",) if fast_bf16 else ())
 
 
 class PathPlanner:
-    """Plans per (weight type, shape): measured once, then from memory or the cache file."""
+    """Plans per (weight type, shape): from the cache file, checked at this start, or measured
+    (path_plan.settle_plan); a measured plan is kept in the file only where the host was quiet
+    while it was measured (kernel_records.BusyProbe), with its thread count and CPU."""
 
     def __init__(self, kernels: BlockKernels, scratch: TileScratch, cache: PlanCache | None) -> None:
         self.kernels, self.scratch, self.cache = kernels, scratch, cache
         self.paths = candidate_paths()
         self.plans: dict[tuple[str, tuple[int, int]], PathPlan] = {}
         self.measured = 0
-        self._source = (SOURCE_DIR / "quant_matmul.c").read_text() + (SOURCE_DIR / "gguf_blocks.h").read_text()
+        self._source = "".join(path.read_text() for path in [SOURCE_DIR / "quant_matmul.c",
+                                                              *sorted(SOURCE_DIR.glob("*.h"))])
 
     def plan_for(self, matrix: BlockMatrix) -> PathPlan:
         memo = (matrix.type_name, matrix.shape)
         if memo not in self.plans:
-            self.plans[memo] = self._cached_or_measured(matrix)
+            self.plans[memo] = self._settled(matrix)
         return self.plans[memo]
 
-    def _cached_or_measured(self, matrix: BlockMatrix) -> PathPlan:
+    def _settled(self, matrix: BlockMatrix) -> PathPlan:
         key = PlanCache.key(cpu_id(), self._source, matrix.type_name, matrix.shape, self.paths)
-        plan = self.cache.get(key) if self.cache else None
-        if plan is None:
-            probe = BlockLinear(matrix, self.kernels, PathPlan.only("dense"), self.scratch)
-            plan, _ = measure_plan(probe.run, matrix.shape[1], self.paths)
-            self.measured += 1
-            if self.cache and host_is_quiet():
-                self.cache.put(key, plan)
-            elif self.cache:
-                logger.info("weights %s %dx%d: host busy (load average %.1f on %d cores): plan "
-                            "used for this run only", matrix.type_name, *matrix.shape,
-                            os.getloadavg()[0], os.cpu_count() or 1)
-        logger.info("weights %s %dx%d: %s", matrix.type_name, *matrix.shape, plan.describe())
-        return plan
+        record = self.cache.get(key) if self.cache else None
+        probe = BusyProbe().start()
+        probe_linear = BlockLinear(matrix, self.kernels, PathPlan.only("dense"), self.scratch)
+        settled = settle_plan(record.plan if record else None, PathTimer(probe_linear.run, matrix.shape[1], self.paths))
+        busy = probe.share()
+        what = f"weights {matrix.type_name} {matrix.shape[0]}x{matrix.shape[1]}"
+        if settled.how == "checked":
+            logger.info("%s: %s (cached; checked at %s rows)", what, settled.plan.describe(),
+                        " and ".join(map(str, CHECK_ROWS)))
+            return settled.plan
+        self.measured += 1
+        kept = self.cache is not None and busy <= QUIET_SHARE
+        if self.cache is not None and kept:
+            self.cache.put(key, PlanRecord(settled.plan, matrix.type_name, matrix.shape, torch.get_num_threads(),
+                                           cpu_name(), time.time(), busy))
+        elif self.cache is not None and record is not None:
+            self.cache.drop(key)  # it lost its check: the next start measures afresh
+        logger.info("%s: %s (%s%s; other processes used %.0f%% of the CPUs%s)", what, settled.plan.describe(),
+                    settled.how, " the cached plan, which lost its check" if settled.how == "replaced" else "",
+                    busy * 100, "" if kept else ": for this run only")
+        return settled.plan
 
 
 class WeightPaths:
@@ -197,7 +204,7 @@ def _device_scratch(device: torch.device) -> Any:
 
 def _default_cache() -> PlanCache | None:
     try:
-        return PlanCache(cache_dir() / "weight-paths.json")
+        return PlanCache(cache_dir() / PLANS_FILE)
     except KernelBuildError:
         return None
 

@@ -57,6 +57,8 @@ class SyntheticSpec:
     IQ4_NL, IQ4_XS; IQ3_S, IQ2_XXS as random blocks), or the mix of llama.cpp's Q4_K_M (MIXES)."""
     embed_type: str = ""
     """Type of token_embd; "" = same as `type`."""
+    v_type: str = ""
+    """Type of attn_v and ffn_down; "" = same as `type` (Q6_K with Q4_K: a Q4_K_M file's mix)."""
     tied: bool = True
     """No output.weight: the head reuses token_embd."""
     rope_theta: float = 10000.0
@@ -72,7 +74,7 @@ class SyntheticSpec:
                              f"{self.kv_heads} need hidden % heads == 0, heads % kv_heads == 0, even head_dim")
         if self.vocab < min_vocab():
             raise ValueError(f"synthetic model vocab must be >= {min_vocab()}, got {self.vocab}")
-        for name in ("type", "embed_type"):
+        for name in ("type", "embed_type", "v_type"):
             value = getattr(self, name)
             if name == "type" and value.upper() in MIXES:
                 continue
@@ -194,7 +196,7 @@ def write_synthetic_gguf(path: str, spec: SyntheticSpec) -> None:
 def tensor_type(spec: SyntheticSpec, name: str, layer: int = 0) -> str:
     """The type of tensor `name` (token_embd, output, attn_q, ffn_down, ...) of `layer`."""
     if spec.type.upper() != "Q4_K_M":
-        return spec.type
+        return spec.v_type if spec.v_type and name in ("attn_v", "ffn_down") else spec.type
     n = spec.layers
     more_bits = layer < n // 8 or layer >= 7 * n // 8 or (layer - n // 8) % 3 == 2
     if name == "output" or (name in ("attn_v", "ffn_down") and more_bits):

@@ -27,7 +27,7 @@ typedef int (*attention_fn)(const float *q, const void *kv, const int64_t *table
 typedef void (*act_mul_fn)(const float *x, float *out, int64_t rows, int64_t f, int act, int num_threads);
 
 struct Kernels {
-    matmul_fn matmul[3];  /* by path: 0 int8, 1 int8_panels, 2 blocks (fp32 activations) */
+    matmul_fn matmul[2];  /* by path: 0 int8, 1 int8_panels */
     rms_norm_fn rms_norm;
     add_rms_norm_fn add_rms_norm;
     rotary_fn rotary;
@@ -36,11 +36,13 @@ struct Kernels {
     act_mul_fn act_mul;
 };
 
-enum { QKV = 0, OUT = 1, GATE_UP = 2, DOWN = 3 };
+enum { QKV = 0, OUT = 1, GATE_UP = 2, DOWN = 3, MAX_PARTS = 3 };
 
 struct Layer {  /* fixed at load, except the paths (per step: they follow the row count) */
-    const uint8_t *weight[4];
-    int64_t type[4], out_features[4], in_features[4], path[4];
+    /* matrix j is parts[j] row blocks stacked (a Q4_K_M file's qkv: Q4_K q and k, Q6_K v), part
+     * p's output columns side by side: out_features[j][p] of them, weight[j][p] of type[j][p] */
+    const uint8_t *weight[4][MAX_PARTS];
+    int64_t type[4][MAX_PARTS], out_features[4][MAX_PARTS], path[4][MAX_PARTS], in_features[4], parts[4];
     const float *attn_norm, *ffn_norm;
     const float *qkv_bias, *out_bias;  /* NULL: none */
     void *kv;  /* the layer's pool: [2, num_blocks, block_size, kv_heads, head_dim], fp32 or bf16 */
@@ -61,6 +63,7 @@ struct Step {
     int64_t num_seqs, q_max;
     const int64_t *q_rows, *valid_rows, *out_rows;
     float *x, *delta, *h, *qkv, *qk, *q, *attn, *attn_pad, *gate_up, *act;  /* scratch, sized by the caller */
+    float *part;  /* [rows, widest part of a stacked matrix]; NULL where no matrix is stacked */
 };
 
 enum { CHAIN_BAD_MATMUL = -10, CHAIN_BAD_SLOT = -11, CHAIN_BAD_ROWS = -12 };  /* else the attention's */
@@ -80,14 +83,23 @@ static int rows_in_bounds(const struct Step *st) {
     return 1;
 }
 
-/* y = x @ W.T (+ bias: one add per value, as torch's `y + bias`). */
+/* y [rows, n] = x @ W.T (+ bias: one add per value, as torch's `y + bias`); a stacked matrix's
+ * parts each into `part`, then copied to their columns (StackLinear's torch.cat). */
 static int matmul(const struct Kernels *kn, const struct Layer *ly, int which, const float *x, int64_t rows,
-                  float *y, const float *bias, int num_threads) {
-    const int64_t path = ly->path[which], n = ly->out_features[which];
-    if (path < 0 || path > 2) return CHAIN_BAD_MATMUL;
-    if (kn->matmul[path]((int)ly->type[which], ly->weight[which], n, ly->in_features[which], x, rows, y,
-                         num_threads))
-        return CHAIN_BAD_MATMUL;
+                  float *y, const float *bias, float *part, int num_threads) {
+    const int64_t parts = ly->parts[which], k = ly->in_features[which];
+    if (parts < 1 || parts > MAX_PARTS || (parts > 1 && !part)) return CHAIN_BAD_MATMUL;
+    int64_t n = 0;
+    for (int64_t p = 0; p < parts; p++) n += ly->out_features[which][p];
+    for (int64_t p = 0, col = 0; p < parts; col += ly->out_features[which][p], p++) {
+        const int64_t path = ly->path[which][p], width = ly->out_features[which][p];
+        if (path < 0 || path > 1) return CHAIN_BAD_MATMUL;
+        if (kn->matmul[path]((int)ly->type[which][p], ly->weight[which][p], width, k, x, rows, parts > 1 ? part : y,
+                             num_threads))
+            return CHAIN_BAD_MATMUL;
+        if (parts > 1)
+            for (int64_t r = 0; r < rows; r++) memcpy(y + r * n + col, part + r * width, sizeof(float) * width);
+    }
     if (bias)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t j = 0; j < n; j++) y[r * n + j] += bias[j];
@@ -114,7 +126,7 @@ int layer_chain(const struct Kernels *kn, const struct Layer *layers, int64_t nu
         else
             kn->add_rms_norm(st->x, hidden, st->delta, hidden, ly->attn_norm, st->x, st->h, rows, hidden, st->eps,
                              threads);
-        int status = matmul(kn, ly, QKV, st->h, rows, st->qkv, ly->qkv_bias, threads);
+        int status = matmul(kn, ly, QKV, st->h, rows, st->qkv, ly->qkv_bias, st->part, threads);
         if (status) return status;
         kn->rotary(st->qkv, qkv_width, st->cos[ly->rotary], st->sin[ly->rotary], st->qk, rows, num_qk, hd, st->half,
                    threads);
@@ -130,13 +142,13 @@ int layer_chain(const struct Kernels *kn, const struct Layer *layers, int64_t nu
             for (int64_t j = 0; j < rows; j++)
                 memcpy(st->attn + st->out_rows[j] * q_size, st->attn_pad + st->valid_rows[j] * q_size,
                        sizeof(float) * q_size);
-        status = matmul(kn, ly, OUT, st->attn, rows, st->delta, ly->out_bias, threads);
+        status = matmul(kn, ly, OUT, st->attn, rows, st->delta, ly->out_bias, st->part, threads);
         if (status) return status;
         kn->add_rms_norm(st->x, hidden, st->delta, hidden, ly->ffn_norm, st->x, st->h, rows, hidden, st->eps, threads);
-        status = matmul(kn, ly, GATE_UP, st->h, rows, st->gate_up, NULL, threads);
+        status = matmul(kn, ly, GATE_UP, st->h, rows, st->gate_up, NULL, st->part, threads);
         if (status) return status;
         kn->act_mul(st->gate_up, st->act, rows, st->ffn, (int)st->activation, threads);
-        status = matmul(kn, ly, DOWN, st->act, rows, st->delta, NULL, threads);
+        status = matmul(kn, ly, DOWN, st->act, rows, st->delta, NULL, st->part, threads);
         if (status) return status;
     }
     return 0;

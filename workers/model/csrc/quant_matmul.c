@@ -1,13 +1,16 @@
-/* Matmuls straight from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS) on CPU.
+/* Matmuls straight from GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K, IQ4_NL, IQ4_XS) on
+ * CPU, with x rounded to 8 bits per 32 values (llama.cpp's Q8_0 activations) and integer dot
+ * products with the weights' codes, so a matrix is never expanded in memory.
  *
- * y[m][n] = sum_k x[m][k] * W[n][k] with W kept as the file's blocks: each block of a weight
- * row is decoded to fp32 in L1 once per call and multiplied with every row of x there, so a
- * matrix is never expanded in memory. Every decoded value equals gguf's dequantization bit for
- * bit (each is one exact product, at most one rounding: the same with or without FMA), and
- * the sum for one (m, n) runs in one fixed order whatever M is, so a row of x gives the same
- * bits alone or in any batch. `quant_dequantize` expands rows (lookups, tiles for large M).
- * Compiled on first use by workers/model/cpu_kernels.py with -march=native: the vector width
- * follows the CPU (AVX-512: 16 lanes, else 8). Owns: block layouts and the arithmetic.
+ * Every path here (quant_matmul_i8: per row of x, coded tiles or straight from the blocks;
+ * quant_matmul_i8_panels: x's rows in panels) sums each 32-value group exactly in int32 and
+ * applies the same float operations in the same order per (weight row, x row), so a row of x
+ * gives the same bits alone or in any batch, on any of them. `quant_dequantize` expands rows
+ * to fp32 or bf16 (lookups, and the tiles large steps multiply with a dense GEMM): every value
+ * equals gguf's dequantization bit for bit. Compiled on first use by
+ * workers/model/cpu_kernels.py with -march=native. Owns: block layouts' use and the arithmetic.
+ * (The fp32 block kernel, which decoded each block to fp32 and multiplied in fp32, was retired:
+ * it never won a step on the CPUs measured, docs/quantization.md "Paths kept".)
  */
 #include <math.h>
 #include <stdint.h>
@@ -19,12 +22,6 @@
 
 #include "gguf_blocks.h"
 
-#if defined(__AVX512F__)
-#define LANES 16
-#else
-#define LANES 8
-#endif
-typedef float vf __attribute__((vector_size(LANES * 4), aligned(4)));  /* unaligned loads ok */
 
 enum { OK = 0, BAD_TYPE = -3, BAD_SHAPE = -4, NO_MEMORY = -1 };
 #define INLINE static inline __attribute__((always_inline))
@@ -56,95 +53,6 @@ static int chunk_of(int type, int64_t k) {
 static int64_t tile_grain(int64_t num_tiles, int num_threads) {
     const int64_t grain = num_tiles / (16 * (int64_t)(num_threads > 0 ? num_threads : 1));
     return grain > 0 ? grain : 1;
-}
-
-static float hsum(vf v) {  /* a fixed pairing: the same bits on every call */
-    float lanes[LANES];
-    memcpy(lanes, &v, sizeof lanes);
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int i = 0; i < width; i++) lanes[i] = lanes[i] + lanes[i + width];
-    return lanes[0];
-}
-
-/* acc[r][m] += buf[r][0..chunk) . x[m][0..chunk) for r < ROWS, m < num_m (buf rows chunk apart).
- * Three rows of x at a time: 12 independent accumulators keep the FMA units busy, where one
- * row's 4 chains waited on each FMA's latency (blocks path 2-3x slower at 16-64 rows). Each
- * (r, m) still sums its products in the same order, so the bits do not depend on the grouping. */
-static void chunk_fma(const float *buf, int chunk, const float *x, int64_t ldx, int num_m,
-                      vf acc[][MAX_M]) {
-    const float *b0 = buf, *b1 = buf + chunk, *b2 = buf + 2 * chunk, *b3 = buf + 3 * chunk;
-    int m = 0;
-    for (; m + 3 <= num_m; m += 3) {
-        const float *x0 = x + m * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx;
-        vf a00 = acc[0][m], a01 = acc[0][m + 1], a02 = acc[0][m + 2];
-        vf a10 = acc[1][m], a11 = acc[1][m + 1], a12 = acc[1][m + 2];
-        vf a20 = acc[2][m], a21 = acc[2][m + 1], a22 = acc[2][m + 2];
-        vf a30 = acc[3][m], a31 = acc[3][m + 1], a32 = acc[3][m + 2];
-        for (int j = 0; j < chunk; j += LANES) {
-            const vf v0 = *(const vf *)(x0 + j), v1 = *(const vf *)(x1 + j), v2 = *(const vf *)(x2 + j);
-            vf w = *(const vf *)(b0 + j);
-            a00 += w * v0, a01 += w * v1, a02 += w * v2;
-            w = *(const vf *)(b1 + j);
-            a10 += w * v0, a11 += w * v1, a12 += w * v2;
-            w = *(const vf *)(b2 + j);
-            a20 += w * v0, a21 += w * v1, a22 += w * v2;
-            w = *(const vf *)(b3 + j);
-            a30 += w * v0, a31 += w * v1, a32 += w * v2;
-        }
-        acc[0][m] = a00, acc[0][m + 1] = a01, acc[0][m + 2] = a02;
-        acc[1][m] = a10, acc[1][m + 1] = a11, acc[1][m + 2] = a12;
-        acc[2][m] = a20, acc[2][m + 1] = a21, acc[2][m + 2] = a22;
-        acc[3][m] = a30, acc[3][m + 1] = a31, acc[3][m + 2] = a32;
-    }
-    for (; m < num_m; m++) {
-        const float *xm = x + m * ldx;
-        vf a0 = acc[0][m], a1 = acc[1][m], a2 = acc[2][m], a3 = acc[3][m];
-        for (int j = 0; j < chunk; j += LANES) {
-            const vf xv = *(const vf *)(xm + j);
-            a0 += *(const vf *)(b0 + j) * xv;
-            a1 += *(const vf *)(b1 + j) * xv;
-            a2 += *(const vf *)(b2 + j) * xv;
-            a3 += *(const vf *)(b3 + j) * xv;
-        }
-        acc[0][m] = a0, acc[1][m] = a1, acc[2][m] = a2, acc[3][m] = a3;
-    }
-}
-
-/* Rows [n0, n0 + num_rows) of y for x rows [m0, m0 + num_m). */
-INLINE void tile(int type, int chunk, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n0,
-                 int num_rows, const float *x, int64_t m0, int num_m, float *y, int64_t n) {
-    float buf[ROWS * CHUNK] __attribute__((aligned(64)));
-    vf acc[ROWS][MAX_M];
-    for (int r = 0; r < ROWS; r++) memset(acc[r], 0, (size_t)num_m * sizeof(vf));
-    if (num_rows < ROWS) memset(buf, 0, sizeof buf);  /* rows past num_rows stay zero */
-    for (int64_t k0 = 0; k0 < k; k0 += chunk) {
-        for (int r = 0; r < num_rows; r++)
-            decode_chunk(type, w + (n0 + r) * row_bytes, k0, chunk, buf + r * chunk);
-        chunk_fma(buf, chunk, x + m0 * k + k0, k, num_m, acc);
-    }
-    for (int r = 0; r < num_rows; r++)
-        for (int m = 0; m < num_m; m++) y[(m0 + m) * n + n0 + r] = hsum(acc[r][m]);
-}
-
-/* y [m, n] = x [m, k] @ W.T, W [n, k] as GGUF blocks of `type` (row_bytes per row). */
-int quant_matmul(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
-                 float *y, int num_threads) {
-    const int chunk = chunk_of(type, k);
-    if (chunk < 0) return chunk;
-    const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
-    const int64_t num_tiles = (n + ROWS - 1) / ROWS, grain = tile_grain(num_tiles, num_threads);
-    #pragma omp parallel for schedule(dynamic, grain) num_threads(num_threads)
-    for (int64_t t = 0; t < num_tiles; t++) {
-        const int64_t n0 = t * ROWS;
-        const int rows = n - n0 < ROWS ? (int)(n - n0) : ROWS;
-        for (int64_t m0 = 0; m0 < m; m0 += MAX_M) {
-            const int num_m = m - m0 < MAX_M ? (int)(m - m0) : MAX_M;
-#define TILE(T) tile(T, chunk, w, row_bytes, k, n0, rows, x, m0, num_m, y, n)
-            SWITCH_TYPE(type, TILE)
-#undef TILE
-        }
-    }
-    return OK;
 }
 
 /* ---- int8 activations: x ~ xd * xq per 32 values, integer dot products with the codes ---- */
@@ -527,7 +435,8 @@ INLINE void tile_i8_direct(int type, const uint8_t *w, int64_t row_bytes, int64_
     /* The next tile's bytes (this thread's next, mostly), a few lines per block pair: a tile is
      * 4 short rows, too little for the hardware's stream prefetcher to reach ahead of. Measured
      * on SmolLM2 at one row (AVX2 Zen 3): the head 1.4 vs 2.9 ms without, the layers 9.0 vs
-     * 10.5 ms; two or four tiles ahead, or a non-temporal hint, were no better. */
+     * 10.5 ms; two or four tiles ahead, or a non-temporal hint, were no better, and the whole next
+     * tile at the start (what the K-quants' direct path does) 0.6-0.8x as fast here. */
     const char *next = (const char *)(w + (n0 + ROWS) * row_bytes);  /* past the end: prefetch does not fault */
     const int64_t lines = ROWS * row_bytes / 64 + 1, per_pair = (lines + (groups + 1) / 2 - 1) / ((groups + 1) / 2);
     for (int64_t g = 0; g < groups; g += 2) {
@@ -559,6 +468,7 @@ INLINE void tile_i8_direct(int type, const uint8_t *w, int64_t row_bytes, int64_
             y[(a + i) * n + n0 + r] = tv[r] + ((ov[r][0] + ov[r][1]) + (ov[r][2] + ov[r][3]));
     }
 }
+#include "kquant_direct.h"
 #else
 #define HAS_DIRECT 0
 #endif
@@ -577,12 +487,35 @@ int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const floa
         return NO_MEMORY;
     }
 #if HAS_DIRECT
-    const int direct = has_direct(type) && m <= DIRECT_ROWS;
+    const int direct = has_direct(type) && m <= DIRECT_ROWS, kdirect = has_kdirect(type) && m <= DIRECT_ROWS;
+    const int64_t ktiles = (n + KROWS - 1) / KROWS, kgrain = tile_grain(ktiles, num_threads);
+    int failed = 0;
 #endif
     #pragma omp parallel num_threads(num_threads)
     {
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) quantize_x_row(x, k, r, &xq);
+#if HAS_DIRECT
+        int32_t *sums = kdirect ? aligned_alloc(32, (size_t)kq_sums_ints(k) * sizeof(int32_t)) : NULL;
+        if (kdirect && !sums) failed = 1;  /* every thread then skips the tiles (no early exit from a region) */
+        #pragma omp barrier
+        if (kdirect && !failed) {  /* K-quants, a few rows of x: 8-row tiles straight from the blocks */
+            #pragma omp for schedule(dynamic, kgrain)
+            for (int64_t t = 0; t < ktiles; t++) {
+                const int64_t n0 = t * KROWS;
+                const int rows = n - n0 < KROWS ? (int)(n - n0) : KROWS;
+                for (int64_t r = 0; r < m; r += 2) {  /* two rows of x at a time, one last alone */
+#define KDIRECT(T, NX) tile_kq_direct(T, w, row_bytes, k, n0, rows, &xq, r, NX, y, n, sums)
+#define KDIRECTS(T) if (r + 1 < m) KDIRECT(T, 2); else KDIRECT(T, 1)
+                    if (type == Q4_K) KDIRECTS(Q4_K); else if (type == Q5_K) KDIRECTS(Q5_K); else KDIRECTS(Q6_K);
+#undef KDIRECTS
+#undef KDIRECT
+                }
+            }
+        }
+        free(sums);
+        if (!kdirect)
+#endif
         #pragma omp for schedule(dynamic, grain)
         for (int64_t t = 0; t < num_tiles; t++) {
             const int64_t n0 = t * ROWS;
@@ -609,6 +542,9 @@ int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const floa
         }
     }
     qx_free(&xq);
+#if HAS_DIRECT
+    if (failed) return NO_MEMORY;
+#endif
     return OK;
 }
 
