@@ -35,7 +35,9 @@ def test_priority_overtakes_queued_batch_work_and_a_router_mirrors_the_cache():
             router.catch_up(0)  # the AllBlocksCleared sent at start
             assert router.view.num_cleared == 1
             prompts, order = run_load(pool)
-            assert order.index("urgent") < 2, order  # ahead of every request still queued
+            # ahead of every request still queued: only the (at most --max-seqs 2) requests
+            # running when it came may finish before it (FCFS would put it last, 7th)
+            assert order.index("urgent") <= 2, order
             while router.poll(500):
                 pass
             cached = pool.settled_metrics(["prefix_cache_blocks"])["prefix_cache_blocks"]

@@ -8,6 +8,7 @@ OverriddenGGUF (a parsed file seen with some keys replaced). Does not own: model
 """
 from __future__ import annotations
 
+import importlib
 import io
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,7 +79,8 @@ def sentencepiece_from_gguf(gguf_file: GGUFFile) -> Any:
     dummy-prefix flag. llama.cpp's converter stores a user-defined whitespace piece ('▁▁') as real
     spaces; it is spelled back here, since SentencePiece matches pieces after escaping."""
     import sentencepiece as spm
-    from sentencepiece import sentencepiece_model_pb2 as model_pb2
+    # protobuf's generated module: its classes are made at import, so typed as Any
+    model_pb2: Any = importlib.import_module("sentencepiece.sentencepiece_model_pb2")
 
     kinds = model_pb2.ModelProto.SentencePiece
     type_of = {1: kinds.NORMAL, 2: kinds.UNKNOWN, 3: kinds.CONTROL, 4: kinds.USER_DEFINED,

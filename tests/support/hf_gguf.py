@@ -28,9 +28,14 @@ COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_l
 
 Quantizer = Callable[[np.ndarray], np.ndarray]
 """float32 [..., cols] -> the raw blocks of one GGUF type, uint8 [..., bytes]."""
+
+
+def _quantizer(qtype: gguf.GGMLQuantizationType) -> Quantizer:
+    return lambda array: gguf.quants.quantize(array, qtype)
+
+
 QUANTIZERS: dict[str, Quantizer] = {
-    name: (lambda array, qtype=getattr(gguf.GGMLQuantizationType, name): gguf.quants.quantize(array, qtype))
-    for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")}
+    name: _quantizer(gguf.GGMLQuantizationType[name]) for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")}
 
 
 def tiny_hf_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:

@@ -207,7 +207,7 @@ def test_perplexity_on_a_tiny_model(tiny_gguf, tmp_path):
     assert result.exit_code == 0, result.output
     header, first, second = result.stdout.splitlines()
     assert header.startswith(f"text {text}; n_ctx 64, stride 32, chunk rows 64; load average ")
-    found = re.fullmatch(r" fp32: perplexity +([0-9.]+) \(\+0\.00% vs fp32\), (\d+) tokens "
+    found = re.fullmatch(r" fp32: perplexity +([0-9.]+) \(\+0\.000% vs fp32\), (\d+) tokens "
                          r"scored in (\d+) windows of (\d+), [0-9.]+ s", first)
     assert found, first
     num_scored, num_windows, num_tokens = map(int, found.groups()[1:])

@@ -63,7 +63,7 @@ def test_auto_block_kernels_keep_perplexity_within_one_percent(engines, fp32_per
     if path == "int8_panels" and not block_kernels().has_panels:
         pytest.skip("the int8 panels need AVX2")
     monkeypatch.setattr(weight_paths, "_default_cache", lambda: None)
-    monkeypatch.setattr(weight_paths, "measure_plan", lambda *args, **kwargs: (PathPlan.only(path), {}))
+    monkeypatch.setattr(weight_paths.PathPlanner, "plan_for", lambda self, matrix: PathPlan.only(path))
     auto = LLMEngine(smollm2_path, weights="auto", progress=False, num_blocks=48, max_seqs=4)
     try:
         ids, fp32 = fp32_perplexity

@@ -22,7 +22,7 @@ from justapi.model.gguf_file import GGUFError
 from justapi.model.weight_types import BLOCK_TYPE_NAMES
 
 Q = GGMLQuantizationType
-BLOCK_TYPES = tuple(Q[name] for name in BLOCK_TYPE_NAMES)
+BLOCK_TYPES = tuple(GGMLQuantizationType[name] for name in BLOCK_TYPE_NAMES)
 """Types the block kernels read (csrc/gguf_blocks.h)."""
 
 
