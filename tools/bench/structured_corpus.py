@@ -37,8 +37,8 @@ from tools.corpora import SchemaCase, ToolCase, corpora_dir, is_correct, schema_
 from tools.harness import ServedPool
 
 PROG = "python -m tools.bench structured-corpus"
-LLAMA_SERVER = ("/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build-avx512/bin/"
-                "llama-server")
+LLAMA_SERVER_ENV = "JUSTAPI_LLAMA_SERVER"
+"""Where llama-server is when --llama-server is not given (docs/bench.md has the build)."""
 TIMEOUT_S = 900.0
 Reply = tuple[int, dict[str, Any], float]
 """(HTTP status, the JSON body, seconds)."""
@@ -247,8 +247,9 @@ def _spread(cases: list[ToolCase], limit: int) -> list[ToolCase]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llama-server", default=LLAMA_SERVER,
-                        help="llama-server binary (skipped when absent)")
+    parser.add_argument("--llama-server", default=os.environ.get(LLAMA_SERVER_ENV, ""),
+                        help=f"llama-server binary (default ${LLAMA_SERVER_ENV}; skipped when "
+                             "absent)")
     parser.add_argument("--gguf", default="", help="the model (default: the embedded SmolLM2)")
     parser.add_argument("--serve-arg", action="append", default=[])
     parser.add_argument("--peer-arg", action="append", default=[])
