@@ -174,22 +174,10 @@ def test_streamed_tool_call_assembles_into_the_same_call(pool):
     body = {"messages": ASK_WEATHER, "tools": [WEATHER], "tool_choice": "required",
             "parallel_tool_calls": False, "max_tokens": MAX_TOKENS, "temperature": 0}
     whole = _post(pool, "/v1/chat/completions", body)["choices"][0]
-    calls: dict[int, dict] = {}
-    finish = None
-    with httpx.stream("POST", f"{pool.base_url}/v1/chat/completions", timeout=600,
-                      json={**body, "stream": True}) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choice = json.loads(line[len("data: "):])["choices"][0]
-            for delta in choice["delta"].get("tool_calls", []):  # each call whole, once
-                assert delta["index"] not in calls and delta["id"]
-                calls[delta["index"]] = {"name": delta["function"]["name"],
-                                         "arguments": delta["function"]["arguments"]}
-            finish = choice["finish_reason"] or finish
+    calls, finish, _ = _streamed_calls(pool, body)
     assert finish == whole["finish_reason"] == "tool_calls"
-    assert [calls[0]] == [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
-                          for c in whole["message"]["tool_calls"]]
+    assert calls == [(c["function"]["name"], c["function"]["arguments"])
+                     for c in whole["message"]["tool_calls"]]
 
 
 class Pet(pydantic.BaseModel):
@@ -325,7 +313,7 @@ def _streamed_calls(pool, body: dict) -> tuple[list[tuple[str, str]], str | None
             choice = json.loads(line[len("data: "):])["choices"][0]
             content += choice["delta"].get("content") or ""
             for delta in choice["delta"].get("tool_calls", []):
-                assert delta["index"] == len(calls)  # each call once, whole
+                assert delta["index"] == len(calls) and delta["id"]  # each call once, whole
                 calls.append((delta["function"]["name"], delta["function"]["arguments"]))
             finish = choice["finish_reason"] or finish
     return calls, finish, content
