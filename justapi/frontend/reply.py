@@ -3,15 +3,17 @@
 
 `ReplyRules` say how a request's replies are read; `ReplyReader` reads one choice's outputs
 into ReplyDeltas (reasoning text, content text, tool-call deltas); `whole_reply` reads a whole
-output into a Reply. Chat, /v1/responses and /v1/messages all shape these same pieces, so a
+output into a Reply; `AnswerWatch` puts an output watch (a tool reply's, a structured reply's
+check) over the answer alone of a reply that may think. Chat, /v1/responses and /v1/messages all shape these same pieces, so a
 reply means the same on every endpoint. Owns: that composition. Does not own: the split
 (reasoning/splitter.py), the call parser (tools/parser.py) or any response shape.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from justapi.frontend.generation import GenerationOutput
+from justapi.frontend.generation import GenerationOutput, OutputWatch
 from justapi.frontend.reasoning.request import NO_REASONING, ReasoningSetup
 from justapi.frontend.reasoning.splitter import ReasoningDelta, ReasoningSplitter
 from justapi.frontend.tools.parser import (
@@ -116,3 +118,50 @@ def whole_reply(rules: ReplyRules, output: GenerationOutput) -> Reply:
             finish_reason = FINISH_TOOL_CALLS
     tokens = splitter.reasoning_tokens if splitter else 0
     return Reply(reasoning, content, calls, finish_reason, tokens)
+
+
+class AnswerWatch:
+    """An output watch (generation.OutputWatch) for a reply that may think: the thinking and
+    its markers are shown as they come; the answer after the end marker goes through `inner`,
+    which may hold it back or end the reply (a repeated tool call) and judges it at the end.
+    Text the splitter holds (a possible marker) is held here too, so nothing is shown twice or
+    out of order."""
+
+    def __init__(self, inner: OutputWatch, splitter: ReasoningSplitter) -> None:
+        self._inner = inner
+        self._splitter = splitter
+        self.can_end = inner.can_end
+        self._pending = ""  # text fed that the splitter still holds
+
+    @classmethod
+    def factory(cls, inner: Callable[[], OutputWatch], rules: ReplyRules
+                ) -> Callable[[], OutputWatch]:
+        """Each generation's watch: `inner`'s over the answer (`inner` alone for a request
+        whose replies do not think)."""
+        def make() -> OutputWatch:
+            splitter = rules.reasoning.splitter(rules.prompt_text)
+            return inner() if splitter is None else cls(inner(), splitter)
+        return make
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        self._pending += text
+        split = self._splitter.feed(text)
+        released = len(self._pending) - self._splitter.num_held
+        shown, self._pending = self._pending[:released], self._pending[released:]
+        return self._answer(shown, split.content)
+
+    def flush(self) -> str:
+        tail = self._splitter.finish()
+        shown, self._pending = self._pending, ""
+        text, _ = self._answer(shown, tail.content)
+        return text + self._inner.flush()
+
+    def finished(self, finish_reason: str) -> None:
+        self._inner.finished(finish_reason)
+
+    def _answer(self, shown: str, content: str) -> tuple[str, bool]:
+        """`shown` with its answer part (`content`, always its end) read by the inner watch."""
+        if not content:
+            return shown, False
+        text, ended = self._inner.feed(content)
+        return shown[:len(shown) - len(content)] + text, ended

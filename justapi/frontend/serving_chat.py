@@ -29,7 +29,7 @@ from justapi.frontend.errors import ApiError
 from justapi.frontend.generation import Generation, GenerationOutput, TokenLogprob
 from justapi.frontend.openai_models import ChatCompletionRequest, ChatMessage, ToolDefinition
 from justapi.frontend.prompts import Prompt
-from justapi.frontend.reply import ReplyReader, ReplyRules, whole_reply
+from justapi.frontend.reply import AnswerWatch, ReplyReader, ReplyRules, whole_reply
 from justapi.frontend.serving import Serving
 from justapi.frontend.sse import stream_choices
 from justapi.frontend.tools.render import chat_inputs
@@ -150,13 +150,13 @@ def chat_output_rules(serving: Serving, request: ChatCompletionRequest,
 def _after_thinking(rules: ReplyRules, constraint: Constraint,
                     output: OutputRules) -> OutputRules:
     """The output rules with the grammar applied after the thinking block, for a reasoning
-    model. Its reply then carries the thinking too, so the output's watch (which reads the
-    answer alone) is left out there."""
+    model; its watch then reads the answer alone (reply.AnswerWatch)."""
     structured = rules.reasoning.after_thinking(constraint.structured, rules.prompt_text)
     if structured is None or structured is constraint.structured:
         return output
     check(replace(constraint, structured=structured))
-    return replace(output, structured=structured, watch=None)
+    watch = AnswerWatch.factory(output.watch, rules) if output.watch is not None else None
+    return replace(output, structured=structured, watch=watch)
 
 
 def chat_prompt(serving: Serving, messages: list[ChatMessage], tools: list[ToolDefinition] | None,

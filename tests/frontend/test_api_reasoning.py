@@ -180,3 +180,53 @@ def test_past_thinking_is_rendered_back_where_the_template_shows_it():
             assert "<think>\nI need the weather.\n</think>" in tokenizer().decode(
                 sent, skip_special_tokens=False)
     run(scenario)
+
+
+def _replies(metrics: str) -> dict[tuple[str, str], float]:
+    """justapi:structured_replies_total by (kind, result)."""
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith("justapi:structured_replies_total{"):
+            labels = dict(part.split("=") for part in line[line.index("{") + 1:line.index("}")]
+                          .replace('"', "").split(","))
+            out[labels["kind"], labels["result"]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_the_output_watch_reads_the_answer_alone():
+    """A reasoning model's tool reply that repeats its call ends at the repeat (the same call in
+    the thinking, twice, counts for nothing), and its calls are judged on the answer; a JSON
+    reply after thinking that is not JSON is judged on the answer too."""
+    thought = f"I could call {CALL} or {CALL} again."
+    repeats = "\n".join([CALL] * 6)
+
+    async def scenario():
+        async with _stack(f"<think>{thought}</think>\n{repeats}") as stack:
+            body = {"tools": [WEATHER_TOOL], "tool_choice": "required"}
+            whole = await _chat(stack, **body)
+            choice = whole["choices"][0]
+            assert choice["finish_reason"] == "tool_calls"
+            assert choice["message"]["reasoning_content"] == thought
+            assert [c["function"]["arguments"] for c in choice["message"]["tool_calls"]] == \
+                ['{"city": "Bern"}']
+            # ended at the second call: well before the scripted reply's end
+            total = len(tokenizer().encode(f"<think>{thought}</think>\n{repeats}",
+                                           add_special_tokens=False))
+            assert whole["usage"]["completion_tokens"] < total - 3 * len(
+                tokenizer().encode(CALL, add_special_tokens=False))
+            streamed, chunks = await _streamed(stack, **body)
+            assert streamed["reasoning_content"] == thought
+            assert streamed["finish_reason"] == "tool_calls"
+            calls = [d for c in chunks if c["choices"]
+                     for d in c["choices"][0]["delta"].get("tool_calls", [])]
+            assert len(calls) == 1
+            metrics = (await stack.http.get("/metrics")).text
+            assert _replies(metrics) == {("tool_calls", "valid"): 2}
+        async with _stack('<think>Answer in JSON: {"ok": maybe}</think>\n{"ok": true}') as stack:
+            body = {"response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "ok", "schema": SCHEMA}}}
+            whole = await _chat(stack, **body)
+            assert whole["choices"][0]["message"]["content"] == '\n{"ok": true}'
+            metrics = (await stack.http.get("/metrics")).text
+            assert _replies(metrics) == {("json_schema", "valid"): 1}
+    run(scenario)

@@ -63,6 +63,12 @@ class ReasoningSplitter:
             return self._count_text("".join(self._thinking))
         return self._end_at if self._end_at is not None else self._num_tokens
 
+    @property
+    def num_held(self) -> int:
+        """Characters fed and not given back yet (the end of the text, which may still become
+        a marker)."""
+        return len(self._held)
+
     def feed(self, text: str, token_ids: Sequence[int] = ()) -> ReasoningDelta:
         self._count(token_ids)
         if self._phase is _Phase.ANSWER:
