@@ -41,13 +41,15 @@ CASES: dict[str, dict[str, Any]] = {
                      shared_expert_intermediate_size=64),
     "qwen3": dict(model_type="qwen3", head_dim=24),
     "qwen3moe": dict(model_type="qwen3_moe", head_dim=24, num_experts=4, num_experts_per_tok=2,
-                     moe_intermediate_size=48),
+                     moe_intermediate_size=48, norm_topk_prob=True),
     "gemma2": dict(model_type="gemma2", head_dim=24, query_pre_attn_scalar=24, sliding_window=BIG_WINDOW),
     "gemma3": dict(model_type="gemma3_text", head_dim=24, query_pre_attn_scalar=24, sliding_window=BIG_WINDOW),
     "phi3": dict(model_type="phi3", sliding_window=BIG_WINDOW),
 }
 """The tiny models (tests/workers/test_architectures.py's shapes; windows that mask nothing: this
-compares the KV cache, not sliding windows)."""
+compares the KV cache, not sliding windows). Qwen3-MoE normalizes its top-k routing weights, as
+the published models say (`norm_topk_prob: true`) and as llama.cpp reads every qwen3moe GGUF (the
+converter writes no key for it); transformers' config default is false."""
 TOKENIZERS = {"qwen2moe": "bpe", "qwen3moe": "bpe"}
 VOCAB = 640
 """Room for the converter's tokenizers (the SentencePiece one has 600 pieces)."""
