@@ -13,7 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from justapi.frontend.reply import ReplyDelta
+from justapi.frontend.generation import GenerationOutput
+from justapi.frontend.reply import ReplyDelta, ReplyReader
 
 
 class SegmentKind(Enum):
@@ -98,3 +99,12 @@ class Segmenter:
             events.append(SegmentEvent(EventKind.CLOSE, last))
         self.segments.append(segment)
         events.append(SegmentEvent(EventKind.OPEN, segment))
+
+
+def whole_segments(reader: ReplyReader, output: GenerationOutput) -> list[Segment]:
+    """A whole output's blocks, read as its stream would be (`reader` then holds the reply's
+    finish reason and thinking tokens)."""
+    segmenter = Segmenter()
+    segmenter.add(reader.add(output))
+    segmenter.finish()
+    return segmenter.segments

@@ -30,16 +30,6 @@ def pool():
     assert served.leftovers() == []
 
 
-@pytest.fixture(scope="module")
-def oai(pool):
-    return openai.OpenAI(base_url=f"{pool.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model_id(oai):
-    return oai.models.list().data[0].id
-
-
 def metric(pool: ServedPool, name: str) -> float:
     text = httpx.get(f"{pool.base_url}/metrics").text
     total = 0.0

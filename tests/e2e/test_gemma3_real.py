@@ -9,7 +9,6 @@ from __future__ import annotations
 import signal
 
 import httpx
-import openai
 import pytest
 
 from justapi.client import Client
@@ -42,11 +41,6 @@ def pool():
 def client(pool):
     with Client(pool.zmq, timeout_s=600) as zmq_client:
         yield zmq_client
-
-
-@pytest.fixture(scope="module")
-def oai(pool):
-    return openai.OpenAI(base_url=f"{pool.base_url}/v1", api_key="unused", max_retries=0)
 
 
 def greedy(client: Client, prompt, num_tokens: int, **options):

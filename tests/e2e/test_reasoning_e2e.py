@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 import signal
 
-import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
 
 from tests.support.thinking_model import ANSWER, THOUGHT, write_thinking_gguf
@@ -38,21 +36,6 @@ def pool(tmp_path_factory):
     yield served
     assert served.stop(signal.SIGTERM) == 0, served.log()
     assert served.leftovers() == []
-
-
-@pytest.fixture(scope="module")
-def oai(pool):
-    return openai.OpenAI(base_url=f"{pool.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(pool):
-    return anthropic.Anthropic(base_url=pool.base_url, api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model_id(oai):
-    return oai.models.list().data[0].id
 
 
 def test_chat_splits_the_thinking_exactly_whole_and_streamed(oai, model_id):

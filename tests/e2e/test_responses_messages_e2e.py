@@ -46,21 +46,6 @@ def pool():
     assert served.leftovers() == []
 
 
-@pytest.fixture(scope="module")
-def oai(pool):
-    return openai.OpenAI(base_url=f"{pool.base_url}/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def claude(pool):
-    return anthropic.Anthropic(base_url=pool.base_url, api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model_id(oai):
-    return oai.models.list().data[0].id
-
-
 def _chat(oai, model_id, messages, **extra):
     return oai.chat.completions.create(model=model_id, messages=messages,
                                        max_tokens=MAX_TOKENS, **extra)

@@ -21,7 +21,14 @@ from justapi.frontend.choices import close_all, collect_choices, fan_in
 from justapi.frontend.errors import ApiError, renamed
 from justapi.frontend.messages.models import CountTokensRequest, MessagesRequest
 from justapi.frontend.messages.translate import RENAMES, chat_request
-from justapi.frontend.segments import EventKind, Segment, SegmentEvent, Segmenter, SegmentKind
+from justapi.frontend.segments import (
+    EventKind,
+    Segment,
+    SegmentEvent,
+    Segmenter,
+    SegmentKind,
+    whole_segments,
+)
 from justapi.frontend.serving import Serving
 from justapi.frontend.serving_chat import ChatRun, request_prompt, start_chat
 from justapi.frontend.sse import named_sse_event
@@ -58,12 +65,11 @@ async def create_message(serving: Serving, request: MessagesRequest,
         [output] = await collect_choices(serving, run.generations, run.output)
     except ApiError as exc:
         raise renamed(exc, RENAMES) from None
-    reader, segmenter = run.rules.reader(), Segmenter()
-    segmenter.add(reader.add(output))
-    segmenter.finish()
+    reader = run.rules.reader()
+    segments = whole_segments(reader, output)
     shape.thinking_tokens = reader.reasoning_tokens
     stop_reason = shape.stop_reason(reader.finish_reason(output.finish_reason))
-    return {**shape.message([block(s) for s in segmenter.segments], stop_reason),
+    return {**shape.message([block(s) for s in segments], stop_reason),
             "usage": shape.usage()}
 
 

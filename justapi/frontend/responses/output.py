@@ -27,6 +27,7 @@ from justapi.frontend.segments import (
     SegmentEvent,
     Segmenter,
     SegmentKind,
+    whole_segments,
 )
 from justapi.frontend.serving import Serving
 from justapi.frontend.serving_chat import ChatRun, start_chat
@@ -50,11 +51,10 @@ async def create_response(serving: Serving, request: ResponsesRequest,
         [output] = await collect_choices(serving, run.generations, run.output)
     except ApiError as exc:
         raise renamed(exc, RENAMES) from None
-    reader, segmenter = run.rules.reader(), Segmenter()
-    segmenter.add(reader.add(output))
-    segmenter.finish()
+    reader = run.rules.reader()
+    segments = whole_segments(reader, output)
     shape.reasoning_tokens = reader.reasoning_tokens
-    return shape.response(shape.status(output.finish_reason), segmenter.segments)
+    return shape.response(shape.status(output.finish_reason), segments)
 
 
 class ResponseShape:
