@@ -176,7 +176,20 @@ def test_steps_and_models_it_does_not_cover(tiny_gguf, monkeypatch):
                       plan=PathPlan.only("int8")).layer_chain is None
 
 
-def test_a_slot_outside_the_pool_is_a_value_error_and_writes_nothing(tiny_gguf, monkeypatch):
+def _bad_slots(meta):
+    meta.slots = torch.full_like(meta.slots, 64 * 16)  # one past the pool's last slot
+
+
+def _bad_rows(meta):
+    meta.short.rows = torch.full_like(meta.short.rows, 1)  # a decode step has row 0 only
+
+
+@pytest.mark.parametrize("corrupt,error", [(_bad_slots, "KV slot is outside the pool"),
+                                           (_bad_rows, "row map is outside the step's rows")],
+                         ids=["slot", "row-map"])
+def test_a_bad_slot_or_row_map_is_a_value_error_and_writes_nothing(tiny_gguf, monkeypatch, corrupt, error):
+    """The chain checks its KV slots and its row maps (padded query rows -> step rows) before
+    any layer runs."""
     gguf = tiny_gguf(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=384, context=256, type="Q4_1",
                      embed_type="Q8_0")
     model, pool, runner = load(gguf, PathPlan.only("int8"), chain=True)
@@ -186,34 +199,12 @@ def test_a_slot_outside_the_pool_is_a_value_error_and_writes_nothing(tiny_gguf, 
     before = [layer.clone() for layer in layers]
     prepare = runner.backend.prepare
 
-    def bad_slots(batch):
+    def corrupted(batch):
         meta = prepare(batch)
-        meta.slots = torch.full_like(meta.slots, 64 * 16)  # one past the pool's last slot
+        corrupt(meta)
         return meta
-    monkeypatch.setattr(runner.backend, "prepare", bad_slots)
-    with pytest.raises(ValueError, match="KV slot is outside the pool"):
-        runner.execute(StepPlan.build(1, [("a", 8, [5], [0], True)]))
-    assert all(torch.equal(layer, old) for layer, old in zip(layers, before))
-    pool.close()
-
-
-def test_a_row_map_outside_the_step_is_a_value_error_and_writes_nothing(tiny_gguf, monkeypatch):
-    """The chain checks its row maps (padded query rows -> step rows) before any layer runs."""
-    gguf = tiny_gguf(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=384, context=256, type="Q4_1",
-                     embed_type="Q8_0")
-    model, pool, runner = load(gguf, PathPlan.only("int8"), chain=True)
-    new = [NewRequest("a", GREEDY, 8, np.arange(3, 11, dtype=np.int32))]
-    runner.execute(StepPlan.build(0, [("a", 0, list(range(3, 11)), [0], True)], new))
-    layers = [pool.layer(i) for i in range(pool.shape.num_layers)]
-    before = [layer.clone() for layer in layers]
-    prepare = runner.backend.prepare
-
-    def bad_rows(batch):
-        meta = prepare(batch)
-        meta.short.rows = torch.full_like(meta.short.rows, 1)  # a decode step has row 0 only
-        return meta
-    monkeypatch.setattr(runner.backend, "prepare", bad_rows)
-    with pytest.raises(ValueError, match="row map is outside the step's rows"):
+    monkeypatch.setattr(runner.backend, "prepare", corrupted)
+    with pytest.raises(ValueError, match=error):
         runner.execute(StepPlan.build(1, [("a", 8, [5], [0], True)]))
     assert all(torch.equal(layer, old) for layer, old in zip(layers, before))
     pool.close()
