@@ -8,7 +8,8 @@ chat template).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 INVALID_REQUEST = "invalid_request_error"
@@ -128,3 +129,12 @@ def renamed(error: ApiError, renames: Sequence[tuple[str, str]]) -> ApiError:
         message = re.sub(pattern, replacement, message)
     return ApiError(message, param=param, status=error.status, code=error.code,
                     error_type=error.error_type, headers=error.headers)
+
+
+@contextmanager
+def renaming(renames: Sequence[tuple[str, str]]) -> Iterator[None]:
+    """ApiErrors raised inside come out `renamed` for the translated API."""
+    try:
+        yield
+    except ApiError as exc:
+        raise renamed(exc, renames) from None

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from justapi.frontend.choices import close_all, collect_choices, fan_in
-from justapi.frontend.errors import ApiError, renamed
+from justapi.frontend.errors import renaming
 from justapi.frontend.messages.models import CountTokensRequest, MessagesRequest
 from justapi.frontend.messages.translate import RENAMES, chat_request
 from justapi.frontend.segments import (
@@ -42,29 +42,23 @@ DELTA_TYPES = {SegmentKind.REASONING: ("thinking_delta", "thinking"),
 
 def count_tokens(serving: Serving, request: CountTokensRequest) -> dict[str, int]:
     """The prompt's length, rendered as the same messages request would be."""
-    try:
+    with renaming(RENAMES):
         chat = chat_request(request)
         serving.check_model(chat.model)
         prompt = request_prompt(serving, chat, tool_plan(chat, serving.tool_format))
-    except ApiError as exc:
-        raise renamed(exc, RENAMES) from None
     return {"input_tokens": len(prompt.token_ids)}
 
 
 async def create_message(serving: Serving, request: MessagesRequest,
                          arrival_s: float) -> dict | AsyncIterator[bytes]:
     """A whole message, or (stream=True) its events."""
-    try:
+    with renaming(RENAMES):
         run = start_chat(serving, chat_request(request), arrival_s)
-    except ApiError as exc:
-        raise renamed(exc, RENAMES) from None
     shape = MessageShape(serving.new_id("msg"), serving.config.model_name, run)
     if request.stream:
         return stream_message(shape)
-    try:
+    with renaming(RENAMES):
         [output] = await collect_choices(serving, run.generations, run.output)
-    except ApiError as exc:
-        raise renamed(exc, RENAMES) from None
     reader = run.rules.reader()
     segments = whole_segments(reader, output)
     shape.thinking_tokens = reader.reasoning_tokens

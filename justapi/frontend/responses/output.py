@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from justapi.frontend.choices import close_all, collect_choices, fan_in
-from justapi.frontend.errors import ApiError, renamed
+from justapi.frontend.errors import renaming
 from justapi.frontend.responses.models import ResponsesRequest
 from justapi.frontend.responses.translate import RENAMES, chat_request
 from justapi.frontend.segments import (
@@ -40,17 +40,13 @@ ITEM_PREFIX = {SegmentKind.REASONING: "rs", SegmentKind.TEXT: "msg", SegmentKind
 async def create_response(serving: Serving, request: ResponsesRequest,
                           arrival_s: float) -> dict | AsyncIterator[bytes]:
     """A whole Response, or (stream=True) its events."""
-    try:
+    with renaming(RENAMES):
         run = start_chat(serving, chat_request(request), arrival_s)
-    except ApiError as exc:
-        raise renamed(exc, RENAMES) from None
     shape = ResponseShape(serving, request, run)
     if request.stream:
         return stream_response(shape)
-    try:
+    with renaming(RENAMES):
         [output] = await collect_choices(serving, run.generations, run.output)
-    except ApiError as exc:
-        raise renamed(exc, RENAMES) from None
     reader = run.rules.reader()
     segments = whole_segments(reader, output)
     shape.reasoning_tokens = reader.reasoning_tokens
