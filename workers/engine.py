@@ -73,11 +73,13 @@ class LLMEngine:
                  max_batched_tokens: int = 2048, max_context: int = 0,
                  seed: int | None = None, progress: bool = True, weights: str = "fp32",
                  speculative: SpecConfig | None = None, cuda_graphs: bool = True,
-                 kv_cache_dtype: str | None = None, allow_unused_tensors: bool = False) -> None:
+                 kv_cache_dtype: str | None = None, allow_unused_tensors: bool = False,
+                 batch_invariant: bool = False) -> None:
         """kv_cache_dtype: as `justapi serve --kv-cache-dtype` (auto = bfloat16, float32,
         bfloat16). None: the compute dtype (fp32 on CPU, bf16 on GPUs). Like `weights`, the
         default is not serve's: the model tests compare this engine's logits with independent
-        implementations, and fp32 is the exact reference there."""
+        implementations, and fp32 is the exact reference there. batch_invariant: as `justapi
+        serve --batch-invariant` (CPU)."""
         kind = torch.device(device).type
         if kv_cache_dtype is None:
             kv_cache_dtype = "float32" if kind == "cpu" else "bfloat16"
@@ -91,7 +93,7 @@ class LLMEngine:
         self.gguf = GGUFFile(self.path)
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         self.model = load_model(self.gguf, device, dtype, weights, progress,  # weights: fp32|q4|auto
-                                allow_unused_tensors=allow_unused_tensors)
+                                allow_unused_tensors=allow_unused_tensors, batch_invariant=batch_invariant)
         p = self.model.params
         self.max_context = min(max_context or p.max_context, p.max_context)
         if num_blocks <= 0:
@@ -105,7 +107,8 @@ class LLMEngine:
                  if self.speculative.spec == "draft" else None)
         if draft is not None:
             self.max_context = min(self.max_context, draft.model.params.max_context)
-        backend = make_backend(device, block_size, (p.num_heads, p.num_kv_heads, p.head_dim))
+        backend = make_backend(device, block_size, (p.num_heads, p.num_kv_heads, p.head_dim),
+                               batch_invariant=batch_invariant)
         self.graphs = _step_graphs(self, backend, max_seqs, cuda_graphs, max_batched_tokens)
         self.runner = ModelRunner(self.model, self.pool, backend, Sampler(seed), draft=draft,
                                   graphs=self.graphs)

@@ -97,7 +97,8 @@ class Worker:
         gguf = GGUFFile(spec.model_path)
         dtype = torch.bfloat16 if self.device != "cpu" else torch.float32
         self.model = load_model(gguf, self.device, dtype, spec.config.model.weights, progress=False,
-                                allow_unused_tensors=spec.config.model.allow_unused_tensors)
+                                allow_unused_tensors=spec.config.model.allow_unused_tensors,
+                                batch_invariant=spec.config.model.batch_invariant)
         sched, speculative = spec.config.scheduler, spec.config.speculative
         sampled_rows = _max_sampled_rows(sched.max_seqs, sched.max_batched_tokens, speculative)
         self.model.warm_up(sched.max_batched_tokens, sampled_rows)
@@ -110,7 +111,8 @@ class Worker:
                                weights=spec.config.model.weights)
             draft.model.warm_up(sched.max_batched_tokens, sampled_rows)
         p = self.model.params
-        backend = make_backend(self.device, block_size, (p.num_heads, p.num_kv_heads, p.head_dim))
+        backend = make_backend(self.device, block_size, (p.num_heads, p.num_kv_heads, p.head_dim),
+                               batch_invariant=spec.config.model.batch_invariant)
         self.runner = ModelRunner(self.model, self.pool, backend, Sampler(), worker_id=spec.index,
                                   draft=draft)
         self.graphs = self.runner.graphs = self._step_graphs(backend)  # reads the runner's draft

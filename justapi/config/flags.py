@@ -80,6 +80,8 @@ def _settings(field: dataclasses.Field, hint: Any) -> dict[str, Any]:
         settings["type"] = click.Path(dir_okay=False)
     elif not isinstance(field.default, bool):
         settings["type"] = _value_type(hint)
+    elif not any("/" in decl for decl in spec.decls):  # a bool with one declaration: an on-switch
+        settings["is_flag"] = True
     return settings
 
 

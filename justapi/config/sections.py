@@ -151,6 +151,13 @@ class ModelConfig:
                                   "exact.",
                           choices=WEIGHT_MODES)
     max_context: int = option(0, "Cap on the model's context length; 0 takes the model's own.")
+    batch_invariant: bool = option(
+        False, "CPU: compute every row alike whatever shares its step and however its prompt "
+               "was chunked (greedy output independent of the load; a restart continues "
+               "exactly), at a cost: --weights auto plans choose among the int8 block kernels "
+               "only, and every chunk is attended by the decode kernel (long prompts prefill "
+               "~10-20% slower on AVX-512, more on an fp32 pool). As vLLM's "
+               "VLLM_BATCH_INVARIANT and SGLang's --enable-deterministic-inference.")
     allow_unused_tensors: bool = option(
         False, "Load a GGUF even where it holds tensors the loader does not read (each named in a "
                "warning). For experiments: such a file is a variant the model code does not know, "
@@ -178,6 +185,10 @@ class ModelConfig:
         check_number(self.max_context, "max-context", low=0, integer=True)
         check_bool(self.cuda_graphs, "cuda-graphs")
         check_bool(self.allow_unused_tensors, "allow-unused-tensors")
+        check_bool(self.batch_invariant, "batch-invariant")
+        if self.batch_invariant and self.device != "cpu":
+            raise ConfigError("--batch-invariant is for CPU workers: the GPU's kernels sum in "
+                              "an order that depends on the batch")
 
 
 @dataclass(frozen=True)

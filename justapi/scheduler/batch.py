@@ -26,7 +26,7 @@ from justapi.config.sections import SchedulerConfig
 from justapi.scheduler.faults import RequestFailures
 from justapi.scheduler.request import Request
 from justapi.scheduler.step_cost import StepCost, StepFeatures, context_reads
-from justapi.wire.protocol import PLACEHOLDER_TOKEN, NewRequest, StepPlan
+from justapi.wire.protocol import EXACT_CHUNK_TOKENS, PLACEHOLDER_TOKEN, NewRequest, StepPlan
 
 
 class StepBatch:
@@ -79,7 +79,7 @@ class StepBatch:
         want = len(req.token_ids) + len(req.draft_token_ids) - req.num_computed_tokens
         if not is_prefill:
             return min(want, self.budget_tokens)
-        num_tokens = min(want, self.config.chunk_size, self.budget_tokens)
+        num_tokens = min(want, self.config.chunk_size, self.budget_tokens, _exact_chunk(req))
         if self.cost is not None:
             within = self.cost.tokens_within(self.prefill_allowance_s, req.num_computed_tokens)
             num_tokens = min(num_tokens, max(1, within))
@@ -111,7 +111,7 @@ class StepBatch:
         self.num_propose.append(0)
         self.budget_tokens -= num_tokens
         if is_prefill:
-            self.num_prefill += 1
+            self.num_prefill += _is_prompt_chunk(req, start)
             if self.cost is not None:
                 self.prefill_allowance_s -= self.cost.chunk_s(start, num_tokens)
         else:
@@ -145,7 +145,7 @@ class StepBatch:
         i = next(i for i, r in enumerate(self.reqs) if r is req)
         self.budget_tokens += self.num_tokens[i]
         if self.is_prefill[i]:
-            self.num_prefill -= 1
+            self.num_prefill -= _is_prompt_chunk(req, self.starts[i])
             if self.cost is not None:
                 self.prefill_allowance_s += self.cost.chunk_s(self.starts[i], self.num_tokens[i])
         else:
@@ -238,3 +238,19 @@ def _new_request(req: Request) -> NewRequest:
     return NewRequest(request_id=req.request_id, sampling=req.sampling,
                       num_prompt_tokens=req.num_prompt_tokens,
                       token_ids=np.array(req.token_ids, dtype=np.int32), pooling=req.pooling)
+
+
+def _exact_chunk(req: Request) -> int:
+    """Most tokens of a prefill chunk that starts where `req` stands: up to its prompt's end,
+    then EXACT_CHUNK_TOKENS over the tokens it already sampled (a resubmission, a recompute
+    after preemption), which then come out with the bits decoding gave them."""
+    if req.num_computed_tokens < req.num_prompt_tokens:
+        return req.num_prompt_tokens - req.num_computed_tokens
+    return EXACT_CHUNK_TOKENS
+
+
+def _is_prompt_chunk(req: Request, start: int) -> int:
+    """1 for a chunk of the prompt; 0 for one recomputing sampled tokens, which is short like a
+    decode and does not take one of max_prefill's places (32 requests resubmitted at once
+    replay side by side, not four at a time)."""
+    return int(start < req.num_prompt_tokens)

@@ -17,6 +17,12 @@ from justapi.wire.codec import ProtocolError, register
 PLACEHOLDER_TOKEN = -1
 """In StepPlan.token_ids (overlap): the token the worker sampled at this position in the
 request's previous step, which the scheduler has not seen yet."""
+EXACT_CHUNK_TOKENS = 16
+"""Chunks of at most this many tokens are computed with decode's arithmetic: every CPU backend
+attends their rows with the kernel that decodes (a row alike in any batch), where a longer chunk
+may take another order of sums (SDPA). The scheduler recomputes tokens a request already
+sampled (a resubmission after a scheduler restart, a recompute after preemption) in chunks of
+at most this many, so that they come out bit for bit as they did when they were decoded."""
 MAX_DECODE_STEPS = 64
 """Most steps one multi-step plan may ask for (StepPlan.num_steps)."""
 _EMPTY_I32 = np.zeros(0, dtype=np.int32)

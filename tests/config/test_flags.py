@@ -143,3 +143,18 @@ def test_no_cuda_graphs_turns_the_graphs_off():
     given = _parse("--no-cuda-graphs")
     assert given == {"cuda_graphs": False} and not build_config({}, given).model.cuda_graphs
     assert not build_config({"cuda-graphs": False}, {}).model.cuda_graphs
+
+
+def test_a_bool_with_one_declaration_is_an_on_switch():
+    """`--allow-unused-tensors` takes no value (it asked for one: `justapi serve
+    --allow-unused-tensors --model x` read `--model` as its value)."""
+    assert _parse("--allow-unused-tensors", "--weights", "fp32") == {"allow_unused_tensors": True,
+                                                                     "weights": "fp32"}
+
+
+def test_batch_invariant_is_a_cpu_switch():
+    given = _parse("--batch-invariant")
+    assert given == {"batch_invariant": True} and build_config({}, given).model.batch_invariant
+    assert not build_config({}, {}).model.batch_invariant
+    with pytest.raises(ValueError, match="--batch-invariant is for CPU workers"):
+        build_config({}, {"batch_invariant": True, "device": "cuda"})

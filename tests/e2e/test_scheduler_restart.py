@@ -1,7 +1,9 @@
 """`kill -9` of the scheduler under a streaming load, twice in a row: the launcher starts a
 new scheduler each time, the workers re-attach, the frontend resubmits every open request
 with the tokens it already delivered, and every client gets the uninterrupted run's output
-(greedy, seeded, with penalties, constrained by a JSON schema) with no error - only a pause.
+(greedy, seeded, with penalties, constrained by a JSON schema, long prompts; `--batch-invariant`
+makes a row's bits independent of how the restart re-chunks the prompts) with no error - only
+a pause.
 /health and /metrics count the restarts; nothing is left behind at the end."""
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ SCHEMA = {"type": "object", "properties": {
 def request_body(i: int) -> tuple[str, dict]:
     """(route, body) of request i: two constrained chats (their forced tokens make them run
     faster: 3 x MAX_TOKENS keeps them open at both kills), then greedy and seeded completions,
-    every fourth with penalties (they must count delivered tokens as generated)."""
+    every fourth with penalties (they must count delivered tokens as generated); every eighth's
+    prompt is ~400 tokens, which the budget chunks otherwise when 32 are resubmitted at once."""
     sampling: dict = {"temperature": 0} if i % 2 == 0 else {"temperature": 0.9, "seed": i}
     if i % 4 >= 2:
         sampling.update(frequency_penalty=0.7, presence_penalty=0.3, repetition_penalty=1.2)
@@ -40,7 +43,8 @@ def request_body(i: int) -> tuple[str, dict]:
             "response_format": {"type": "json_schema",
                                 "json_schema": {"name": "words", "schema": SCHEMA}},
             "max_tokens": 3 * MAX_TOKENS, "stream": True, **sampling}
-    return "/v1/completions", {"prompt": f"request {i} goes on and on", "ignore_eos": True,
+    prompt = f"request {i} goes on and on" + (" and on" * 56 if i % 8 == 7 else "")
+    return "/v1/completions", {"prompt": prompt, "ignore_eos": True,
                                "max_tokens": MAX_TOKENS, "stream": True, **sampling}
 
 
@@ -121,7 +125,8 @@ def kill_twice(load: Load) -> None:
 
 
 def test_kill_9_of_the_scheduler_twice_under_load_loses_nothing():
-    pool = ServedPool("--model", TINY_MODEL, "--pool-blocks", "2048", "--max-seqs", "32")
+    pool = ServedPool("--model", TINY_MODEL, "--pool-blocks", "2048", "--max-seqs", "32",
+                      "--batch-invariant")
     try:
         expected = Load(pool).run()
         for result in expected:

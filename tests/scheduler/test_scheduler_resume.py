@@ -13,7 +13,7 @@ import pytest
 from justapi.sampling import SamplingParams, StructuredOutput
 from justapi.scheduler.sim.fake_model import ReferenceModel
 from justapi.scheduler.sim.harness import Harness, build_scheduler
-from justapi.wire.protocol import StepPlan, SubmitRequest
+from justapi.wire.protocol import EXACT_CHUNK_TOKENS, StepPlan, SubmitRequest
 from tests.support.structured import (
     SIM_VOCAB,
     reference_constrained,
@@ -123,3 +123,38 @@ def test_delivered_tokens_are_checked() -> None:
         core.add_request(SubmitRequest("c", np.asarray([2] * 1000, np.int32),
                                        SamplingParams(max_tokens=100),
                                        output_token_ids=np.asarray([4] * 30, np.int32)))
+
+
+def test_delivered_tokens_are_recomputed_in_decode_sized_chunks_side_by_side() -> None:
+    """A resubmission's prompt is one chunk up to the prompt's end, never running on into the
+    delivered tokens; those follow in chunks of at most EXACT_CHUNK_TOKENS (the rows a worker
+    computes with decode's arithmetic), which take none of max_prefill's places: six requests
+    resubmitted at once with max_prefill 2 all replay in the same steps once their prompts are in."""
+    harness = Harness(build_scheduler(pool_blocks=512, max_seqs=16, max_prefill=2, chunk_size=64,
+                                      max_batched_tokens=1024), vocab_size=SIM_VOCAB)
+    prompts = {f"r{i}": [(5 * i + j) % 90 + 2 for j in range(20 + i)] for i in range(6)}
+    delivered = {rid: [(3 * j + 1) % 90 + 2 for j in range(40)] for rid in prompts}
+    for rid, prompt in prompts.items():
+        harness.scheduler.add_request(SubmitRequest(
+            rid, np.asarray(prompt, np.int32), SamplingParams(max_tokens=60, temperature=0.0),
+            output_token_ids=np.asarray(delivered[rid], np.int32)))
+        harness.outputs[rid] = list(delivered[rid])
+    chunks: dict[str, list[tuple[int, int]]] = {rid: [] for rid in prompts}
+    most_replaying = 0
+    while any(not c or c[-1][0] + c[-1][1] < len(prompts[rid]) + 40 for rid, c in chunks.items()):
+        plans = harness.step()
+        replaying = 0
+        for _, plan in plans:
+            assert isinstance(plan, StepPlan)
+            for rid, start, n in zip(plan.request_ids, plan.start_positions, plan.num_tokens):
+                chunks[rid].append((int(start), int(n)))
+                replaying += int(start) >= len(prompts[rid]) and int(n) > 1  # not a decode
+        most_replaying = max(most_replaying, replaying)
+    for rid, steps in chunks.items():
+        prompt_len = len(prompts[rid])
+        assert steps[0] == (0, prompt_len), (rid, steps)  # the whole prompt, and no further
+        replay = [n for start, n in steps[1:] if start < prompt_len + 40]
+        assert sum(replay) == 40 and max(replay) <= EXACT_CHUNK_TOKENS, (rid, steps)
+    assert most_replaying == len(prompts)  # side by side, past max_prefill's 2
+    harness.run()
+    assert all(len(harness.outputs[rid]) == 60 for rid in prompts)

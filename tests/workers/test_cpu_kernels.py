@@ -570,32 +570,37 @@ def test_the_16_bit_loops_without_avx2_agree_with_the_torch_path(half):
                                attend(batch, kv16, q, use_kernel=False), atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["default", "batch-invariant"])
 @pytest.mark.parametrize("build", ["bf16 products", "fp32 products", "f16 pool"])
-def test_chunks_up_to_the_kernels_limit_take_the_kernel_over_a_16_bit_pool(build):
+def test_chunks_up_to_the_kernels_limit_take_the_kernel_over_a_16_bit_pool(build, invariant):
     """Over a bf16 or f16 pool the keys-in-lanes loop takes, chunks of 17..KERNEL_CHUNK_TOKENS tokens (a
     prompt's rest after a cached prefix, a budgeted prompt chunk) are the kernel's second padded
     batch (a lone sequence's in slices of 32 rows, each reading only the keys its rows see): each
     of their rows is, to the last bit, that token decoded alone at its position. Longer chunks keep
-    SDPA; over an fp32 pool the medium chunks do too, as long chunks."""
+    SDPA, unless batch-invariant: then they are cut into pieces of KERNEL_CHUNK_TOKENS for the
+    kernel, and their rows too are decoding's bits, however a prompt was chunked. Over an fp32
+    pool the medium chunks take SDPA as long chunks (batch-invariant: the kernel, next test)."""
     kernel = kernel_build(build)
     if not kernel.lanes_loop(64):
         pytest.skip("this build has no keys-in-lanes loop (AVX-512)")
     from workers.model.attention import KERNEL_CHUNK_TOKENS, SHORT_CHUNK_TOKENS
-    starts, rows = [300, 0, 40, 7, 0], [1, 40, 17, KERNEL_CHUNK_TOKENS, KERNEL_CHUNK_TOKENS + 1]
+    starts, rows = [300, 0, 40, 7, 0], [1, 40, 17, KERNEL_CHUNK_TOKENS, KERNEL_CHUNK_TOKENS + 2]
     batch, kv, q = random_step(starts, rows, 9, 3, 64, seed=8)
-    backend = TorchCpuBackend(batch.block_size)
+    backend = TorchCpuBackend(batch.block_size, batch_invariant=invariant)
     backend.kernel = kernel
     meta = backend.prepare(batch)
-    assert meta.medium is not None and meta.medium.num_rows.tolist() == rows[1:4]
-    assert [c.num_tokens for c in meta.longs] == [KERNEL_CHUNK_TOKENS + 1]
+    pieces = [KERNEL_CHUNK_TOKENS, 2] if invariant else []
+    assert meta.medium is not None and meta.medium.num_rows.tolist() == rows[1:4] + pieces
+    assert [c.num_tokens for c in meta.longs] == ([] if invariant else [KERNEL_CHUNK_TOKENS + 2])
     kv16 = kv.half() if build == "f16 pool" else kv.bfloat16()
     got = backend.attend(kv16, q, meta)
     torch.testing.assert_close(got, attend(batch, kv16, q, use_kernel=False), atol=atol(kv16.dtype, 64, kernel=kernel),
                                rtol=0)
     tokens, blocks = batch.token_offsets(), batch.block_offsets()
-    for a in (1, 2, 3):
+    for a in (1, 2, 3, 4) if invariant else (1, 2, 3):
         table = batch.block_ids[blocks[a]:blocks[a + 1]]
-        for i in sorted({0, 31, 32, rows[a] // 2, rows[a] - 1} & set(range(rows[a]))):  # slices' edges
+        edges = {0, 31, 32, rows[a] // 2, KERNEL_CHUNK_TOKENS - 1, KERNEL_CHUNK_TOKENS, rows[a] - 1}
+        for i in sorted(edges & set(range(rows[a]))):  # slices' and pieces' edges
             position = starts[a] + i
             need = position // batch.block_size + 1
             alone = AttentionBatch(np.array([position]), np.array([1]), np.array([need]), table[:need], batch.block_size)
@@ -603,3 +608,23 @@ def test_chunks_up_to_the_kernels_limit_take_the_kernel_over_a_16_bit_pool(build
             assert torch.equal(attend_by(kernel, alone, kv16, q[row:row + 1]), got[row:row + 1]), (a, i)
     assert rows[1] > SHORT_CHUNK_TOKENS
     torch.testing.assert_close(backend.attend(kv, q, meta), attend(batch, kv, q, use_kernel=False), atol=2e-6, rtol=0)
+
+
+def test_batch_invariant_attends_every_chunk_over_an_fp32_pool_with_the_kernel():
+    """`--batch-invariant` over an fp32 pool (no keys-in-lanes loop there): a prompt chunk of any
+    length, cut into pieces, gives each row the bits of that token decoded alone."""
+    from workers.model.attention import KERNEL_CHUNK_TOKENS
+    starts, rows = [0, 20], [KERNEL_CHUNK_TOKENS + 40, 1]
+    batch, kv, q = random_step(starts, rows, 8, 2, 64, seed=11)
+    backend = TorchCpuBackend(batch.block_size, batch_invariant=True)
+    if backend.kernel is None:
+        pytest.skip("no C compiler: no kernel")
+    meta = backend.prepare(batch)
+    assert meta.longs == [] and meta.medium is not None
+    got = backend.attend(kv, q, meta)
+    torch.testing.assert_close(got, attend(batch, kv, q, use_kernel=False), atol=2e-6, rtol=0)
+    table = batch.block_ids[:batch.num_blocks[0]]
+    for i in (0, 17, KERNEL_CHUNK_TOKENS - 1, KERNEL_CHUNK_TOKENS, rows[0] - 1):
+        need = i // batch.block_size + 1
+        alone = AttentionBatch(np.array([i]), np.array([1]), np.array([need]), table[:need], batch.block_size)
+        assert torch.equal(attend_by(backend.kernel, alone, kv, q[i:i + 1]), got[i:i + 1]), i

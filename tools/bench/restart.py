@@ -14,8 +14,11 @@ every stream has had KILL_AFTER_EVENTS events; "resubmitted" is when the fronten
 the open requests to the successor (its log line), "first token" the first event a client
 got after that (a token of the successor: the dead scheduler's had reached the clients by
 then, a new one needs a prefill step).
+--long-prompts makes every fourth prompt ~600 tokens (a restart re-chunks those: under the
+default a row's last bits may then differ; --batch-invariant passes the pools that flag).
 Usage: python -m tools.bench restart [--model SPEC] [--trials 3] [--modes standby,cold]
                                      [--requests 16] [--max-tokens 64] [--weights fp32]
+                                     [--long-prompts] [--batch-invariant]
 Owns: this measurement. Does not own: the pool (justapi serve) or its restarts.
 """
 from __future__ import annotations
@@ -56,9 +59,13 @@ class Stream:
     event_times: list[float] = field(default_factory=list)  # time.time() of each event
 
 
+LONG_PROMPTS = False  # --long-prompts
+
+
 async def _stream(client: httpx.AsyncClient, url: str, i: int, max_tokens: int,
                   out: Stream) -> None:
-    body: dict[str, Any] = {"prompt": f"{PROMPT}{i}.", "max_tokens": max_tokens,
+    prompt = f"{PROMPT}{i}." + (f" Remember the storm of year {i}." * 60 if LONG_PROMPTS and i % 4 == 3 else "")
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens,
                             "ignore_eos": True, "stream": True, "temperature": 0}
     if i % 2:  # seeded sampling: it must continue exactly too
         body.update(temperature=0.8, seed=i)
@@ -202,14 +209,19 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_argument("--weights", default="", help="the pools' --weights (default: the "
                      "server's, auto; fp32 makes every step's numerics independent of the "
                      "batch, so that 'same output' measures the restart alone)")
+    cli.add_argument("--long-prompts", action="store_true", help="every fourth prompt ~600 tokens")
+    cli.add_argument("--batch-invariant", action="store_true", help="the pools' --batch-invariant")
     args = cli.parse_args(argv)
+    global LONG_PROMPTS
+    LONG_PROMPTS = args.long_prompts
     modes = [m for m in args.modes.split(",") if m]
     if args.trials < 1 or args.requests < 1 or args.max_tokens <= KILL_AFTER_EVENTS \
             or not modes or not set(modes) <= set(MODES):
         cli.error(f"needs --trials >= 1, --requests >= 1, --max-tokens > {KILL_AFTER_EVENTS}, "
                   f"--modes of {', '.join(MODES)}")
     model = (["--model", args.model] if args.model else []) + \
-        (["--weights", args.weights] if args.weights else [])
+        (["--weights", args.weights] if args.weights else []) + \
+        (["--batch-invariant"] if args.batch_invariant else [])
     pools: dict[str, ServedPool] = {}
     rows: list[dict[str, Any]] = []
     try:

@@ -26,12 +26,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from justapi.wire.protocol import EXACT_CHUNK_TOKENS
 from workers.model import cpu_kernels
 from workers.model.layer_ops import layer_ops
 from workers.spec.tree import TreeLayout
 
-SHORT_CHUNK_TOKENS = 16
-"""Chunks of at most this many tokens (decodes, speculative verification) share one padded batch."""
+SHORT_CHUNK_TOKENS = EXACT_CHUNK_TOKENS
+"""Chunks of at most this many tokens (decodes, speculative verification, tokens recomputed
+after a restart or preemption) share one padded batch, on the CPU the decode kernel's."""
 KERNEL_CHUNK_TOKENS = 256
 """On the CPU kernel's keys-in-lanes loop (a bf16 or f16 pool, AVX-512), longer chunks up to this many
 tokens (prefill after a cached prefix, a budgeted prompt chunk) are a second padded batch for the
@@ -186,6 +188,9 @@ class TorchPagedBackend(AttentionBackend):
     medium_chunk_tokens = 0
     """Above SHORT_CHUNK_TOKENS, chunks up to this many tokens also get a padded batch
     (AttentionMetadata.medium); 0: none (every longer chunk is a LongChunk)."""
+    cuts_long_chunks = False
+    """Longer chunks too join the medium batch, cut into pieces of medium_chunk_tokens
+    (cut_chunks): every row then takes the kernel that decodes (`--batch-invariant`)."""
 
     def __init__(self, block_size: int, device: torch.device | str = "cpu",
                  chunk_bytes: int | None = CPU_CHUNK_BYTES) -> None:
@@ -201,6 +206,8 @@ class TorchPagedBackend(AttentionBackend):
             positions = batch.tree.rotary_positions(batch.token_offsets(), positions)
         short_seqs = np.flatnonzero(batch.num_tokens <= SHORT_CHUNK_TOKENS)
         is_medium = (batch.num_tokens > SHORT_CHUNK_TOKENS) & (batch.num_tokens <= self.medium_chunk_tokens)
+        if self.cuts_long_chunks and not batch.tree:  # long chunks too, cut into medium pieces
+            is_medium = batch.num_tokens > SHORT_CHUNK_TOKENS
         medium_seqs = np.flatnonzero(is_medium)
         long_seqs = np.flatnonzero((batch.num_tokens > SHORT_CHUNK_TOKENS) & ~is_medium)
         masks = _Masks(positions, window)
@@ -208,7 +215,8 @@ class TorchPagedBackend(AttentionBackend):
             positions=self._tensor(positions), slots=self._tensor(slots),
             short=self._short_group(batch, short_seqs, masks) if len(short_seqs) else None,
             longs=[self._long_chunk(batch, int(s), masks) for s in long_seqs], batch=batch,
-            medium=self._short_group(batch, medium_seqs, masks) if len(medium_seqs) else None,
+            medium=self._short_group(*cut_chunks(batch, medium_seqs, self.medium_chunk_tokens), masks)
+            if len(medium_seqs) else None,
             medium_longs=functools.cache(lambda: [self._long_chunk(batch, int(s), masks) for s in medium_seqs]))
 
     def with_window(self, meta: AttentionMetadata, window: int) -> AttentionMetadata:
@@ -328,6 +336,26 @@ class TorchPagedBackend(AttentionBackend):
         return out[0].transpose(0, 1)
 
 
+def cut_chunks(batch: AttentionBatch, seqs: np.ndarray, most: int) -> tuple[AttentionBatch, np.ndarray]:
+    """`batch` with the chunks of `seqs` longer than `most` rows cut into consecutive pieces of
+    at most `most` (each a sequence of its own over the same block table, so that rows keep
+    their places), and the indices of `seqs`' chunks and pieces in it. The kernel computes a
+    row alike in any piece, so a long prompt chunk's rows come out as decoding gives them."""
+    if not len(seqs) or int(batch.num_tokens[seqs].max()) <= most:
+        return batch, seqs
+    counts = np.ones(batch.num_seqs, dtype=np.int64)
+    counts[seqs] = -(-batch.num_tokens[seqs] // most)
+    piece_seq = np.repeat(np.arange(batch.num_seqs), counts)  # the sequence of every piece
+    first_piece = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    offset = (np.arange(len(piece_seq)) - first_piece[piece_seq]) * most  # rows before the piece
+    num_tokens = np.minimum(batch.num_tokens[piece_seq] - offset, np.where(counts[piece_seq] > 1, most, batch.num_tokens[piece_seq]))
+    blk_off = batch.block_offsets()
+    block_ids = np.concatenate([batch.block_ids[blk_off[s]:blk_off[s + 1]] for s in piece_seq])
+    cut = AttentionBatch(batch.start_positions[piece_seq] + offset, num_tokens,
+                         batch.num_blocks[piece_seq], block_ids, batch.block_size)
+    return cut, np.flatnonzero(np.isin(piece_seq, seqs))
+
+
 class _Masks:
     """The sliding window of one prepare: masks keys at slot positions <= q - window, q being a
     row's rotary position (for token-tree rows, root + depth: exact while the window is wider
@@ -382,17 +410,25 @@ class TorchCpuBackend(TorchPagedBackend):
     docs/runtime.md)."""
 
     def __init__(self, block_size: int, chunk_bytes: int | None = CPU_CHUNK_BYTES,
-                 use_kernel: bool = True) -> None:
+                 use_kernel: bool = True, batch_invariant: bool = False) -> None:
+        """batch_invariant: every chunk to the kernel, long ones cut into pieces (a row's bits
+        then depend on nothing but its sequence: 1.1-1.2x SDPA's prefill time for 1-4k-token
+        prompts in 512-token chunks over an f16 pool, Zen 4; more over an fp32 pool)."""
         super().__init__(block_size, "cpu", chunk_bytes)
         self.kernel = cpu_kernels.paged_attention() if use_kernel else None
-        if self.kernel is not None and self.kernel.lanes_loop(32):
+        self.batch_invariant = batch_invariant and self.kernel is not None
+        if self.kernel is not None and (self.batch_invariant or self.kernel.lanes_loop(32)):
             self.medium_chunk_tokens = KERNEL_CHUNK_TOKENS
+        self.cuts_long_chunks = self.batch_invariant
 
     def _takes_medium(self, kv: torch.Tensor, q: torch.Tensor) -> bool:
         """The keys-in-lanes loop's pools only (bf16, f16): over an fp32 pool (key by key) the
-        kernel took 2-4x SDPA's time for such chunks."""
-        return (self.kernel is not None and kv.dtype in (torch.bfloat16, torch.float16)
-                and q.dtype == torch.float32 and self.kernel.lanes_loop(q.shape[-1]))
+        kernel took 2-4x SDPA's time for such chunks. Batch-invariant: every pool it reads."""
+        if self.kernel is None or q.dtype != torch.float32:
+            return False
+        if self.batch_invariant:
+            return kv.dtype in self.kernel.SYMBOLS
+        return kv.dtype in (torch.bfloat16, torch.float16) and self.kernel.lanes_loop(q.shape[-1])
 
     def write_kv(self, kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> None:

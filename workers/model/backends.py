@@ -10,11 +10,12 @@ from workers.model.attention import AttentionBackend, CudaBackend, TorchCpuBacke
 
 
 def make_backend(device: str, block_size: int, heads: tuple[int, int, int] | None = None,
-                 gathered: bool = False) -> AttentionBackend:
-    """CPU: TorchCpuBackend. CUDA: TritonPagedBackend given the model's (num_heads,
-    num_kv_heads, head_dim) and Triton; CudaBackend without them or with `gathered`."""
+                 gathered: bool = False, batch_invariant: bool = False) -> AttentionBackend:
+    """CPU: TorchCpuBackend (batch_invariant: every chunk on its kernel). CUDA:
+    TritonPagedBackend given the model's (num_heads, num_kv_heads, head_dim) and Triton;
+    CudaBackend without them or with `gathered`."""
     if torch.device(device).type != "cuda":
-        return TorchCpuBackend(block_size)
+        return TorchCpuBackend(block_size, batch_invariant=batch_invariant)
     from workers.model.paged_backend import triton_backend  # imports Triton: GPU only
     backend = None if heads is None or gathered else triton_backend(device, block_size, *heads)
     return backend or CudaBackend(block_size, device)

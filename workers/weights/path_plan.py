@@ -31,6 +31,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 PATHS = ("int8", "int8_panels", "dense", "dense_bf16")
+INT8_FAMILY = ("int8", "int8_panels")
+"""Paths that give a row the same bits at every row count (the same integer sums and scaling)."""
 MEASURE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 """Row counts timed at start-up: decode batches and speculative verification sit among them,
 and 512 for prefill chunks: the dense GEMM gains per row up to there (SmolLM2's gate/up:

@@ -47,7 +47,7 @@ from workers.weights.block_kernels import BlockKernels, block_kernels
 from workers.weights.block_linear import BlockLinear, StackLinear, TileScratch
 from workers.weights.block_matrix import BlockMatrix, RowStack, is_block_type
 from workers.weights.gguf_loader import load_weights
-from workers.weights.path_plan import CHECK_ROWS, PathPlan, PathTimer, settle_plan
+from workers.weights.path_plan import CHECK_ROWS, INT8_FAMILY, PathPlan, PathTimer, settle_plan
 from workers.weights.plan_cache import PlanCache, PlanRecord
 from workers.weights.quant_blocks import Matrix, QuantMatrix, is_quantizable, planes_of
 from workers.weights.quant_linear import Int4Linear, require_int4_kernel
@@ -76,9 +76,12 @@ class PathPlanner:
     (path_plan.settle_plan); a measured plan is kept in the file only where the host was quiet
     while it was measured (kernel_records.BusyProbe), with its thread count and CPU."""
 
-    def __init__(self, kernels: BlockKernels, scratch: TileScratch, cache: PlanCache | None) -> None:
+    def __init__(self, kernels: BlockKernels, scratch: TileScratch, cache: PlanCache | None,
+                 batch_invariant: bool = False) -> None:
+        """batch_invariant: choose among the int8 family only (int8, int8_panels: a row's bits
+        the same at every row count), never a dense GEMM whose sums differ from theirs."""
         self.kernels, self.scratch, self.cache = kernels, scratch, cache
-        self.paths = candidate_paths()
+        self.paths = tuple(p for p in candidate_paths() if not batch_invariant or p in INT8_FAMILY)
         self.plans: dict[tuple[str, tuple[int, int]], PathPlan] = {}
         self.measured = 0
         self._source = "".join(path.read_text() for path in [SOURCE_DIR / "quant_matmul.c",
@@ -122,11 +125,12 @@ class WeightPaths:
 
     def __init__(self, mode: str, device: str | torch.device = "cpu", plan: PathPlan | None = None,
                  cache: PlanCache | None = None, device_blocks: bool | None = None,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, batch_invariant: bool = False) -> None:
         """device_blocks: keep `auto`'s blocks for the Triton kernels (device_linear.py); None:
         on a CUDA device with Triton, or where JUSTAPI_DEVICE_BLOCKS=1 (True on a CPU runs
         them in Triton's interpreter: tests, and the GPU check's dry run). dtype: the compute
-        dtype those kernels take."""
+        dtype those kernels take. batch_invariant: auto's plans keep to the int8 family
+        (`--batch-invariant`; fp32 and bf16 are oneDNN's, a row alike at every row count)."""
         if mode not in WEIGHT_MODES:
             raise ValueError(f"weights must be one of {WEIGHT_MODES}, got {mode!r}")
         self.device = torch.device(device)
@@ -160,7 +164,8 @@ class WeightPaths:
         self.mode = mode
         self.scratch = TileScratch()
         self.forced_plan = plan
-        self.planner = (PathPlanner(self.kernels, self.scratch, cache if cache else _default_cache())
+        self.planner = (PathPlanner(self.kernels, self.scratch, cache if cache else _default_cache(),
+                                    batch_invariant)
                         if self.kernels is not None and plan is None else None)
 
     @property
@@ -212,11 +217,12 @@ def _default_cache() -> PlanCache | None:
 def load_model(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.float32,
                weights: str = "fp32", progress: bool = True, plan: PathPlan | None = None,
                allow_unused_tensors: bool = False,
-               device_blocks: bool | None = None) -> DecoderModel:
+               device_blocks: bool | None = None, batch_invariant: bool = False) -> DecoderModel:
     """The model of a GGUF file with the weights kept and computed as `weights` says (a file
     with tensors the loader does not read is refused unless `allow_unused_tensors`;
-    device_blocks: WeightPaths')."""
-    paths = WeightPaths(weights, device, plan, device_blocks=device_blocks, dtype=dtype)
+    device_blocks, batch_invariant: WeightPaths')."""
+    paths = WeightPaths(weights, device, plan, device_blocks=device_blocks, dtype=dtype,
+                        batch_invariant=batch_invariant)
     check_weight_types(gguf, paths.mode if paths.kernels is not None else "fp32", str(paths.device))
     loaded = load_weights(gguf, device, dtype, progress, keep_quantized=paths.form,
                           allow_unused_tensors=allow_unused_tensors)
