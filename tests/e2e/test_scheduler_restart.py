@@ -124,9 +124,12 @@ def kill_twice(load: Load) -> None:
         wait_for(lambda: sum(load.events) >= seen + NUM_REQUESTS or all(load.done))
 
 
-def test_kill_9_of_the_scheduler_twice_under_load_loses_nothing():
+@pytest.mark.parametrize("layout", [(), ("--pd", "1:1")], ids=["one worker", "pd"])
+def test_kill_9_of_the_scheduler_twice_under_load_loses_nothing(layout):
+    """One worker, and prefill/decode disaggregation (a prefill and a decode worker sharing
+    the pool: the new scheduler hands the resubmitted prompts over again)."""
     pool = ServedPool("--model", TINY_MODEL, "--pool-blocks", "2048", "--max-seqs", "32",
-                      "--batch-invariant")
+                      "--batch-invariant", *layout)
     try:
         expected = Load(pool).run()
         for result in expected:
@@ -144,6 +147,8 @@ def test_kill_9_of_the_scheduler_twice_under_load_loses_nothing():
         assert health.status_code == 200 and health.json()["scheduler_restarts"] == 2
         assert pool.metrics(["justapi:scheduler_restarts_total"]) == {
             "justapi:scheduler_restarts_total": 2.0}
+        if layout:  # the last scheduler handed the resubmitted requests to the decode worker
+            assert pool.metrics(["justapi:pd_handoffs_total"])["justapi:pd_handoffs_total"] > 0
         log = pool.log()
         assert log.count("starting a new one, the frontend holds the open requests") == 2
         assert "standby scheduler taking over (restart 1)" in log  # the second one: cold
