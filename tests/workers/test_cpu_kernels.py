@@ -411,12 +411,19 @@ def test_the_bf16_products_are_what_this_cpu_measured_faster_recorded_beside_the
     monkeypatch.delenv(cpu_kernels.PRODUCTS_ENV, raising=False)
     monkeypatch.setattr(cpu_kernels, "BusyProbe", QuietProbe)
     kernel = native_kernel()
-    records = list(cpu_kernels.cache_dir().glob("paged_attention-*.products.json"))
     if not kernel.can_pair:
         assert not kernel.bf16_products and kernel.symbol(torch.bfloat16) == "paged_attention_short_bf16"
         return
-    assert len(records) == 1
-    entry = json.loads(records[0].read_text())[str(torch.get_num_threads())]
+    library = cpu_kernels.build("paged_attention")
+    entries = cpu_kernels.read_json(cpu_kernels.products_record(library))
+    if str(torch.get_num_threads()) not in entries:
+        # this session's first measurement was taken on a busy host (or its passes disagreed)
+        # and held for its process only: measure again, quiet, with one pass's times for both
+        timings = cpu_kernels._products_timings(kernel)
+        monkeypatch.setattr(cpu_kernels, "_products_timings", lambda k: timings)
+        kernel = cpu_kernels._paged_attention_kernel(ctypes.CDLL(str(library)))
+    assert cpu_kernels.products_record(library).exists()
+    entry = json.loads(cpu_kernels.products_record(library).read_text())[str(torch.get_num_threads())]
     assert entry["threads"] == torch.get_num_threads() and entry["cpu"] == cpu_kernels.cpu_name()
     assert kernel.bf16_products == (entry["choice"] == "bf16") == \
         (entry["bf16_ms"] <= cpu_kernels.PAIRS_MARGIN * entry["fp32_ms"] + 1e-3)
