@@ -63,6 +63,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_MS = 200
+FAULT_TOKEN_ENV = "JUSTAPI_FAULT_TOKEN"
+"""Fault injection (tests, drills): a step whose plan holds this token id raises, as a kernel
+fault that one request's input trips would (the scheduler then retries the step's other
+requests: justapi/scheduler/retries.py). Unset in production."""
+
+
+def fault_token() -> int | None:
+    value = os.environ.get(FAULT_TOKEN_ENV, "")
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{FAULT_TOKEN_ENV}={value!r} is not a token id") from None
 
 
 def open_pool(spec: ChildSpec, model: DecoderModel, device: str) -> KVPool:
@@ -117,6 +131,7 @@ class Worker:
                                   draft=draft)
         self.graphs = self.runner.graphs = self._step_graphs(backend)  # reads the runner's draft
         self.timeline = self.runner.timeline = Timeline.from_env("worker", spec.index)
+        self.fault_token = fault_token()
         self.copier = BlockCopier(self.pool, spec.index)  # PD: KV hand-offs into our pool
         self.wire = self.link.wire_copies(self.pool, spec.index)  # copies between hosts (Ray)
         self.context = zmq.Context()
@@ -192,6 +207,8 @@ class Worker:
         computed (plan_check.py); a step that fails fails its requests, not the worker."""
         try:
             start = time.perf_counter()
+            if self.fault_token is not None and bool(np.any(plan.token_ids == self.fault_token)):
+                raise RuntimeError(f"injected fault: token {self.fault_token} in step {plan.step_id}")
             result = self.runner.execute(plan)
             return dataclasses.replace(result, step_time_s=time.perf_counter() - start)
         except PlanError as exc:

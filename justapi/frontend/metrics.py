@@ -74,6 +74,9 @@ SCHEDULER_METRICS = (
                "prefix_cache_hit_tokens", is_counter=True),
     StatMetric(PREFIX + "num_preemptions", "Requests preempted (blocks freed, re-queued).",
                "num_preemptions", is_counter=True),
+    StatMetric(PREFIX + "num_step_retries", "Requests of a step the worker failed re-queued "
+               "instead of failed with it (one at a time until the cause fails alone).",
+               "num_step_retries", is_counter=True),
     StatMetric(PREFIX + "num_multi_step_plans", "Plans that ran several decode steps without a "
                "round trip (--decode-steps).", "num_multi_step_plans", is_counter=True),
     StatMetric(PREFIX + "num_long_rope_recomputes", "LongRoPE sequences recomputed with the "

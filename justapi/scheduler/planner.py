@@ -38,6 +38,7 @@ from justapi.scheduler.overlap import can_plan_ahead
 from justapi.scheduler.policy import AdmissionOrder, choose_victim, has_newer_holder
 from justapi.scheduler.priority import PriorityPreemption
 from justapi.scheduler.request import Request, RequestStatus
+from justapi.scheduler.retries import suspect_running
 from justapi.scheduler.state import SchedulerState
 from justapi.scheduler.step_budget import StepBudget, prefill_rank
 from justapi.scheduler.worker_state import WorkerState
@@ -311,6 +312,8 @@ class StepPlanner:
         for req in self.order.candidates(queue, worker.pool_id, self.state.step_id):
             if (len(worker.running) >= min(max_seqs, share) or not batch.has_prefill_room):
                 return
+            if req.is_suspect and suspect_running(self.state):
+                return  # suspects of a failed step run one at a time (retries.py)
             cached = None
             if prefilling and not req.needs_every_position:  # (it takes no cache hits)
                 try:
@@ -381,7 +384,7 @@ class StepPlanner:
     def _admit_static(self, worker: WorkerState, batch: StepBatch) -> None:
         queue = self.state.queues[worker.pool_id]
         for req in self.order.candidates(queue, worker.pool_id, self.state.step_id):
-            if len(worker.running) >= self.config.max_seqs:
+            if len(worker.running) >= self.config.max_seqs or (req.is_suspect and suspect_running(self.state)):
                 return
             try:
                 hit = self.kv.match_prefix(req)

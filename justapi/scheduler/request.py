@@ -51,7 +51,7 @@ class Request:
                  "is_in_flight", "is_abort_pending", "finish_reason", "num_preemptions",
                  "queue_entry", "enqueued_step", "draft_parents", "spec_acceptance",
                  "spec_idle_steps", "spec_propose", "last_step_id", "waits_for_token",
-                 "grammar", "num_jumped", "pooling", "uses_long_rope")
+                 "grammar", "num_jumped", "pooling", "uses_long_rope", "is_suspect", "retry_pending")
 
     def __init__(self, request_id: str, sampling: SamplingParams, prompt_token_ids: array.array,
                  seq: int, priority: int = 0) -> None:
@@ -83,6 +83,8 @@ class Request:
         self.is_abort_pending = False  # aborted while in flight: finish when the result returns
         self.finish_reason = ""
         self.num_preemptions = 0
+        self.is_suspect = False  # retried after a failed step, no token sampled since (retries.py)
+        self.retry_pending = False  # to be re-queued when the later step computing it lands
         self.queue_entry: list | None = None  # its live entry in a WaitingQueue heap
         self.enqueued_step = 0
         # Speculative decoding (justapi/scheduler/spec/speculation.py): the drafts' token tree

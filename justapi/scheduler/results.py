@@ -18,6 +18,7 @@ import logging
 
 import numpy as np
 
+from justapi.scheduler import retries
 from justapi.scheduler.deltas import DeltaBuilder
 from justapi.scheduler.overlap import finish_or_hold, land, later_step
 from justapi.scheduler.request import Request
@@ -84,11 +85,17 @@ class ResultApplier:
         return ""
 
     def _fail_step(self, step: InFlightStep, error: str, deltas: DeltaBuilder) -> None:
+        """The worker failed the step: its requests are retried or fail (retries.py)."""
+        retrying = retries.retries_in(step.reqs)
         for req in step.reqs:
             if req.is_finishing:
                 self._drop(req)
             elif req.is_abort_pending:
                 self._finish(req, FINISH_ABORT, [], deltas)
+            elif req.retry_pending:
+                retries.landed(self.state, req)
+            elif retrying and retries.may_retry(req):
+                retries.retry(self.state, req)
             else:
                 self.state.counters.num_errors += 1
                 finish_or_hold(self.state, req, FINISH_ERROR)
@@ -129,6 +136,8 @@ class ResultApplier:
                     self._drop(req)
                 elif req.is_abort_pending:
                     self._finish(req, FINISH_ABORT, [], deltas)
+                elif req.retry_pending:  # its earlier step failed: this one's token is not its
+                    retries.landed(self.state, req)
                 elif count == 1 and num_drafts == 0 and not req.draft_token_ids and req.grammar is None:
                     # The hot path (decode, or a prompt's last chunk): one token, _append inlined.
                     token = sampled[position]
@@ -148,6 +157,8 @@ class ResultApplier:
                     self._extend(req, sampled[position:position + count], deltas, position)
                 else:
                     self._accept(req, num_drafts, sampled[position:position + count], deltas, position)
+                if req.is_suspect and not req.retry_pending:
+                    req.is_suspect = False  # it sampled a token: not the failure's cause
                 if proposals is not None and index in proposals and not req.is_finished:
                     assert self.state.spec is not None, "a worker proposed drafts with speculation off"
                     self.state.spec.record_proposal(req, *proposals[index])
@@ -163,6 +174,8 @@ class ResultApplier:
             self._drop(req)
         elif req.is_abort_pending:
             self._finish(req, FINISH_ABORT, [], deltas)
+        elif req.retry_pending:
+            retries.landed(self.state, req)
         else:
             self._cache(req, end)
             if req.pooling and end >= req.num_prompt_tokens:

@@ -48,6 +48,7 @@ class Counters:
     num_aborted: int = 0
     num_errors: int = 0
     num_preemptions: int = 0
+    num_step_retries: int = 0  # requests of a failed worker step re-queued instead of failed
     num_long_rope_recomputes: int = 0  # LongRoPE: sequences recomputed with the long table
     num_multi_step_plans: int = 0  # plans of several decode steps (multi-step decoding)
     num_steps: int = 0
