@@ -85,19 +85,19 @@ class PathPlanner:
                                                               *sorted(SOURCE_DIR.glob("*.h"))])
 
     def plan_for(self, matrix: BlockMatrix) -> PathPlan:
-        memo = (matrix.type_name, matrix.shape)
+        memo = (_form_name(matrix), matrix.shape)
         if memo not in self.plans:
             self.plans[memo] = self._settled(matrix)
         return self.plans[memo]
 
     def _settled(self, matrix: BlockMatrix) -> PathPlan:
-        key = PlanCache.key(cpu_id(), self._source, matrix.type_name, matrix.shape, self.paths)
+        key = PlanCache.key(cpu_id(), self._source, _form_name(matrix), matrix.shape, self.paths)
         record = self.cache.get(key) if self.cache else None
         probe = BusyProbe().start()
         probe_linear = BlockLinear(matrix, self.kernels, PathPlan.only("dense"), self.scratch)
         settled = settle_plan(record.plan if record else None, PathTimer(probe_linear.run, matrix.shape[1], self.paths))
         busy = probe.share()
-        what = f"weights {matrix.type_name} {matrix.shape[0]}x{matrix.shape[1]}"
+        what = f"weights {_form_name(matrix)} {matrix.shape[0]}x{matrix.shape[1]}"
         if settled.how == "checked":
             logger.info("%s: %s (cached; checked at %s rows)", what, settled.plan.describe(),
                         " and ".join(map(str, CHECK_ROWS)))
@@ -113,6 +113,11 @@ class PathPlanner:
                     settled.how, " the cached plan, which lost its check" if settled.how == "replaced" else "",
                     busy * 100, "" if kept else ": for this run only")
         return settled.plan
+
+
+def _form_name(matrix: BlockMatrix) -> str:
+    """The type's name, marked where the blocks are packed (their own plans: other kernels)."""
+    return f"{matrix.type_name} packed" if matrix.packed else matrix.type_name
 
 
 class WeightPaths:
@@ -191,6 +196,7 @@ class WeightPaths:
 
             return DeviceBlockLinear(weight, self.scratch_device, self.compute_dtype)
         if isinstance(weight, BlockMatrix) and self.kernels is not None:
+            weight = self.kernels.pack(weight)  # Q4_K / Q6_K: rows interleaved by 8 (kquant_packed.h)
             plan = self.forced_plan or self.planner.plan_for(weight)  # type: ignore[union-attr]
             return BlockLinear(weight, self.kernels, plan, self.scratch)
         return Linear(weight, torch.bfloat16 if self.mode == "bf16" else None)

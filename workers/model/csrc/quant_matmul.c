@@ -472,11 +472,76 @@ INLINE void tile_i8_direct(int type, const uint8_t *w, int64_t row_bytes, int64_
 #else
 #define HAS_DIRECT 0
 #endif
+#include "kquant_packed.h"
+
+/* The packed matrix's tile rows check: a packable type, whole tiles, whole superblocks. */
+static int p8_check(int type, int64_t n, int64_t k) {
+    if (!packable(type)) return BAD_TYPE;
+    return n % P8 == 0 && k % 256 == 0 ? OK : BAD_SHAPE;
+}
+
+/* Rearrange an n x k matrix of `type` (Q4_K, Q6_K) into the packed layout, in place; its
+ * kernels then take `type | PACK8`. */
+int quant_pack8(int type, uint8_t *w, int64_t n, int64_t k, int num_threads) {
+    const int bad = p8_check(type, n, k);
+    if (bad) return bad;
+    const int64_t row_bytes = k / 256 * layout_of(type).bytes;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        uint8_t *rows = malloc((size_t)(P8 * row_bytes));
+        if (!rows) failed = 1;
+        #pragma omp barrier
+        if (!failed) {
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < n / P8; t++) {
+                memcpy(rows, w + t * P8 * row_bytes, (size_t)(P8 * row_bytes));
+                p8_tile(type, rows, row_bytes, w + t * P8 * row_bytes, k / 256, 0);
+            }
+        }
+        free(rows);
+    }
+    return failed ? NO_MEMORY : OK;
+}
+
+#if HAS_DIRECT
+/* quant_matmul_i8 on a packed matrix: every row count straight from the tiles. */
+static int matmul_p8(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m, float *y,
+                     int num_threads) {
+    const int bad = p8_check(type, n, k);
+    if (bad) return bad;
+    const int64_t row_bytes = k / 256 * layout_of(type).bytes, tiles = n / P8, grain = tile_grain(tiles, num_threads);
+    qx xq = qx_new(m, k, 0);
+    if (!qx_ok(&xq, 0)) {
+        qx_free(&xq);
+        return NO_MEMORY;
+    }
+    #pragma omp parallel num_threads(num_threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++) quantize_x_row(x, k, r, &xq);
+        #pragma omp for schedule(dynamic, grain)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (type == Q4_K) tile_p8_rows(Q4_K, w, row_bytes, k, t, &xq, m, y, n);
+            else tile_p8_rows(Q6_K, w, row_bytes, k, t, &xq, m, y, n);
+        }
+    }
+    qx_free(&xq);
+    return OK;
+}
+#endif
 
 /* quant_matmul with x rounded to 8 bits per 32 values (llama.cpp's Q8_0 activations): integer
  * dot products, about 4x fewer instructions per weight than decoding to fp32. */
 int quant_matmul_i8(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
                     float *y, int num_threads) {
+    if (type & PACK8) {
+#if HAS_DIRECT
+        return matmul_p8(type & ~PACK8, w, n, k, x, m, y, num_threads);
+#else
+        return BAD_TYPE;
+#endif
+    }
     const int chunk = chunk_of(type, k);
     if (chunk < 0) return chunk;
     const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
@@ -859,7 +924,7 @@ INLINE void zpanel_dot(int type, const zcoded *w, int piece, const qx_zpanels *x
     }
 }
 
-INLINE void tile_zpanels(int type, int chunk, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n0,
+INLINE void tile_zpanels(int type, int chunk, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n0,  /* w: row n0 */
                          int num_rows, const qx_zpanels *x, int64_t p0, int num_panels, int64_t m,
                          float *y, int64_t n) {
     zcoded rows[ZROWS] __attribute__((aligned(64)));
@@ -874,7 +939,7 @@ INLINE void tile_zpanels(int type, int chunk, const uint8_t *w, int64_t row_byte
     for (int64_t k0 = 0; k0 < k; k0 += most) {
         const int piece = k - k0 < most ? (int)(k - k0) : most;
         for (int r = 0; r < num_rows; r++) {
-            code_piece(type, w + (n0 + r) * row_bytes, k0, piece, chunk, &rows[r].w);
+            code_piece(type, w + r * row_bytes, k0, piece, chunk, &rows[r].w);
             code_bias(piece, rows + r);
         }
         for (int p = 0; p < num_panels; p++) zpanel_dot(type, rows, piece, x, k, k0, p0 + p, tot[p], off[p]);
@@ -892,9 +957,10 @@ INLINE void tile_zpanels(int type, int chunk, const uint8_t *w, int64_t row_byte
     }
 }
 
-/* quant_matmul_i8_panels by panels of 16 rows (its bits). */
+/* quant_matmul_i8_panels by panels of 16 rows (its bits); `packed`: w in the packed layout,
+ * each tile read back into the file's (p8_unpack) before it is coded. */
 static int matmul_zpanels(int type, int chunk, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
-                          float *y, int num_threads) {
+                          float *y, int num_threads, int packed) {
     const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
     const int64_t num_tiles = (n + ZROWS - 1) / ZROWS, panels = (m + ZPANEL - 1) / ZPANEL;
     const int64_t grain = tile_grain(num_tiles, num_threads);
@@ -905,28 +971,37 @@ static int matmul_zpanels(int type, int chunk, const uint8_t *w, int64_t n, int6
         qx_free(&xq), free(xp.q), free(xp.d), free(xp.sums);
         return NO_MEMORY;
     }
+    int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
+        uint8_t *unpacked = packed ? malloc((size_t)(ZROWS * row_bytes)) : NULL;
+        if (packed && !unpacked) failed = 1;
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++) quantize_x_row(x, k, r, &xq);
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) interleave_zpanel(&xq, m, k, p, &xp);
-        for (int64_t p0 = 0; p0 < panels; p0 += MAX_ZPANELS) {  /* passes: as quant_matmul_i8_panels */
+        for (int64_t p0 = 0; p0 < panels && !failed; p0 += MAX_ZPANELS) {  /* passes: as quant_matmul_i8_panels */
             const int num_panels = panels - p0 < MAX_ZPANELS ? (int)(panels - p0) : MAX_ZPANELS;
             #pragma omp for schedule(dynamic, grain)
             for (int64_t t = 0; t < num_tiles; t++) {
                 const int64_t n0 = t * ZROWS;
                 const int rows = n - n0 < ZROWS ? (int)(n - n0) : ZROWS;
-#define TILE(T) tile_zpanels(T, chunk, w, row_bytes, k, n0, rows, &xp, p0, num_panels, m, y, n)
+                const uint8_t *tile = w + n0 * row_bytes;
+                if (packed) p8_unpack(type, w, row_bytes, t, unpacked), tile = unpacked;  /* ZROWS == P8 */
+#define TILE(T) tile_zpanels(T, chunk, tile, row_bytes, k, n0, rows, &xp, p0, num_panels, m, y, n)
                 SWITCH_TYPE(type, TILE)
 #undef TILE
             }
         }
+        free(unpacked);
     }
     qx_free(&xq), free(xp.q), free(xp.d), free(xp.sums);
-    return OK;
+    return failed ? NO_MEMORY : OK;
 }
 #endif
+
+/* Whether the matmuls read the packed layout on this build (quant_pack8 packs on any). */
+int quant_has_packed(void) { return HAS_DIRECT; }
 
 /* Whether quant_matmul_i8_panels runs on this build (it needs AVX2). */
 int quant_has_panels(void) {
@@ -941,10 +1016,18 @@ int quant_has_panels(void) {
 int quant_matmul_i8_panels(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
                            float *y, int num_threads) {
 #if defined(__AVX2__)
+    if (type & PACK8) {  /* packed: 16-row panels from 9 rows where built, else the packed tiles */
+#if defined(HAS_ZPANELS)
+        const int bad = p8_check(type & ~PACK8, n, k);
+        if (bad) return bad;
+        if (m > PANEL) return matmul_zpanels(type & ~PACK8, 256, w, n, k, x, m, y, num_threads, 1);
+#endif
+        return quant_matmul_i8(type, w, n, k, x, m, y, num_threads);
+    }
     const int chunk = chunk_of(type, k);
     if (chunk < 0) return chunk;
 #if defined(HAS_ZPANELS)
-    if (m > PANEL) return matmul_zpanels(type, chunk, w, n, k, x, m, y, num_threads);  /* up to 8 rows: one 8-row panel */
+    if (m > PANEL) return matmul_zpanels(type, chunk, w, n, k, x, m, y, num_threads, 0);  /* up to 8 rows: one 8-row panel */
 #endif
     const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
     const int64_t num_tiles = (n + ROWS - 1) / ROWS, panels = (m + PANEL - 1) / PANEL;
@@ -1007,9 +1090,40 @@ INLINE void dequantize_row(int type, int chunk, const uint8_t *row, int64_t k, f
     }
 }
 
+/* quant_dequantize of a packed matrix (rows: whole tiles), each tile read back into the file's
+ * layout first. */
+static int dequantize_p8(int type, const uint8_t *w, int64_t rows, int64_t k, void *out, int is_bf16,
+                         int num_threads) {
+    const int bad = p8_check(type, rows, k);
+    if (bad) return bad;
+    const int64_t row_bytes = k / 256 * layout_of(type).bytes;
+    int failed = 0;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        uint8_t *tile = malloc((size_t)(P8 * row_bytes));
+        if (!tile) failed = 1;
+        #pragma omp barrier
+        if (!failed) {
+            #pragma omp for schedule(static)
+            for (int64_t t = 0; t < rows / P8; t++) {
+                p8_unpack(type, w, row_bytes, t, tile);
+                for (int64_t r = t * P8; r < (t + 1) * P8; r++) {
+                    const uint8_t *row = tile + (r - t * P8) * row_bytes;
+#define ROW(T) dequantize_row(T, 256, row, k, is_bf16 ? NULL : (float *)out + r * k, is_bf16 ? (uint16_t *)out + r * k : NULL)
+                    if (type == Q4_K) ROW(Q4_K); else ROW(Q6_K);
+#undef ROW
+                }
+            }
+        }
+        free(tile);
+    }
+    return failed ? NO_MEMORY : OK;
+}
+
 /* out [rows, k] (fp32, or bf16 if is_bf16) = the rows' values. */
 int quant_dequantize(int type, const uint8_t *w, int64_t rows, int64_t k, void *out, int is_bf16,
                      int num_threads) {
+    if (type & PACK8) return dequantize_p8(type & ~PACK8, w, rows, k, out, is_bf16, num_threads);
     const int chunk = chunk_of(type, k);
     if (chunk < 0) return chunk;
     const int64_t row_bytes = k / layout_of(type).elems * layout_of(type).bytes;
