@@ -96,3 +96,18 @@ def test_types_and_shapes_without_a_packed_layout_stay_as_they_are():
     view = matrices(Q.Q4_K, 16, 256, seed=28)[0]
     half = type(view)(view.raw[:8], view.qtype, view.in_features)  # a view of a larger tensor: not copied
     assert kernels.pack(half) is half
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["dense", "dense_bf16"])
+def test_the_dense_tiles_of_a_packed_matrix_are_the_file_layouts(dtype):
+    """Large steps expand tiles of rows into the scratch (whole tiles of 8: ROW_MULTIPLE) and
+    multiply densely: a packed matrix gives the same bits, split into several tiles too."""
+    from workers.weights.block_linear import BlockLinear, TileScratch
+    from workers.weights.path_plan import PathPlan
+
+    plain, packed, _ = matrices(Q.Q6_K, 48, 512, seed=29)
+    x = x_rows(5, 512, seed=30)
+    path = "dense" if dtype == torch.float32 else "dense_bf16"
+    runs = [BlockLinear(m, block_kernels(), PathPlan.only(path), TileScratch(16 * 512 * 4)).run(path, x)
+            for m in (plain, packed)]
+    assert torch.equal(runs[0], runs[1])
