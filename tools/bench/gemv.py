@@ -46,13 +46,13 @@ def harness(llama_build: Path) -> Path:
 
 
 def run_type(program: Path, ours: Path, type_name: str, shape: tuple[int, int], threads: int, rounds: int,
-             copies: int, rows: int = 1) -> dict[str, tuple[float, float]]:
+             copies: int, rows: int = 1, panels: bool = False) -> dict[str, tuple[float, float]]:
     """{side: (best GB/s, median GB/s)} for one type, 'diff <side>' lines as (diff, 0), and
     'same_bits' (1.0 where the packed kernel gave the plain one's bits)."""
     n, k = shape
     repack = int(type_name in REPACKED and n % 8 == 0)
     done = subprocess.run([str(program), str(ours), str(TYPES[type_name]), str(n), str(k), str(threads),
-                           str(rounds), str(copies), str(repack), str(rows)], capture_output=True, text=True, check=True)
+                           str(rounds), str(copies), str(repack), str(rows), str(int(panels))], capture_output=True, text=True, check=True)
     out: dict[str, tuple[float, float]] = {}
     for line in done.stdout.splitlines():
         parts = line.split()
@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", default="8192x2048", help="out x in features (a 1B model's gate/up)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, default=1, help="rows of x per call (16: a 16-stream decode step)")
+    parser.add_argument("--panels", action="store_true", help="ours through the int8 panels (steps of many rows)")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--stream-mib", type=int, default=96,
                         help="copies of the matrix to cycle through: at least this many MiB (past the caches)")
@@ -84,12 +85,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{'AVX2 only' if args.avx2 else '-march=native'}, ggml from {args.llama_build}; "
           f"load average {os.getloadavg()[0]:.1f}; GB/s of weights, best / median of {args.rounds} rounds in turns")
     print(f"{'type':<5} | {'justapi':>15} | {'justapi packed':>15} | {'ggml':>15} | {'ggml repacked':>15} | "
-          f"justapi (best of its sides) / ggml's best (medians); {args.rows} rows of x")
+          f"justapi (best of its sides) / ggml's best (medians); {args.rows} rows of x"
+          f"{', ours by the int8 panels' if args.panels else ''}")
     for type_name in args.types.split(","):
         bytes_per_copy = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}.get(type_name, 0) * n * k // 32 or \
             {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[type_name] * n * k // 256
         copies = max(2, min(256, -(-(args.stream_mib << 20) // bytes_per_copy)))
-        sides = run_type(program, ours, type_name, (n, k), args.threads, args.rounds, copies, args.rows)
+        sides = run_type(program, ours, type_name, (n, k), args.threads, args.rounds, copies, args.rows, args.panels)
         best_ggml = max(v[1] for name, v in sides.items() if name.startswith("ggml"))
         best_ours = max(v[1] for name, v in sides.items() if name.startswith("justapi"))
         cells = [f"{sides[s][0]:6.2f} / {sides[s][1]:6.2f}" if s in sides else f"{'-':>15}"

@@ -1,7 +1,7 @@
 /* One-row matmuls from GGUF blocks: justapi's block kernel against llama.cpp's ggml, in turns,
  * in one process (built and run by tools/bench/gemv.py; never part of the product).
  *
- * usage: ggml_gemv OURS.so TYPE N K THREADS ROUNDS COPIES REPACK [ROWS]
+ * usage: ggml_gemv OURS.so TYPE N K THREADS ROUNDS COPIES REPACK [ROWS [PANELS]]
  * Both sides read the same quantized bytes (made by ggml_quantize_chunk): COPIES copies of an
  * N x K matrix of ggml type TYPE, together larger than the last-level cache, so every call
  * streams its weights from memory as a decode step does. Each round times one pass over the
@@ -10,7 +10,8 @@
  * in on AVX2 CPUs: the caller says where that applies, since the buffer aborts on a type it has
  * no layout for), the sides' order rotating each round. Prints one line per side:
  * "name best_GBps median_GBps", then the largest relative difference between the outputs.
- * ROWS (default 1): rows of x per call on every side. Where our library packs the type
+ * ROWS (default 1): rows of x per call on every side; PANELS 1: ours through
+ * quant_matmul_i8_panels (the path of steps of many rows) instead of quant_matmul_i8. Where our library packs the type
  * (quant_pack8: Q4_K, Q6_K), a side "justapi_packed" times our kernel on packed copies too.
  */
 #include <dlfcn.h>
@@ -77,20 +78,21 @@ static int side_init(ggml_side *s, const char *name, ggml_backend_t backend, ggm
 }
 
 int main(int argc, char **argv) {
-    if (argc != 9 && argc != 10) {
-        fprintf(stderr, "usage: %s OURS.so TYPE N K THREADS ROUNDS COPIES REPACK [ROWS]\n", argv[0]);
+    if (argc < 9 || argc > 11) {
+        fprintf(stderr, "usage: %s OURS.so TYPE N K THREADS ROUNDS COPIES REPACK [ROWS [PANELS]]\n", argv[0]);
         return 2;
     }
     void *lib = dlopen(argv[1], RTLD_NOW);
-    ours_fn ours = lib ? (ours_fn)dlsym(lib, "quant_matmul_i8") : NULL;
+    const char *symbol = argc == 11 && atoi(argv[10]) ? "quant_matmul_i8_panels" : "quant_matmul_i8";
+    ours_fn ours = lib ? (ours_fn)dlsym(lib, symbol) : NULL;
     if (!ours) {
-        fprintf(stderr, "cannot load quant_matmul_i8 from %s: %s\n", argv[1], dlerror());
+        fprintf(stderr, "cannot load %s from %s: %s\n", symbol, argv[1], dlerror());
         return 1;
     }
     const enum ggml_type type = (enum ggml_type)atoi(argv[2]);
     const int64_t n = atoll(argv[3]), k = atoll(argv[4]);
     const int threads = atoi(argv[5]), rounds = atoi(argv[6]), copies = atoi(argv[7]), repack = atoi(argv[8]);
-    if (argc == 10) x_rows = atoll(argv[9]);
+    if (argc >= 10) x_rows = atoll(argv[9]);
     if (copies < 1 || copies > MAX_COPIES || rounds < 1 || x_rows < 1) return 2;
     /* one thread: both sides run on this thread, so its CPU time leaves out the time other
      * processes held the core (a shared host), though not their effect on caches and memory */

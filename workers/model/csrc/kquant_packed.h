@@ -111,6 +111,29 @@ INLINE void p8_group(int type, const kq_state *st, int64_t s, int g, __m256i lo,
     o[(2 * g + 1) % 4] = _mm256_fmadd_ps(off1, _mm256_set1_ps(xs[h + 1]), o[(2 * g + 1) % 4]);
 }
 
+/* Q6_K: the 8 rows' exact sums of groups 4 half + j (acc[i][j], x row i) over their first
+ * (part 0) or second (part 1) 16 values; x0: x's offset of the superblock. */
+INLINE void p6_sums(const uint8_t *codes, int half, int part, const int8_t *const *xq, int64_t x0, int nx,
+                    __m256i acc[][4]) {
+    for (int i = 0; i < nx; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int c = 4 * part; c < 4 * part + 4; c++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q6_K, 2 * half, c)));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q6_K, 2 * half + 1, c)));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q6_K, 4 + half, c)));
+        __m256i cv[4];
+        cv[0] = _mm256_or_si256(byte_bits(l0, 0, 15), byte_bits(h, 4, 0x30));
+        cv[1] = _mm256_or_si256(byte_bits(l1, 0, 15), byte_bits(h, 2, 0x30));
+        cv[2] = _mm256_or_si256(byte_bits(l0, -4, 15), byte_bits(h, 0, 0x30));
+        cv[3] = _mm256_or_si256(byte_bits(l1, -4, 15), byte_bits(h, -2, 0x30));
+        for (int i = 0; i < nx; i++)
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[i][j] = p8_dot(acc[i][j], cv[j], xq[i] + x0 + 32 * (4 * half + j) + 4 * c);
+    }
+}
+
 #define P8_MAX_X 4  /* rows of x a tile takes at a time (Q4_K: 8 accumulators; Q6_K: 2 rows, 16) */
 
 /* Rows [a, a + nx) of y at columns [n0, n0 + 8) from packed tile `tile` (k / 256 superblocks). */
@@ -157,29 +180,14 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
             }
         } else {
             for (int half = 0; half < 2; half++) {  /* groups 4 half + j: ql blocks 2 half, 2 half + 1; qh block half */
-                __m256i acc[2][2][4];  /* [x row][first or second 16 values][group] */
+                __m256i lo[2][4], hi[2][4];  /* [x row][group]: the first 16 values' sums, the second's */
+                p6_sums(codes, half, 0, xq, 256 * s, nx, lo);
+                p6_sums(codes, half, 1, xq, 256 * s, nx, hi);
                 for (int i = 0; i < nx; i++)
-                    for (int j = 0; j < 4; j++) acc[i][0][j] = acc[i][1][j] = _mm256_setzero_si256();
-                for (int part = 0; part < 2; part++)
 #pragma GCC unroll 4
-                    for (int c = 4 * part; c < 4 * part + 4; c++) {
-                        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q6_K, 2 * half, c)));
-                        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q6_K, 2 * half + 1, c)));
-                        const __m256i h = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q6_K, 4 + half, c)));
-                        __m256i cv[4];
-                        cv[0] = _mm256_or_si256(byte_bits(l0, 0, 15), byte_bits(h, 4, 0x30));
-                        cv[1] = _mm256_or_si256(byte_bits(l1, 0, 15), byte_bits(h, 2, 0x30));
-                        cv[2] = _mm256_or_si256(byte_bits(l0, -4, 15), byte_bits(h, 0, 0x30));
-                        cv[3] = _mm256_or_si256(byte_bits(l1, -4, 15), byte_bits(h, -2, 0x30));
-                        for (int i = 0; i < nx; i++)
-#pragma GCC unroll 4
-                            for (int j = 0; j < 4; j++)
-                                acc[i][part][j] = p8_dot(acc[i][part][j], cv[j], xq[i] + 256 * s + 32 * (4 * half + j) + 4 * c);
-                    }
-                for (int i = 0; i < nx; i++)
                     for (int j = 0; j < 4; j++) {
                         const int g = 4 * half + j;
-                        p8_group(type, &st, s, g, acc[i][0][j], acc[i][1][j], xd[i][8 * s + g], xs[i], &t[i], o[i]);
+                        p8_group(type, &st, s, g, lo[i][j], hi[i][j], xd[i][8 * s + g], xs[i], &t[i], o[i]);
                     }
             }
         }
