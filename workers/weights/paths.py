@@ -105,7 +105,7 @@ class PathPlanner:
         self.measured += 1
         kept = self.cache is not None and busy <= QUIET_SHARE
         if self.cache is not None and kept:
-            self.cache.put(key, PlanRecord(settled.plan, matrix.type_name, matrix.shape, torch.get_num_threads(),
+            self.cache.put(key, PlanRecord(settled.plan, _form_name(matrix), matrix.shape, torch.get_num_threads(),
                                            cpu_name(), time.time(), busy))
         elif self.cache is not None and record is not None:
             self.cache.drop(key)  # it lost its check: the next start measures afresh

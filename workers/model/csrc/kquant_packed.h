@@ -30,9 +30,7 @@
 
 #define PACK8 0x100  /* type | PACK8: the type's blocks in the packed layout */
 #define P8 8         /* rows per tile */
-#ifndef P8_AHEAD
-#define P8_AHEAD 0
-#endif
+
 
 static int packable(int type) { return type == Q4_K || type == Q6_K; }
 
@@ -92,23 +90,27 @@ INLINE __m256i p8_dot(__m256i acc, __m256i codes, const int8_t *x4) {
 #endif
 }
 
-/* tile_kq_direct's float pass for group g of superblock s: lo its exact sums (Q6_K: the first
- * 16 values', hi the second's), lane r weight row r. */
-INLINE void p8_group(int type, const kq_state *st, int64_t s, int g, __m256i lo, __m256i hi, float xd,
+/* Group g's scales and offsets (both halves; Q4_K's halves share them), for every row of x. */
+typedef struct { __m256 sc0, off0, sc1, off1; } p8_scales;
+
+INLINE p8_scales p8_group_scales(int type, const kq_state *st, int g) {
+    p8_scales f;
+    f.sc0 = kq_half(type, st, 2 * g, &f.off0);
+    if (type == Q6_K) f.sc1 = kq_half(type, st, 2 * g + 1, &f.off1);
+    else f.sc1 = f.sc0, f.off1 = f.off0;
+    return f;
+}
+
+/* tile_kq_direct's float pass for group g of superblock s and one row of x: lo its exact sums
+ * (Q6_K: the first 16 values', hi the second's), lane r weight row r. */
+INLINE void p8_group(int type, const p8_scales *f, int64_t s, int g, __m256i lo, __m256i hi, float xd,
                      const float *xs, __m256 *t, __m256 *o) {
     const __m256 xdv = _mm256_set1_ps(xd);
-    __m256 off0, off1;
-    const __m256 sc0 = kq_half(type, st, 2 * g, &off0);
-    *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(sc0, xdv), *t);
-    if (type == Q6_K) {
-        const __m256 sc1 = kq_half(type, st, 2 * g + 1, &off1);
-        *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(sc1, xdv), *t);
-    } else {
-        off1 = off0;
-    }
+    *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(f->sc0, xdv), *t);
+    if (type == Q6_K) *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(f->sc1, xdv), *t);
     const int64_t h = 16 * s + 2 * g;
-    o[(2 * g) % 4] = _mm256_fmadd_ps(off0, _mm256_set1_ps(xs[h]), o[(2 * g) % 4]);
-    o[(2 * g + 1) % 4] = _mm256_fmadd_ps(off1, _mm256_set1_ps(xs[h + 1]), o[(2 * g + 1) % 4]);
+    o[(2 * g) % 4] = _mm256_fmadd_ps(f->off0, _mm256_set1_ps(xs[h]), o[(2 * g) % 4]);
+    o[(2 * g + 1) % 4] = _mm256_fmadd_ps(f->off1, _mm256_set1_ps(xs[h + 1]), o[(2 * g + 1) % 4]);
 }
 
 /* Q6_K: the 8 rows' exact sums of groups 4 half + j (acc[i][j], x row i) over their first
@@ -151,10 +153,6 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
     }
     for (int64_t s = 0; s < blocks; s++) {
         const uint8_t *sp = tile + s * P8 * bytes, *head[P8];
-#if P8_AHEAD
-        if (a == 0)
-            for (int l = 0; l < P8 * bytes; l += 64) _mm_prefetch((const char *)sp + P8_AHEAD + l, _MM_HINT_T0);
-#endif
         for (int r = 0; r < P8; r++)  /* kq_load reads the header at its place in the file's superblock */
             head[r] = sp + p8_head_at(type, r) - (type == Q4_K ? 0 : 192);
         const kq_state st = kq_load(type, head);
@@ -173,9 +171,10 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
                         acc[i][1] = p8_dot(acc[i][1], hi, q + 32);
                     }
                 }
+                const p8_scales f0 = p8_group_scales(type, &st, 2 * p), f1 = p8_group_scales(type, &st, 2 * p + 1);
                 for (int i = 0; i < nx; i++) {
-                    p8_group(type, &st, s, 2 * p, acc[i][0], acc[i][0], xd[i][8 * s + 2 * p], xs[i], &t[i], o[i]);
-                    p8_group(type, &st, s, 2 * p + 1, acc[i][1], acc[i][1], xd[i][8 * s + 2 * p + 1], xs[i], &t[i], o[i]);
+                    p8_group(type, &f0, s, 2 * p, acc[i][0], acc[i][0], xd[i][8 * s + 2 * p], xs[i], &t[i], o[i]);
+                    p8_group(type, &f1, s, 2 * p + 1, acc[i][1], acc[i][1], xd[i][8 * s + 2 * p + 1], xs[i], &t[i], o[i]);
                 }
             }
         } else {
@@ -183,12 +182,13 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
                 __m256i lo[2][4], hi[2][4];  /* [x row][group]: the first 16 values' sums, the second's */
                 p6_sums(codes, half, 0, xq, 256 * s, nx, lo);
                 p6_sums(codes, half, 1, xq, 256 * s, nx, hi);
-                for (int i = 0; i < nx; i++)
 #pragma GCC unroll 4
-                    for (int j = 0; j < 4; j++) {
-                        const int g = 4 * half + j;
-                        p8_group(type, &st, s, g, lo[i][j], hi[i][j], xd[i][8 * s + g], xs[i], &t[i], o[i]);
-                    }
+                for (int j = 0; j < 4; j++) {
+                    const int g = 4 * half + j;
+                    const p8_scales f = p8_group_scales(type, &st, g);
+                    for (int i = 0; i < nx; i++)
+                        p8_group(type, &f, s, g, lo[i][j], hi[i][j], xd[i][8 * s + g], xs[i], &t[i], o[i]);
+                }
             }
         }
     }
