@@ -53,6 +53,8 @@ from workers.weights.quant_blocks import Matrix, QuantMatrix, is_quantizable, pl
 from workers.weights.quant_linear import Int4Linear, require_int4_kernel
 
 logger = logging.getLogger(__name__)
+PACK_ENV = "JUSTAPI_PACK_BLOCKS"
+"""0: keep Q4_K / Q6_K matrices in the file's layout under auto (benchmarks compare the two)."""
 
 
 def has_hardware_bf16() -> bool:
@@ -164,6 +166,8 @@ class WeightPaths:
             mode = "fp32"  # the GPU forward computes in bf16 already
         self.mode = mode
         self.scratch = TileScratch()
+        self.packed = 0
+        """Matrices packed (a copy each: the file's layout is freed with the loader's weights)."""
         self.forced_plan = plan
         self.planner = (PathPlanner(self.kernels, self.scratch, cache if cache else _default_cache())
                         if self.kernels is not None and plan is None else None)
@@ -196,7 +200,10 @@ class WeightPaths:
 
             return DeviceBlockLinear(weight, self.scratch_device, self.compute_dtype)
         if isinstance(weight, BlockMatrix) and self.kernels is not None:
-            weight = self.kernels.pack(weight)  # Q4_K / Q6_K: rows interleaved by 8 (kquant_packed.h)
+            if os.environ.get(PACK_ENV, "1") != "0":
+                packed = self.kernels.pack(weight)  # Q4_K / Q6_K: rows interleaved by 8 (kquant_packed.h)
+                self.packed += packed is not weight
+                weight = packed
             plan = self.forced_plan or self.planner.plan_for(weight)  # type: ignore[union-attr]
             return BlockLinear(weight, self.kernels, plan, self.scratch)
         return Linear(weight, torch.bfloat16 if self.mode == "bf16" else None)
@@ -227,8 +234,9 @@ def load_model(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.f
     loaded = load_weights(gguf, device, dtype, progress, keep_quantized=paths.form,
                           allow_unused_tensors=allow_unused_tensors)
     model = DecoderModel(loaded, paths)
+    del loaded  # the file's layout of every matrix the model keeps packed
     model.layer_chain = LayerChain.of(model)
-    if paths.planner is not None and paths.planner.measured:
-        release_freed_memory()  # what the plans were timed with
+    if paths.packed or (paths.planner is not None and paths.planner.measured):
+        release_freed_memory()  # what the plans were timed with, the blocks packed copies replaced
     return model
 
