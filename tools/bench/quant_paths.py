@@ -110,7 +110,8 @@ def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2,
     print(f"\none decode step's matmuls ({len(linears)} of them, {weight_mib:.0f} MiB of blocks), "
           f"median ms in turns (types: {sorted({lin.matrix.type_name for lin in linears})})")
     coded = BlockKernels(ctypes.CDLL(str(build("quant_matmul", ("-DDIRECT_ROWS=0",)))))
-    names = (["int8"] + (["int8 file layout"] if plain else []) + ["int8 coded", "int8_panels", "tile", "dense fp32 copy"]
+    names = (["int8"] + (["int8 file layout"] if plain else []) + ["int8 coded", "int8_panels"]
+             + (["panels file layout"] if plain else []) + ["tile", "dense fp32 copy"]
              + (["int4 (q4)"] if int4 else []))
     names = [name for name in names if not only or name in only]
     print(f"{'rows':>5} | " + " ".join(f"{name:>15}" for name in names) + f" | GB/s of blocks ({names[0]})")
@@ -124,6 +125,7 @@ def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2,
                      "dense fp32 copy": lambda: [d(x) for d, x in zip(dense, xs)]}
             if plain:
                 calls["int8 file layout"] = lambda: [lin.run("int8", x) for lin, x in zip(plain, xs)]
+                calls["panels file layout"] = lambda: [lin.run("int8_panels", x) for lin, x in zip(plain, xs)]
             if int4:
                 calls["int4 (q4)"] = lambda: [q(x) for q, x in zip(int4, xs)]
             medians = paired_times({name: calls[name] for name in names}, repeats, reduce=statistics.median)
