@@ -7,19 +7,20 @@
  * 8 x 144 (Q4_K) or 8 x 210 (Q6_K) bytes, as
  *   Q4_K: 8 headers (row r's d | dmin | scales[12], 16 bytes) | codes
  *   Q6_K: 8 headers (row r's scales[16] | d, 18 bytes) | codes
- * (headers first: read first, they are where the stream is; Q6_K's at the end ran at a third
- * of the speed, each superblock waiting on a line the prefetcher had not reached)
- * where codes are the file's 32-byte code blocks (Q4_K: qs[0..127] as 4; Q6_K: ql[0..127] as 4,
- * then qh[0..63] as 2) interleaved 4 bytes at a time: bytes 4c..4c+3 of block j of rows 0..7
- * are 32 bytes at p8_chunk_at(j, c), in the order the kernel reads them (Q4_K: block by block;
- * Q6_K: per half of the superblock, per c, its two ql blocks' and its qh block's chunks; read
- * out of order, 3 streams 256-1024 bytes apart, it waited on memory half the time). So one
- * 32-byte load holds 4 values of a group for the
- * 8 rows (lane r: row r), and vpdpbusd with x's 4 values broadcast adds them to each row's
- * exact group sum: the sums come out with lanes = weight rows, as the float pass takes them,
- * with no horizontal reduction and no sums buffer, and a tile is one contiguous stream (what
- * the hardware prefetcher follows; tile_kq_direct's 8 rows read in turns were 8 streams, and a
- * superblock of 8 rows at a time from the file's layout ran at 0.5x ggml's bytes per second).
+ * where codes are the file's 32-byte code blocks (Q4_K: qs[0..127] as 4; Q6_K: ql[0..127] as
+ * 4, then qh[0..63] as 2) interleaved 4 bytes at a time: bytes 4c..4c+3 of block j of rows 0..7
+ * are the 32 bytes at p8_chunk_at(j, c). Everything lies in the order the kernel reads it, the
+ * headers first (Q6_K's after its codes ran at a third of the speed: each superblock waited on
+ * a line the prefetcher had not reached) and Q6_K's chunks per half of the superblock, per c,
+ * its two ql blocks' and its qh block's (read as 3 streams 256-1024 bytes apart, it waited on
+ * memory half the time).
+ *
+ * So one 32-byte load holds 4 values of a group for the 8 rows (lane r: row r), and vpdpbusd
+ * with x's 4 values broadcast adds them to each row's exact group sum: the sums come out with
+ * lanes = weight rows, as the float pass takes them, with no horizontal reduction and no sums
+ * buffer, and a tile is one contiguous stream (what the hardware prefetcher follows;
+ * tile_kq_direct's 8 rows read in turns were 8 streams, and a superblock of 8 rows at a time
+ * from the file's layout ran at 0.5x ggml's bytes per second).
  * The float operations and their order per (weight row, x row) are tile_kq_direct's, so the
  * bits are the int8 path's and the panels' on the file's layout. quant_dequantize and the
  * panels read the packed form through p8_unpack (the file's bytes back, per tile).
@@ -30,7 +31,6 @@
 
 #define PACK8 0x100  /* type | PACK8: the type's blocks in the packed layout */
 #define P8 8         /* rows per tile */
-
 
 static int packable(int type) { return type == Q4_K || type == Q6_K; }
 

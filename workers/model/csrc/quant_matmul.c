@@ -5,7 +5,9 @@
  * Every path here (quant_matmul_i8: per row of x, coded tiles or straight from the blocks;
  * quant_matmul_i8_panels: x's rows in panels) sums each 32-value group exactly in int32 and
  * applies the same float operations in the same order per (weight row, x row), so a row of x
- * gives the same bits alone or in any batch, on any of them. `quant_dequantize` expands rows
+ * gives the same bits alone or in any batch, on any of them. Q4_K and Q6_K matrices may be
+ * packed at load (`quant_pack8`: rows interleaved by 8, kquant_packed.h); every entry point
+ * takes them as `type | PACK8`, with the same bits. `quant_dequantize` expands rows
  * to fp32 or bf16 (lookups, and the tiles large steps multiply with a dense GEMM): every value
  * equals gguf's dequantization bit for bit. Compiled on first use by
  * workers/model/cpu_kernels.py with -march=native. Owns: block layouts' use and the arithmetic.
