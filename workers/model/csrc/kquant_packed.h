@@ -79,14 +79,23 @@ INLINE void p8_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t t, 
 
 #if defined(__AVX2__) && defined(__F16C__)
 /* acc + the products of 8 rows' 4 codes (lane r) with x's 4 values (every lane), per lane. */
+typedef int32_t p8_i32 __attribute__((may_alias));
+
 INLINE __m256i p8_dot(__m256i acc, __m256i codes, const int8_t *x4) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    /* x's 4 values as an embedded broadcast, which GCC does not form from _mm256_set1_epi32 (a
+     * broadcast into a register before each one: 2048 x 8192 from memory 6-18% slower) */
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*(const p8_i32 *)x4));
+    return acc;
+#else
     int32_t v;
     memcpy(&v, x4, sizeof v);
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#if defined(__AVXVNNI__)
     return _mm256_dpbusd_epi32(acc, codes, _mm256_set1_epi32(v));
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, _mm256_set1_epi32(v)),
                                                    _mm256_set1_epi16(1)));  /* codes < 64: no saturation */
+#endif
 #endif
 }
 
