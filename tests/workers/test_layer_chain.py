@@ -209,3 +209,26 @@ def test_a_bad_slot_or_row_map_is_a_value_error_and_writes_nothing(tiny_gguf, mo
     assert all(torch.equal(layer, old) for layer, old in zip(layers, before))
     pool.close()
 
+
+
+def test_packed_blocks_give_the_steps_of_the_files_layout(tiny_gguf, monkeypatch):
+    """Under auto, Q4_K and Q6_K matrices are packed at load (rows interleaved by 8), the tied
+    embedding included, whose lookups then read the head's packed copy: prefill (dense tiles
+    read back) and decode steps (the chain, on the packed kernel) give the bits of the same
+    model kept in the file's layout (JUSTAPI_PACK_BLOCKS=0)."""
+    if not block_kernels().has_packed:
+        pytest.skip("the packed layout needs AVX2 and F16C")
+    gguf = tiny_gguf(layers=2, hidden=256, heads=4, kv_heads=2, ffn=512, vocab=384, context=256, type="Q4_K",
+                     v_type="Q6_K", embed_type="Q6_K")
+    plan = PathPlan(((8, "int8"), (1 << 16, "dense")))
+    results = {}
+    for packed in (True, False):
+        monkeypatch.setenv("JUSTAPI_PACK_BLOCKS", "1" if packed else "0")
+        model, pool, runner = load(gguf, plan, chain=True)
+        assert model.layer_chain is not None
+        assert model.layers[0].ffn.gate_up.matrix.packed == packed
+        assert model.output.matrix.packed == packed and model.token_embd is model.output.matrix  # tied
+        results[packed] = decode(model, runner, steps=3)
+        pool.close()
+    assert results[True][1] == results[False][1]
+    assert all(torch.equal(a, b) for a, b in zip(results[True][0], results[False][0]))

@@ -46,16 +46,19 @@ def harness(llama_build: Path) -> Path:
 
 
 def run_type(program: Path, ours: Path, type_name: str, shape: tuple[int, int], threads: int, rounds: int,
-             copies: int) -> dict[str, tuple[float, float]]:
-    """{side: (best GB/s, median GB/s)} for one type, and 'diff <side>' lines as (diff, 0)."""
+             copies: int, rows: int = 1, panels: bool = False) -> dict[str, tuple[float, float]]:
+    """{side: (best GB/s, median GB/s)} for one type, 'diff <side>' lines as (diff, 0), and
+    'same_bits' (1.0 where the packed kernel gave the plain one's bits)."""
     n, k = shape
     repack = int(type_name in REPACKED and n % 8 == 0)
     done = subprocess.run([str(program), str(ours), str(TYPES[type_name]), str(n), str(k), str(threads),
-                           str(rounds), str(copies), str(repack)], capture_output=True, text=True, check=True)
+                           str(rounds), str(copies), str(repack), str(rows), str(int(panels))], capture_output=True, text=True, check=True)
     out: dict[str, tuple[float, float]] = {}
     for line in done.stdout.splitlines():
         parts = line.split()
-        if parts[0] == "diff":
+        if parts[0] == "same_bits":
+            out["same_bits"] = (float(parts[1]), 0.0)
+        elif parts[0] == "diff":
             out[f"diff {parts[1]}"] = (float(parts[2]), 0.0)
         else:
             out[parts[0]] = (float(parts[1]), float(parts[2]))
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--types", default=",".join(TYPES))
     parser.add_argument("--shape", default="8192x2048", help="out x in features (a 1B model's gate/up)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=1, help="rows of x per call (16: a 16-stream decode step)")
+    parser.add_argument("--panels", action="store_true", help="ours through the int8 panels (steps of many rows)")
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--stream-mib", type=int, default=96,
                         help="copies of the matrix to cycle through: at least this many MiB (past the caches)")
@@ -79,14 +84,18 @@ def main(argv: list[str] | None = None) -> None:
     print(f"CPU {cpu_name()} ({platform.machine()}), {args.threads} threads, {n}x{k}, ours "
           f"{'AVX2 only' if args.avx2 else '-march=native'}, ggml from {args.llama_build}; "
           f"load average {os.getloadavg()[0]:.1f}; GB/s of weights, best / median of {args.rounds} rounds in turns")
-    print(f"{'type':<5} | {'justapi':>15} | {'ggml':>15} | {'ggml repacked':>15} | justapi / ggml (medians)")
+    print(f"{'type':<5} | {'justapi':>15} | {'justapi packed':>15} | {'ggml':>15} | {'ggml repacked':>15} | "
+          f"justapi (best of its sides) / ggml's best (medians); {args.rows} rows of x"
+          f"{', ours by the int8 panels' if args.panels else ''}")
     for type_name in args.types.split(","):
         bytes_per_copy = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}.get(type_name, 0) * n * k // 32 or \
             {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[type_name] * n * k // 256
         copies = max(2, min(256, -(-(args.stream_mib << 20) // bytes_per_copy)))
-        sides = run_type(program, ours, type_name, (n, k), args.threads, args.rounds, copies)
+        sides = run_type(program, ours, type_name, (n, k), args.threads, args.rounds, copies, args.rows, args.panels)
         best_ggml = max(v[1] for name, v in sides.items() if name.startswith("ggml"))
+        best_ours = max(v[1] for name, v in sides.items() if name.startswith("justapi"))
         cells = [f"{sides[s][0]:6.2f} / {sides[s][1]:6.2f}" if s in sides else f"{'-':>15}"
-                 for s in ("justapi", "ggml", "ggml_repack")]
-        print(f"{type_name:<5} | " + " | ".join(cells) + f" | {sides['justapi'][1] / best_ggml:.2f}x"
-              f"   (outputs differ by {max(v[0] for s, v in sides.items() if s.startswith('diff')):.1e})")
+                 for s in ("justapi", "justapi_packed", "ggml", "ggml_repack")]
+        bits = {1.0: ", packed: the same bits", 0.0: ", packed: OTHER BITS"}.get(sides.get("same_bits", (-1,))[0], "")
+        print(f"{type_name:<5} | " + " | ".join(cells) + f" | {best_ours / best_ggml:.2f}x"
+              f"   (outputs differ by {max(v[0] for s, v in sides.items() if s.startswith('diff')):.1e}{bits})")

@@ -306,6 +306,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--int8", action="store_true",
                         help="only one step's matmuls on each kernel (at --batches rows)")
     parser.add_argument("--repeats", type=int, default=5, help="--plans / --int8: timed rounds")
+    parser.add_argument("--int8-kernels", default="", help="--int8: only these columns (comma-separated; "
+                        "leaving out the torch ones keeps their spinning threads off the block kernels' turns)")
     parser.add_argument("--paired", default="", help="only time decode steps of these paths in turns")
     parser.add_argument("--rounds", type=int, default=5, help="--paired: rounds per batch size")
     parser.add_argument("--cpu-time", action="store_true", help="--paired: time this process's CPU time, not "
@@ -332,7 +334,8 @@ def main(argv: list[str] | None = None) -> None:
         elif args.plans:
             path_tables(path, args.repeats)
         elif args.int8:
-            int8_step(path, args.repeats, tuple(int(b) for b in args.batches.split(",")))
+            int8_step(path, args.repeats, tuple(int(b) for b in args.batches.split(",")),
+                      tuple(filter(None, args.int8_kernels.split(","))))
         else:
             bench_file(path, column_names(args.paths.split(","), args.kv_cache_dtypes.split(",")), args)
 

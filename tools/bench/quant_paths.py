@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import statistics
 from typing import Callable
 
@@ -24,7 +25,7 @@ from workers.model.forward import Linear, DecoderModel
 from workers.weights.block_kernels import BlockKernels
 from workers.weights.block_linear import BlockLinear, StackLinear
 from workers.weights.path_plan import MEASURE_ROWS, PathPlan, fit_line, paired_times, plan_from_timings
-from workers.weights.paths import candidate_paths, load_model
+from workers.weights.paths import PACK_ENV, candidate_paths, load_model
 from workers.weights.quant_blocks import is_quantizable, planes_of
 from workers.weights.quant_linear import Int4Linear, has_int4_kernel
 
@@ -84,23 +85,36 @@ def path_tables(model_path: str, repeats: int) -> dict[tuple[str, tuple[int, int
     return plans
 
 
-def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2, 4)) -> None:
+def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2, 4),
+              only: tuple[str, ...] = ()) -> None:
     """One decode step's matmuls on each kernel, in turns: auto's paths (int8, int8_panels,
     tile: expanded into the scratch buffer, then GEMM), the int8 path with every type on its
     coded tiles (a build without the direct path that Q4_0/Q4_1/Q8_0/K-quants take at 1-4 rows), an
     fp32 copy (what --weights fp32 multiplies) and torch's int4 kernel (q4) where the types
-    allow."""
+    allow; where the model has packed matrices (Q4_K, Q6_K), the int8 path on the file's layout
+    too (a second copy loaded with JUSTAPI_PACK_BLOCKS=0). `only`: these columns alone."""
     model = load_blocks(model_path)
     linears = block_linears(model)
-    dense = [Linear(lin.matrix) for lin in linears]
-    quant_ok = all(is_quantizable(lin.matrix.qtype) for lin in linears) and has_int4_kernel(torch.device("cpu"))
+    plain: list[BlockLinear] = []
+    if any(lin.matrix.packed for lin in linears):
+        os.environ[PACK_ENV] = "0"
+        try:
+            plain = block_linears(load_blocks(model_path))
+        finally:
+            del os.environ[PACK_ENV]
+    dense = [Linear(lin.matrix) for lin in linears] if not only or "dense fp32 copy" in only else []
+    quant_ok = all(is_quantizable(lin.matrix.qtype) for lin in linears) and has_int4_kernel(torch.device("cpu")) \
+        and (not only or "int4 (q4)" in only)
     int4 = [Int4Linear(planes_of(lin.matrix)) for lin in linears] if quant_ok else []
     weight_mib = sum(lin.matrix.num_bytes for lin in linears) / 2**20
     print(f"\none decode step's matmuls ({len(linears)} of them, {weight_mib:.0f} MiB of blocks), "
           f"median ms in turns (types: {sorted({lin.matrix.type_name for lin in linears})})")
     coded = BlockKernels(ctypes.CDLL(str(build("quant_matmul", ("-DDIRECT_ROWS=0",)))))
-    names = ["int8", "int8 coded", "int8_panels", "tile", "dense fp32 copy"] + (["int4 (q4)"] if int4 else [])
-    print(f"{'rows':>5} | " + " ".join(f"{name:>15}" for name in names) + " | GB/s of blocks (int8)")
+    names = (["int8"] + (["int8 file layout"] if plain else []) + ["int8 coded", "int8_panels"]
+             + (["panels file layout"] if plain else []) + ["tile", "dense fp32 copy"]
+             + (["int4 (q4)"] if int4 else []))
+    names = [name for name in names if not only or name in only]
+    print(f"{'rows':>5} | " + " ".join(f"{name:>15}" for name in names) + f" | GB/s of blocks ({names[0]})")
     with torch.inference_mode():
         for rows in rows_list:
             xs = [torch.randn(rows, lin.in_features) for lin in linears]
@@ -109,9 +123,12 @@ def int8_step(model_path: str, repeats: int, rows_list: tuple[int, ...] = (1, 2,
                      "int8_panels": lambda: [lin.run("int8_panels", x) for lin, x in zip(linears, xs)],
                      "tile": lambda: [lin.run("dense", x) for lin, x in zip(linears, xs)],
                      "dense fp32 copy": lambda: [d(x) for d, x in zip(dense, xs)]}
+            if plain:
+                calls["int8 file layout"] = lambda: [lin.run("int8", x) for lin, x in zip(plain, xs)]
+                calls["panels file layout"] = lambda: [lin.run("int8_panels", x) for lin, x in zip(plain, xs)]
             if int4:
                 calls["int4 (q4)"] = lambda: [q(x) for q, x in zip(int4, xs)]
-            medians = paired_times(calls, repeats, reduce=statistics.median)
-            rate = weight_mib * 2**20 / medians["int8"] / 1e9
+            medians = paired_times({name: calls[name] for name in names}, repeats, reduce=statistics.median)
+            rate = weight_mib * 2**20 / medians[names[0]] / 1e9
             print(f"{rows:>5} | " + " ".join(f"{medians[n] * 1e3:15.2f}" for n in names) + f" | {rate:.1f}")
 

@@ -110,7 +110,7 @@ class LayerChain:
                 record.parts[j], record.in_features[j] = len(parts), parts[0].in_features
                 for k, lin in enumerate(parts):
                     record.weight[j][k] = lin.matrix.raw.data_ptr()
-                    record.type[j][k] = int(lin.matrix.qtype)
+                    record.type[j][k] = lin.matrix.kernel_type
                     record.out_features[j][k] = lin.out_features
                 if len(parts) > 1:
                     self.widest_part = max(self.widest_part, *(lin.out_features for lin in parts))

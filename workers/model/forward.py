@@ -218,6 +218,9 @@ class DecoderModel:
             self.layers.append(linears)
         self.output_norm = weights.output_norm
         self.output = make_linear(weights.output)
+        kept = getattr(self.output, "matrix", None)
+        if weights.output is weights.token_embd and getattr(kept, "packed", False):
+            self.token_embd = kept  # tied: lookups read the head's packed copy, the file's blocks go
         self.layer_chain: LayerChainLike | None = None
         """A CPU decode step's layers as one C call (cpu_layer_chain.py), set by the loader where
         every layer is one it computes."""

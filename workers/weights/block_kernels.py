@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import replace
 from typing import Protocol
 
 import torch
 from gguf import GGMLQuantizationType
+
+from workers.weights.block_matrix import PACK_ROWS, PACKABLE, PACKED, BlockMatrix
 
 from workers.model.cpu_kernels import load_kernel
 
@@ -39,23 +42,32 @@ class Blocks(Protocol):
     @property
     def type_name(self) -> str: ...
 
+    @property
+    def kernel_type(self) -> int: ...  # the type id the kernels take (block_matrix.PACKED: packed layout)
+
 
 class BlockKernels:
     """quant_matmul.c's entry points."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        for name in ("quant_matmul_i8", "quant_matmul_i8_panels"):
+        for name in ("quant_matmul_i8", "quant_matmul_i8_panels"):  # type: the matrix's kernel_type
             fn = getattr(library, name)
             fn.argtypes = [i32, ptr, i64, i64, ptr, i64, ptr, i32]
             fn.restype = i32
         library.quant_dequantize.argtypes = [i32, ptr, i64, i64, ptr, i32, i32]
         library.quant_dequantize.restype = i32
+        library.quant_pack8.argtypes = [i32, ptr, i64, i64, i32]
+        library.quant_pack8.restype = i32
         library.quant_has_panels.argtypes = []
         library.quant_has_panels.restype = i32
+        library.quant_has_packed.argtypes = []
+        library.quant_has_packed.restype = i32
         self.library = library
         self.has_panels = bool(library.quant_has_panels())
         """Whether `matmul(..., panels=True)` runs here (x86 with AVX2)."""
+        self.has_packed = self.has_panels and bool(library.quant_has_packed())
+        """Whether the matmuls read the packed layout here (AVX2 with F16C)."""
 
     def matmul(self, matrix: Blocks, x: torch.Tensor, panels: bool = False) -> torch.Tensor:
         """x fp32 [rows, in] -> fp32 [rows, out]; `panels`: the int8 arithmetic with x's rows
@@ -67,14 +79,30 @@ class BlockKernels:
         y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
         library = self.library
         fn = library.quant_matmul_i8_panels if panels else library.quant_matmul_i8
-        _check(fn(int(matrix.qtype), matrix.raw.data_ptr(), out_features, in_features, x.data_ptr(),
+        _check(fn(matrix.kernel_type, matrix.raw.data_ptr(), out_features, in_features, x.data_ptr(),
                   x.shape[0], y.data_ptr(), torch.get_num_threads()), matrix.type_name)
         return y
 
+    def pack(self, matrix: BlockMatrix) -> BlockMatrix:
+        """A copy of `matrix` in the packed layout (csrc/kquant_packed.h), where its type and
+        shape have one (Q4_K, Q6_K; rows a multiple of 8) and the build reads it (AVX2 with
+        F16C); else `matrix` itself. The copy's bytes are the same, rows interleaved by 8."""
+        if (matrix.packed or matrix.qtype not in PACKABLE or matrix.shape[0] % PACK_ROWS
+                or matrix.in_features % 256 or not self.has_packed or matrix.is_on_device):
+            return matrix
+        if matrix.raw.untyped_storage().nbytes() != matrix.raw.numel():
+            return matrix  # a view of a larger tensor (an expert of a stack): a copy would add to it
+        raw = matrix.raw.contiguous().clone()
+        _check(self.library.quant_pack8(int(matrix.qtype), raw.data_ptr(), raw.shape[0], matrix.in_features,
+                                        torch.get_num_threads()), matrix.type_name)
+        return replace(matrix, raw=raw, packed=True)
+
     def dequantize(self, raw: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
-                   out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
+                   packed: bool = False) -> torch.Tensor:
         """uint8 [rows, bytes per row] -> [rows, in_features] in `dtype` (fp32 or bf16), into `out`
-        if given (a contiguous tensor of that shape and dtype)."""
+        if given (a contiguous tensor of that shape and dtype). `packed`: raw is whole tiles of
+        the packed layout."""
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"dequantize produces fp32 or bf16, not {dtype}")
         raw = raw.contiguous()
@@ -82,7 +110,8 @@ class BlockKernels:
             out = torch.empty(raw.shape[0], in_features, dtype=dtype)
         if not out.is_contiguous() or out.dtype != dtype or tuple(out.shape) != (raw.shape[0], in_features):
             raise ValueError(f"out must be a contiguous {dtype} tensor [{raw.shape[0]}, {in_features}]")
-        _check(self.library.quant_dequantize(int(qtype), raw.data_ptr(), raw.shape[0], in_features,
+        _check(self.library.quant_dequantize(int(qtype) | (PACKED if packed else 0), raw.data_ptr(), raw.shape[0],
+                                             in_features,
                                              out.data_ptr(), int(dtype == torch.bfloat16),
                                              torch.get_num_threads()), qtype.name)
         return out

@@ -102,7 +102,8 @@ class BlockLinear:
     def _tile(self, n0: int, n1: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows [n0, n1) expanded into the scratch: [n1 - n0, in]."""
         return self.kernels.dequantize(self.matrix.raw[n0:n1], self.matrix.qtype, self.in_features,
-                                       out=self.scratch.view(n1 - n0, self.in_features, dtype), dtype=dtype)
+                                       out=self.scratch.view(n1 - n0, self.in_features, dtype), dtype=dtype,
+                                       packed=self.matrix.packed)  # packed: n0, n1 whole tiles (ROW_MULTIPLE)
 
     def warm_up(self, max_rows: int, min_rows: int = 1) -> None:
         """Grow the shared scratch now to the tile the dense paths will need, so serving does

@@ -24,6 +24,11 @@ from justapi.model.weight_types import BLOCK_TYPE_NAMES
 Q = GGMLQuantizationType
 BLOCK_TYPES = tuple(GGMLQuantizationType[name] for name in BLOCK_TYPE_NAMES)
 """Types the block kernels read (csrc/gguf_blocks.h)."""
+PACKED = 0x100
+"""Set in a kernel type id: the blocks are in the packed layout (csrc/kquant_packed.h)."""
+PACK_ROWS = 8
+"""Rows per tile of the packed layout."""
+PACKABLE = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
 
 
 def is_block_type(qtype: GGMLQuantizationType) -> bool:
@@ -43,6 +48,14 @@ class BlockMatrix:
     in_features: int
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
+    packed: bool = False
+    """`raw` holds the blocks with rows interleaved by 8 (csrc/kquant_packed.h: Q4_K, Q6_K on a
+    CPU, block_kernels.BlockKernels.pack): the same bytes, a tile of 8 rows in one stream."""
+
+    @property
+    def kernel_type(self) -> int:
+        """The type id the C kernels take: ggml's, with PACKED set for the packed layout."""
+        return int(self.qtype) | (PACKED if self.packed else 0)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -65,7 +78,7 @@ class BlockMatrix:
         """fp32 [out, in] on `device`, equal to gguf's dequantization."""
         if self.is_on_device:
             return self._device_rows(None, torch.float32)
-        return expand_rows(self.raw, self.qtype, self.in_features).to(self.device)
+        return expand_rows(self.raw, self.qtype, self.in_features, self.packed).to(self.device)
 
     def __getitem__(self, row_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the dense matrix, e.g. token ids -> embeddings: [len(row_ids), in] in `dtype`."""
@@ -74,7 +87,14 @@ class BlockMatrix:
                              f"{tuple(row_ids.shape)}")
         if self.is_on_device:  # no host round trip: a captured step looks tokens up too
             return self._device_rows(row_ids.to(self.raw.device), self.dtype)
-        rows = expand_rows(self.raw[row_ids.cpu()], self.qtype, self.in_features)
+        if self.packed:  # whole tiles of 8 rows expanded, the rows asked for taken from them
+            ids = row_ids.cpu()
+            tiles, inverse = torch.unique(ids // PACK_ROWS, return_inverse=True)
+            rows_of = (tiles[:, None] * PACK_ROWS + torch.arange(PACK_ROWS)).reshape(-1)
+            rows = expand_rows(self.raw[rows_of], self.qtype, self.in_features, packed=True)
+            rows = rows.view(len(tiles), PACK_ROWS, -1)[inverse, ids % PACK_ROWS]
+        else:
+            rows = expand_rows(self.raw[row_ids.cpu()], self.qtype, self.in_features)
         return rows.to(self.device, self.dtype)
 
     def _device_rows(self, row_ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -86,12 +106,16 @@ class BlockMatrix:
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> BlockMatrix:
         """The matrix with `fn` (a reordering of rows, e.g. the rotary un-permutation) applied."""
+        if self.packed:
+            raise ValueError("map_rows on packed blocks: reorder rows before packing")
         return replace(self, raw=fn(self.raw).contiguous())
 
     def to(self, device: str | torch.device, dtype: torch.dtype) -> BlockMatrix:
         """Lookups produce `dtype` on `device`; the blocks stay in CPU memory on a CPU and move
         to a GPU's (where no CPU kernel could read them)."""
         device = torch.device(device)
+        if self.packed and device.type != "cpu":
+            raise ValueError("packed blocks are the CPU kernels' layout: move the file's blocks instead")
         raw = self.raw if device.type == "cpu" else self.raw.to(device)
         return replace(self, raw=raw, device=device, dtype=dtype)
 
@@ -118,15 +142,19 @@ def block_matrix(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int
     return BlockMatrix(raw, qtype, cols)
 
 
-def expand_rows(raw: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.Tensor:
+def expand_rows(raw: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
+                packed: bool = False) -> torch.Tensor:
     """uint8 [rows, bytes per row] -> fp32 [rows, in_features]: the C kernel where it is built,
-    else gguf's dequantizers (dequant.py). Both equal gguf bit for bit."""
+    else gguf's dequantizers (dequant.py). Both equal gguf bit for bit. `packed`: whole tiles
+    of the packed layout (only the C kernel reads it)."""
     from workers.weights.block_kernels import block_kernels
     from workers.weights.dequant import dequantize
 
     kernels = block_kernels()
     if kernels is not None:
-        return kernels.dequantize(raw, qtype, in_features)
+        return kernels.dequantize(raw, qtype, in_features, packed=packed)
+    if packed:
+        raise ValueError("packed blocks need the C block kernels")
     return dequantize(raw.numpy(), qtype, (raw.shape[0], in_features))
 
 

@@ -53,6 +53,8 @@ from workers.weights.quant_blocks import Matrix, QuantMatrix, is_quantizable, pl
 from workers.weights.quant_linear import Int4Linear, require_int4_kernel
 
 logger = logging.getLogger(__name__)
+PACK_ENV = "JUSTAPI_PACK_BLOCKS"
+"""0: keep Q4_K / Q6_K matrices in the file's layout under auto (benchmarks compare the two)."""
 
 
 def has_hardware_bf16() -> bool:
@@ -88,19 +90,19 @@ class PathPlanner:
                                                               *sorted(SOURCE_DIR.glob("*.h"))])
 
     def plan_for(self, matrix: BlockMatrix) -> PathPlan:
-        memo = (matrix.type_name, matrix.shape)
+        memo = (_form_name(matrix), matrix.shape)
         if memo not in self.plans:
             self.plans[memo] = self._settled(matrix)
         return self.plans[memo]
 
     def _settled(self, matrix: BlockMatrix) -> PathPlan:
-        key = PlanCache.key(cpu_id(), self._source, matrix.type_name, matrix.shape, self.paths)
+        key = PlanCache.key(cpu_id(), self._source, _form_name(matrix), matrix.shape, self.paths)
         record = self.cache.get(key) if self.cache else None
         probe = BusyProbe().start()
         probe_linear = BlockLinear(matrix, self.kernels, PathPlan.only("dense"), self.scratch)
         settled = settle_plan(record.plan if record else None, PathTimer(probe_linear.run, matrix.shape[1], self.paths))
         busy = probe.share()
-        what = f"weights {matrix.type_name} {matrix.shape[0]}x{matrix.shape[1]}"
+        what = f"weights {_form_name(matrix)} {matrix.shape[0]}x{matrix.shape[1]}"
         if settled.how == "checked":
             logger.info("%s: %s (cached; checked at %s rows)", what, settled.plan.describe(),
                         " and ".join(map(str, CHECK_ROWS)))
@@ -108,7 +110,7 @@ class PathPlanner:
         self.measured += 1
         kept = self.cache is not None and busy <= QUIET_SHARE
         if self.cache is not None and kept:
-            self.cache.put(key, PlanRecord(settled.plan, matrix.type_name, matrix.shape, torch.get_num_threads(),
+            self.cache.put(key, PlanRecord(settled.plan, _form_name(matrix), matrix.shape, torch.get_num_threads(),
                                            cpu_name(), time.time(), busy))
         elif self.cache is not None and record is not None:
             self.cache.drop(key)  # it lost its check: the next start measures afresh
@@ -116,6 +118,11 @@ class PathPlanner:
                     settled.how, " the cached plan, which lost its check" if settled.how == "replaced" else "",
                     busy * 100, "" if kept else ": for this run only")
         return settled.plan
+
+
+def _form_name(matrix: BlockMatrix) -> str:
+    """The type's name, marked where the blocks are packed (their own plans: other kernels)."""
+    return f"{matrix.type_name} packed" if matrix.packed else matrix.type_name
 
 
 class WeightPaths:
@@ -163,6 +170,8 @@ class WeightPaths:
             mode = "fp32"  # the GPU forward computes in bf16 already
         self.mode = mode
         self.scratch = TileScratch()
+        self.packed = 0
+        """Matrices packed (a copy each: the file's layout is freed with the loader's weights)."""
         self.forced_plan = plan
         self.planner = (PathPlanner(self.kernels, self.scratch, cache if cache else _default_cache(),
                                     batch_invariant)
@@ -196,6 +205,10 @@ class WeightPaths:
 
             return DeviceBlockLinear(weight, self.scratch_device, self.compute_dtype)
         if isinstance(weight, BlockMatrix) and self.kernels is not None:
+            if os.environ.get(PACK_ENV, "1") != "0":
+                packed = self.kernels.pack(weight)  # Q4_K / Q6_K: rows interleaved by 8 (kquant_packed.h)
+                self.packed += packed is not weight
+                weight = packed
             plan = self.forced_plan or self.planner.plan_for(weight)  # type: ignore[union-attr]
             return BlockLinear(weight, self.kernels, plan, self.scratch)
         return Linear(weight, torch.bfloat16 if self.mode == "bf16" else None)
@@ -227,8 +240,9 @@ def load_model(gguf: GGUFFile, device: str = "cpu", dtype: torch.dtype = torch.f
     loaded = load_weights(gguf, device, dtype, progress, keep_quantized=paths.form,
                           allow_unused_tensors=allow_unused_tensors)
     model = DecoderModel(loaded, paths)
+    del loaded  # the file's layout of every matrix the model keeps packed
     model.layer_chain = LayerChain.of(model)
-    if paths.planner is not None and paths.planner.measured:
-        release_freed_memory()  # what the plans were timed with
+    if paths.packed or (paths.planner is not None and paths.planner.measured):
+        release_freed_memory()  # what the plans were timed with, the blocks packed copies replaced
     return model
 

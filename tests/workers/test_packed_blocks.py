@@ -1,0 +1,113 @@
+"""Q4_K and Q6_K blocks packed with rows interleaved by 8 (csrc/kquant_packed.h, made at load by
+BlockKernels.pack): every kernel that reads the packed copy gives the bits it gives on the
+file's layout - the int8 path at any row count, the panels (16-row panels, each tile read
+back), the AVX2-only build, expansion and row lookups - and the matmul stays within the int8
+bound of the dequantized product. Types and shapes without a packed layout stay as they are.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from workers.model.cpu_kernels import build, cpu_id
+from workers.weights.block_kernels import BlockKernels, block_kernels
+from workers.weights.block_matrix import PACKED, block_matrix
+from workers.weights.kquant_pack import dequantize, quantize
+
+Q = GGMLQuantizationType
+NO_VNNI = ("-mno-avx512f", "-mno-avxvnni", "-mno-avx512vnni")
+pytestmark = pytest.mark.skipif(block_kernels() is None or not block_kernels().has_packed,
+                                reason="the packed layout needs the block kernels with AVX2 and F16C")
+CASES = [(qtype, cols) for qtype in (Q.Q4_K, Q.Q6_K) for cols in (256, 2304, 4096)]
+
+
+def matrices(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int):
+    """(the file's layout, its packed copy, gguf's fp32 values)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)) * np.exp(rng.standard_normal((rows, cols // 32)).repeat(32, 1))
+    blocks = quantize(w.astype(np.float32), qtype)
+    plain = block_matrix(blocks, qtype, (rows, cols))
+    return plain, block_kernels().pack(plain), torch.from_numpy(dequantize(blocks, qtype, (rows, cols)))
+
+
+def x_rows(count: int, cols: int, seed: int) -> torch.Tensor:
+    x = torch.randn(count, cols, generator=torch.Generator().manual_seed(seed))
+    x[1] *= 1e4
+    x[2] = 0.0
+    x[3, : cols // 2] *= 1e-3
+    return x
+
+
+@pytest.mark.parametrize("qtype,cols", CASES, ids=[f"{t.name}-{c}" for t, c in CASES])
+def test_packed_blocks_give_the_file_layouts_bits_at_every_row_count(qtype, cols):
+    kernels = block_kernels()
+    plain, packed, values = matrices(qtype, 24, cols, seed=21)
+    assert packed.packed and packed.kernel_type == int(qtype) | PACKED
+    assert packed.num_bytes == plain.num_bytes and not torch.equal(packed.raw, plain.raw)
+    x = x_rows(21, cols, seed=22)
+    reference = kernels.matmul(plain, x, panels=True)  # 16-row panels with AVX-512 VNNI
+    for rows in (1, 2, 3, 4, 5, 7, 9, 21):
+        for panels in (False, True):
+            got = kernels.matmul(packed, x[:rows], panels=panels)
+            assert torch.equal(got, reference[:rows]), (rows, panels)
+    assert torch.equal(kernels.matmul(packed, x[5:6])[0], reference[5])
+    assert bool((reference[2] == 0).all())
+    step = x.view(x.shape[0], -1, 32).abs().amax(-1).double() / 127
+    moved = (step / 2 * (1 + 2 ** -20)).repeat_interleave(32, dim=1)
+    bound = moved @ values.double().abs().T + 2 * cols * 2.0 ** -24 * ((x.abs() + moved.float()).double()
+                                                                       @ values.double().abs().T)
+    assert bool(((reference.double() - x.double() @ values.double().T).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=["Q4_K", "Q6_K"])
+def test_packed_blocks_expand_and_look_up_as_gguf(qtype):
+    plain, packed, values = matrices(qtype, 32, 512, seed=23)
+    assert torch.equal(packed.dense(), values)
+    bf16 = block_kernels().dequantize(packed.raw, qtype, 512, dtype=torch.bfloat16, packed=True)
+    assert torch.equal(bf16, values.to(torch.bfloat16))
+    assert torch.equal(block_kernels().dequantize(packed.raw[8:24], qtype, 512, packed=True), values[8:24])
+    ids = torch.tensor([31, 0, 9, 9, 17])
+    assert torch.equal(packed[ids], values[ids])
+    with pytest.raises(ValueError):
+        packed.map_rows(lambda raw: raw.flip(0))
+
+
+@pytest.mark.skipif("avx512f" not in cpu_id(), reason="this CPU has no AVX-512: its build is already the AVX2 one")
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=["Q4_K", "Q6_K"])
+def test_an_avx2_builds_packed_kernel_gives_this_builds_bits(qtype):
+    """maddubs + madd (AVX2 CPUs) in place of dpbusd: the same exact sums, the same bits."""
+    fallback = BlockKernels(ctypes.CDLL(str(build("quant_matmul", NO_VNNI))))
+    _, packed, _ = matrices(qtype, 16, 2304, seed=25)
+    x = x_rows(6, 2304, seed=26)
+    for rows in (1, 2, 6):
+        assert torch.equal(fallback.matmul(packed, x[:rows]), block_kernels().matmul(packed, x[:rows])), rows
+
+
+def test_types_and_shapes_without_a_packed_layout_stay_as_they_are():
+    kernels = block_kernels()
+    for qtype, rows, cols in ((Q.Q4_K, 12, 256), (Q.Q5_K, 16, 256), (Q.Q8_0, 16, 64)):
+        plain = matrices(qtype, rows, cols, seed=27)[0] if qtype != Q.Q8_0 else \
+            block_matrix(quantize(np.ones((rows, cols), np.float32), qtype), qtype, (rows, cols))
+        assert kernels.pack(plain) is plain
+    view = matrices(Q.Q4_K, 16, 256, seed=28)[0]
+    half = type(view)(view.raw[:8], view.qtype, view.in_features)  # a view of a larger tensor: not copied
+    assert kernels.pack(half) is half
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["dense", "dense_bf16"])
+def test_the_dense_tiles_of_a_packed_matrix_are_the_file_layouts(dtype):
+    """Large steps expand tiles of rows into the scratch (whole tiles of 8: ROW_MULTIPLE) and
+    multiply densely: a packed matrix gives the same bits, split into several tiles too."""
+    from workers.weights.block_linear import BlockLinear, TileScratch
+    from workers.weights.path_plan import PathPlan
+
+    plain, packed, _ = matrices(Q.Q6_K, 48, 512, seed=29)
+    x = x_rows(5, 512, seed=30)
+    path = "dense" if dtype == torch.float32 else "dense_bf16"
+    runs = [BlockLinear(m, block_kernels(), PathPlan.only(path), TileScratch(16 * 512 * 4)).run(path, x)
+            for m in (plain, packed)]
+    assert torch.equal(runs[0], runs[1])

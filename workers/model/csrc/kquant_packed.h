@@ -1,0 +1,247 @@
+/* Q4_K and Q6_K with rows interleaved by 8 ("packed"): the file's bytes, rearranged once at
+ * load, read by the int8 path at any row count of x. Included by quant_matmul.c after
+ * kquant_direct.h, whose scale handling (kq_load, kq_half) and float order it shares.
+ *
+ * Layout: a matrix of n rows (n a multiple of 8) is n / 8 tiles of 8 rows, each tile its 8 rows'
+ * bytes in a row of superblocks: superblock s of the tile is the 8 rows' superblock s, that is
+ * 8 x 144 (Q4_K) or 8 x 210 (Q6_K) bytes, as
+ *   Q4_K: 8 headers (row r's d | dmin | scales[12], 16 bytes) | codes
+ *   Q6_K: 8 headers (row r's scales[16] | d, 18 bytes) | codes
+ * where codes are the file's 32-byte code blocks (Q4_K: qs[0..127] as 4; Q6_K: ql[0..127] as
+ * 4, then qh[0..63] as 2) interleaved 4 bytes at a time: bytes 4c..4c+3 of block j of rows 0..7
+ * are the 32 bytes at p8_chunk_at(j, c). Everything lies in the order the kernel reads it, the
+ * headers first (Q6_K's after its codes ran at a third of the speed: each superblock waited on
+ * a line the prefetcher had not reached) and Q6_K's chunks per half of the superblock, per c,
+ * its two ql blocks' and its qh block's (read as 3 streams 256-1024 bytes apart, it waited on
+ * memory half the time).
+ *
+ * So one 32-byte load holds 4 values of a group for the 8 rows (lane r: row r), and vpdpbusd
+ * with x's 4 values broadcast adds them to each row's exact group sum: the sums come out with
+ * lanes = weight rows, as the float pass takes them, with no horizontal reduction and no sums
+ * buffer, and a tile is one contiguous stream (what the hardware prefetcher follows;
+ * tile_kq_direct's 8 rows read in turns were 8 streams, and a superblock of 8 rows at a time
+ * from the file's layout ran at 0.5x ggml's bytes per second).
+ * The float operations and their order per (weight row, x row) are tile_kq_direct's, so the
+ * bits are the int8 path's and the panels' on the file's layout. quant_dequantize and the
+ * panels read the packed form through p8_unpack (the file's bytes back, per tile).
+ * Owns: the packed layout. Does not own: the arithmetic's order (rows_dot_i8 sets it).
+ */
+#ifndef JUSTAPI_KQUANT_PACKED_H
+#define JUSTAPI_KQUANT_PACKED_H
+
+#define PACK8 0x100  /* type | PACK8: the type's blocks in the packed layout */
+#define P8 8         /* rows per tile */
+
+static int packable(int type) { return type == Q4_K || type == Q6_K; }
+
+/* The file's code bytes of a superblock (offset, 32-byte blocks) and its header bytes. */
+static void p8_parts(int type, int *code_at, int *code_blocks, int *head_at, int *head_bytes) {
+    if (type == Q4_K) *code_at = 16, *code_blocks = 4, *head_at = 0, *head_bytes = 16;
+    else *code_at = 0, *code_blocks = 6, *head_at = 192, *head_bytes = 18;
+}
+
+/* Where in the packed codes the 8 rows' bytes 4c..4c+3 of the file's code block j are. */
+INLINE int p8_chunk_at(int type, int j, int c) {
+    if (type == Q4_K) return (j * 8 + c) * 32;
+    return j < 4 ? (((j / 2) * 8 + c) * 3 + j % 2) * 32 : (((j - 4) * 8 + c) * 3 + 2) * 32;
+}
+
+/* Where the packed superblock keeps its codes and row r's header. */
+INLINE int p8_codes_at(int type) { return type == Q4_K ? P8 * 16 : P8 * 18; }
+INLINE int p8_head_at(int type, int r) { return type == Q4_K ? 16 * r : 18 * r; }
+
+/* One tile: rows (file layout, row_bytes apart) <-> packed (8 * row_bytes); `unpack` the
+ * other way. */
+static void p8_tile(int type, uint8_t *rows, int64_t row_bytes, uint8_t *packed, int64_t blocks, int unpack) {
+    int code_at, code_blocks, head_at, head_bytes;
+    p8_parts(type, &code_at, &code_blocks, &head_at, &head_bytes);
+    const int bytes = layout_of(type).bytes;
+    for (int64_t s = 0; s < blocks; s++) {
+        uint8_t *sp = packed + s * P8 * bytes;
+        for (int r = 0; r < P8; r++) {
+            uint8_t *sb = rows + r * row_bytes + s * bytes, *head = sp + p8_head_at(type, r);
+            if (unpack) memcpy(sb + head_at, head, (size_t)head_bytes);
+            else memcpy(head, sb + head_at, (size_t)head_bytes);
+            for (int j = 0; j < code_blocks; j++)
+                for (int c = 0; c < 8; c++) {
+                    uint8_t *file = sb + code_at + 32 * j + 4 * c, *p = sp + p8_codes_at(type) + p8_chunk_at(type, j, c) + 4 * r;
+                    if (unpack) memcpy(file, p, 4);
+                    else memcpy(p, file, 4);
+                }
+        }
+    }
+}
+
+/* Rows [8t, 8t + 8) of a packed matrix in the file's layout, into rows (8 * row_bytes). */
+INLINE void p8_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t t, uint8_t *rows) {
+    p8_tile(type, rows, row_bytes, (uint8_t *)(w + t * P8 * row_bytes), row_bytes / layout_of(type).bytes, 1);
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+/* acc + the products of 8 rows' 4 codes (lane r) with x's 4 values (every lane), per lane. */
+typedef int32_t p8_i32 __attribute__((may_alias));
+
+INLINE __m256i p8_dot(__m256i acc, __m256i codes, const int8_t *x4) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    /* x's 4 values as an embedded broadcast, which GCC does not form from _mm256_set1_epi32 (a
+     * broadcast into a register before each one: 2048 x 8192 from memory 6-18% slower) */
+    __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*(const p8_i32 *)x4));
+    return acc;
+#else
+    int32_t v;
+    memcpy(&v, x4, sizeof v);
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_epi32(acc, codes, _mm256_set1_epi32(v));
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, _mm256_set1_epi32(v)),
+                                                   _mm256_set1_epi16(1)));  /* codes < 64: no saturation */
+#endif
+#endif
+}
+
+/* Group g's scales and offsets (both halves; Q4_K's halves share them), for every row of x. */
+typedef struct { __m256 sc0, off0, sc1, off1; } p8_scales;
+
+INLINE p8_scales p8_group_scales(int type, const kq_state *st, int g) {
+    p8_scales f;
+    f.sc0 = kq_half(type, st, 2 * g, &f.off0);
+    if (type == Q6_K) f.sc1 = kq_half(type, st, 2 * g + 1, &f.off1);
+    else f.sc1 = f.sc0, f.off1 = f.off0;
+    return f;
+}
+
+/* tile_kq_direct's float pass for group g of superblock s and one row of x: lo its exact sums
+ * (Q6_K: the first 16 values', hi the second's), lane r weight row r. */
+INLINE void p8_group(int type, const p8_scales *f, int64_t s, int g, __m256i lo, __m256i hi, float xd,
+                     const float *xs, __m256 *t, __m256 *o) {
+    const __m256 xdv = _mm256_set1_ps(xd);
+    *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(f->sc0, xdv), *t);
+    if (type == Q6_K) *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(f->sc1, xdv), *t);
+    const int64_t h = 16 * s + 2 * g;
+    o[(2 * g) % 4] = _mm256_fmadd_ps(f->off0, _mm256_set1_ps(xs[h]), o[(2 * g) % 4]);
+    o[(2 * g + 1) % 4] = _mm256_fmadd_ps(f->off1, _mm256_set1_ps(xs[h + 1]), o[(2 * g + 1) % 4]);
+}
+
+/* Q6_K: the 8 rows' exact sums of groups 4 half + j (acc[i][j], x row i) over their first
+ * (part 0) or second (part 1) 16 values; x0: x's offset of the superblock. */
+INLINE void p6_sums(const uint8_t *codes, int half, int part, const int8_t *const *xq, int64_t x0, int nx,
+                    __m256i acc[][4]) {
+    for (int i = 0; i < nx; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int c = 4 * part; c < 4 * part + 4; c++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q6_K, 2 * half, c)));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q6_K, 2 * half + 1, c)));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q6_K, 4 + half, c)));
+        __m256i cv[4];
+        cv[0] = _mm256_or_si256(byte_bits(l0, 0, 15), byte_bits(h, 4, 0x30));
+        cv[1] = _mm256_or_si256(byte_bits(l1, 0, 15), byte_bits(h, 2, 0x30));
+        cv[2] = _mm256_or_si256(byte_bits(l0, -4, 15), byte_bits(h, 0, 0x30));
+        cv[3] = _mm256_or_si256(byte_bits(l1, -4, 15), byte_bits(h, -2, 0x30));
+        for (int i = 0; i < nx; i++)
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) acc[i][j] = p8_dot(acc[i][j], cv[j], xq[i] + x0 + 32 * (4 * half + j) + 4 * c);
+    }
+}
+
+#define P8_MAX_X 4  /* rows of x a tile takes at a time (Q4_K: 8 accumulators; Q6_K: 2 rows, 16) */
+
+/* Rows [a, a + nx) of y at columns [n0, n0 + 8) from packed tile `tile` (k / 256 superblocks). */
+INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const qx *x, int64_t a, int nx,
+                    float *y, int64_t n) {
+    const int bytes = layout_of(type).bytes;
+    const int64_t blocks = k / 256;
+    const int8_t *xq[P8_MAX_X];
+    const float *xd[P8_MAX_X], *xs[P8_MAX_X];
+    __m256 t[P8_MAX_X], o[P8_MAX_X][OFF_CHAINS];
+    for (int i = 0; i < nx; i++) {
+        xq[i] = x->q + (a + i) * k, xd[i] = x->d + (a + i) * k / 32, xs[i] = x->sums + (a + i) * k / 16;
+        t[i] = _mm256_setzero_ps();
+        for (int j = 0; j < OFF_CHAINS; j++) o[i][j] = _mm256_setzero_ps();
+    }
+    for (int64_t s = 0; s < blocks; s++) {
+        const uint8_t *sp = tile + s * P8 * bytes, *head[P8];
+        for (int i = 0; i < nx; i++) {
+            /* x's next superblock into L1: with k = 8192 a tile (36 KiB of Q4_K) streams more
+             * than L1 holds between two uses of x's lines, and the broadcasts waited on them
+             * (2 threads, 2048 x 8192 from memory: Q6_K 25.2 -> 30.8 GB/s, Q4_K 24.5 -> 25.6-27.2;
+             * k = 2048 unchanged) */
+            const int64_t next = s + 1 < blocks ? s + 1 : s;
+            for (int l = 0; l < 256; l += 64) _mm_prefetch((const char *)(xq[i] + 256 * next + l), _MM_HINT_T0);
+            _mm_prefetch((const char *)(xd[i] + 8 * next), _MM_HINT_T0);
+            _mm_prefetch((const char *)(xs[i] + 16 * next), _MM_HINT_T0);
+        }
+        for (int r = 0; r < P8; r++)  /* kq_load reads the header at its place in the file's superblock */
+            head[r] = sp + p8_head_at(type, r) - (type == Q4_K ? 0 : 192);
+        const kq_state st = kq_load(type, head);
+        const uint8_t *codes = sp + p8_codes_at(type);
+        if (type == Q4_K) {
+            for (int p = 0; p < 4; p++) {  /* qs block p: groups 2p (low nibbles), 2p + 1 (high) */
+                __m256i acc[P8_MAX_X][2];
+                for (int i = 0; i < nx; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q4_K, p, c)));
+                    const __m256i lo = byte_bits(v, 0, 15), hi = byte_bits(v, -4, 15);
+                    for (int i = 0; i < nx; i++) {
+                        const int8_t *q = xq[i] + 256 * s + 64 * p + 4 * c;
+                        acc[i][0] = p8_dot(acc[i][0], lo, q);
+                        acc[i][1] = p8_dot(acc[i][1], hi, q + 32);
+                    }
+                }
+                const p8_scales f0 = p8_group_scales(type, &st, 2 * p), f1 = p8_group_scales(type, &st, 2 * p + 1);
+                for (int i = 0; i < nx; i++) {
+                    p8_group(type, &f0, s, 2 * p, acc[i][0], acc[i][0], xd[i][8 * s + 2 * p], xs[i], &t[i], o[i]);
+                    p8_group(type, &f1, s, 2 * p + 1, acc[i][1], acc[i][1], xd[i][8 * s + 2 * p + 1], xs[i], &t[i], o[i]);
+                }
+            }
+        } else {
+            for (int half = 0; half < 2; half++) {  /* groups 4 half + j: ql blocks 2 half, 2 half + 1; qh block half */
+                __m256i lo[2][4], hi[2][4];  /* [x row][group]: the first 16 values' sums, the second's */
+                p6_sums(codes, half, 0, xq, 256 * s, nx, lo);
+                p6_sums(codes, half, 1, xq, 256 * s, nx, hi);
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    const int g = 4 * half + j;
+                    const p8_scales f = p8_group_scales(type, &st, g);
+                    for (int i = 0; i < nx; i++)
+                        p8_group(type, &f, s, g, lo[i][j], hi[i][j], xd[i][8 * s + g], xs[i], &t[i], o[i]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < nx; i++) {
+        float out[P8];
+        _mm256_storeu_ps(out, _mm256_add_ps(t[i], _mm256_add_ps(_mm256_add_ps(o[i][0], o[i][1]),
+                                                                _mm256_add_ps(o[i][2], o[i][3]))));
+        memcpy(y + (a + i) * n + n0, out, sizeof out);
+    }
+}
+
+/* Every row of x over packed tile t: P8_MAX_X rows at a time (Q6_K: 2), each tile's codes
+ * read from memory once and from L1 after. */
+INLINE void tile_p8_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t t, const qx *x,
+                         int64_t m, float *y, int64_t n) {
+    const uint8_t *tile = w + t * P8 * row_bytes;
+    const int most = type == Q6_K ? 2 : P8_MAX_X;
+    for (int64_t a = 0; a < m; a += most) {
+        const int nx = m - a < most ? (int)(m - a) : most;
+#define P8_TILE(T, NX) tile_p8(T, tile, k, t * P8, x, a, NX, y, n)
+        if (type == Q4_K) {
+            switch (nx) {
+                case 1: P8_TILE(Q4_K, 1); break;
+                case 2: P8_TILE(Q4_K, 2); break;
+                case 3: P8_TILE(Q4_K, 3); break;
+                default: P8_TILE(Q4_K, 4); break;
+            }
+        } else if (nx == 1) {
+            P8_TILE(Q6_K, 1);
+        } else {
+            P8_TILE(Q6_K, 2);
+        }
+#undef P8_TILE
+    }
+}
+#endif
+#endif
