@@ -14,8 +14,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from workers.model.cpu_kernels import build, cpu_id
-from workers.weights.block_kernels import BlockKernels, block_kernels
-from workers.weights.block_matrix import PACKED, block_matrix
+from workers.weights.block_kernels import PACKED, BlockKernels, block_kernels
+from workers.weights.block_matrix import block_matrix, packed_copy
 from workers.weights.kquant_pack import dequantize, quantize
 
 Q = GGMLQuantizationType
@@ -31,7 +31,7 @@ def matrices(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int):
     w = rng.standard_normal((rows, cols)) * np.exp(rng.standard_normal((rows, cols // 32)).repeat(32, 1))
     blocks = quantize(w.astype(np.float32), qtype)
     plain = block_matrix(blocks, qtype, (rows, cols))
-    return plain, block_kernels().pack(plain), torch.from_numpy(dequantize(blocks, qtype, (rows, cols)))
+    return plain, packed_copy(plain, block_kernels()), torch.from_numpy(dequantize(blocks, qtype, (rows, cols)))
 
 
 def x_rows(count: int, cols: int, seed: int) -> torch.Tensor:
@@ -92,10 +92,10 @@ def test_types_and_shapes_without_a_packed_layout_stay_as_they_are():
     for qtype, rows, cols in ((Q.Q4_K, 12, 256), (Q.Q5_K, 16, 256), (Q.Q8_0, 16, 64)):
         plain = matrices(qtype, rows, cols, seed=27)[0] if qtype != Q.Q8_0 else \
             block_matrix(quantize(np.ones((rows, cols), np.float32), qtype), qtype, (rows, cols))
-        assert kernels.pack(plain) is plain
+        assert packed_copy(plain, kernels) is plain
     view = matrices(Q.Q4_K, 16, 256, seed=28)[0]
     half = type(view)(view.raw[:8], view.qtype, view.in_features)  # a view of a larger tensor: not copied
-    assert kernels.pack(half) is half
+    assert packed_copy(half, kernels) is half
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["dense", "dense_bf16"])

@@ -219,7 +219,7 @@ class DecoderModel:
         self.output_norm = weights.output_norm
         self.output = make_linear(weights.output)
         kept = getattr(self.output, "matrix", None)
-        if weights.output is weights.token_embd and getattr(kept, "packed", False):
+        if weights.output is weights.token_embd and kept is not None and getattr(kept, "packed", False):
             self.token_embd = kept  # tied: lookups read the head's packed copy, the file's blocks go
         self.layer_chain: LayerChainLike | None = None
         """A CPU decode step's layers as one C call (cpu_layer_chain.py), set by the loader where

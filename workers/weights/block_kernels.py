@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import replace
 from typing import Protocol
 
 import torch
 from gguf import GGMLQuantizationType
 
-from workers.weights.block_matrix import PACK_ROWS, PACKABLE, PACKED, BlockMatrix
-
 from workers.model.cpu_kernels import load_kernel
 
+PACKED = 0x100
+"""Set in a kernel type id: the blocks are in the packed layout (csrc/kquant_packed.h)."""
+PACK_ROWS = 8
+"""Rows per tile of the packed layout."""
+PACKABLE = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
 _STATUS = {-1: "out of memory", -3: "unsupported type", -4: "row length is not whole blocks"}
 
 
@@ -83,19 +85,14 @@ class BlockKernels:
                   x.shape[0], y.data_ptr(), torch.get_num_threads()), matrix.type_name)
         return y
 
-    def pack(self, matrix: BlockMatrix) -> BlockMatrix:
-        """A copy of `matrix` in the packed layout (csrc/kquant_packed.h), where its type and
-        shape have one (Q4_K, Q6_K; rows a multiple of 8) and the build reads it (AVX2 with
-        F16C); else `matrix` itself. The copy's bytes are the same, rows interleaved by 8."""
-        if (matrix.packed or matrix.qtype not in PACKABLE or matrix.shape[0] % PACK_ROWS
-                or matrix.in_features % 256 or not self.has_packed or matrix.is_on_device):
-            return matrix
-        if matrix.raw.untyped_storage().nbytes() != matrix.raw.numel():
-            return matrix  # a view of a larger tensor (an expert of a stack): a copy would add to it
-        raw = matrix.raw.contiguous().clone()
-        _check(self.library.quant_pack8(int(matrix.qtype), raw.data_ptr(), raw.shape[0], matrix.in_features,
-                                        torch.get_num_threads()), matrix.type_name)
-        return replace(matrix, raw=raw, packed=True)
+    def pack_raw(self, raw: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.Tensor:
+        """A copy of blocks `raw` (uint8 [rows, bytes per row] of a PACKABLE type, rows a
+        multiple of PACK_ROWS) in the packed layout: the same bytes, rows interleaved by 8
+        (block_matrix.packed_copy decides which matrices)."""
+        out = raw.contiguous().clone()
+        _check(self.library.quant_pack8(int(qtype), out.data_ptr(), out.shape[0], in_features,
+                                        torch.get_num_threads()), qtype.name)
+        return out
 
     def dequantize(self, raw: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
                    out: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,

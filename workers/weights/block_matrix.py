@@ -20,15 +20,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from justapi.model.gguf_file import GGUFError
 from justapi.model.weight_types import BLOCK_TYPE_NAMES
+from workers.weights.block_kernels import PACK_ROWS, PACKABLE, PACKED, BlockKernels
 
 Q = GGMLQuantizationType
 BLOCK_TYPES = tuple(GGMLQuantizationType[name] for name in BLOCK_TYPE_NAMES)
 """Types the block kernels read (csrc/gguf_blocks.h)."""
-PACKED = 0x100
-"""Set in a kernel type id: the blocks are in the packed layout (csrc/kquant_packed.h)."""
-PACK_ROWS = 8
-"""Rows per tile of the packed layout."""
-PACKABLE = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)
 
 
 def is_block_type(qtype: GGMLQuantizationType) -> bool:
@@ -147,7 +143,7 @@ def expand_rows(raw: torch.Tensor, qtype: GGMLQuantizationType, in_features: int
     """uint8 [rows, bytes per row] -> fp32 [rows, in_features]: the C kernel where it is built,
     else gguf's dequantizers (dequant.py). Both equal gguf bit for bit. `packed`: whole tiles
     of the packed layout (only the C kernel reads it)."""
-    from workers.weights.block_kernels import block_kernels
+    from workers.weights.block_kernels import block_kernels  # (built on first use)
     from workers.weights.dequant import dequantize
 
     kernels = block_kernels()
@@ -156,6 +152,18 @@ def expand_rows(raw: torch.Tensor, qtype: GGMLQuantizationType, in_features: int
     if packed:
         raise ValueError("packed blocks need the C block kernels")
     return dequantize(raw.numpy(), qtype, (raw.shape[0], in_features))
+
+
+def packed_copy(matrix: BlockMatrix, kernels: BlockKernels) -> BlockMatrix:
+    """A copy of `matrix` in the packed layout (csrc/kquant_packed.h), where its type and shape
+    have one (Q4_K, Q6_K; rows a multiple of 8) and the build reads it (AVX2 with F16C); else
+    `matrix` itself. The copy's bytes are the same, rows interleaved by 8."""
+    if (matrix.packed or matrix.qtype not in PACKABLE or matrix.shape[0] % PACK_ROWS
+            or matrix.in_features % 256 or not kernels.has_packed or matrix.is_on_device):
+        return matrix
+    if matrix.raw.untyped_storage().nbytes() != matrix.raw.numel():
+        return matrix  # a view of a larger tensor (an expert of a stack): a copy would add to it
+    return replace(matrix, raw=kernels.pack_raw(matrix.raw, matrix.qtype, matrix.in_features), packed=True)
 
 
 @dataclass(frozen=True)

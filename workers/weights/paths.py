@@ -45,7 +45,7 @@ from workers.model.cpu_layer_chain import LayerChain
 from workers.model.forward import DecoderModel, Linear, LinearLike, has_onednn_bf16
 from workers.weights.block_kernels import BlockKernels, block_kernels
 from workers.weights.block_linear import BlockLinear, StackLinear, TileScratch
-from workers.weights.block_matrix import BlockMatrix, RowStack, is_block_type
+from workers.weights.block_matrix import BlockMatrix, RowStack, is_block_type, packed_copy
 from workers.weights.gguf_loader import load_weights
 from workers.weights.path_plan import CHECK_ROWS, INT8_FAMILY, PathPlan, PathTimer, settle_plan
 from workers.weights.plan_cache import PlanCache, PlanRecord
@@ -206,7 +206,7 @@ class WeightPaths:
             return DeviceBlockLinear(weight, self.scratch_device, self.compute_dtype)
         if isinstance(weight, BlockMatrix) and self.kernels is not None:
             if os.environ.get(PACK_ENV, "1") != "0":
-                packed = self.kernels.pack(weight)  # Q4_K / Q6_K: rows interleaved by 8 (kquant_packed.h)
+                packed = packed_copy(weight, self.kernels)  # Q4_K / Q6_K: rows interleaved by 8 (kquant_packed.h)
                 self.packed += packed is not weight
                 weight = packed
             plan = self.forced_plan or self.planner.plan_for(weight)  # type: ignore[union-attr]
