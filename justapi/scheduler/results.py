@@ -21,7 +21,7 @@ import numpy as np
 from justapi.scheduler import retries
 from justapi.scheduler.deltas import DeltaBuilder
 from justapi.scheduler.overlap import finish_or_hold, land, later_step
-from justapi.scheduler.request import Request
+from justapi.scheduler.request import Request, RequestStatus
 from justapi.scheduler.spec.tree import follow, max_depth
 from justapi.scheduler.state import SchedulerState
 from justapi.scheduler.worker_state import InFlightStep, WorkerState
@@ -157,7 +157,7 @@ class ResultApplier:
                     self._extend(req, sampled[position:position + count], deltas, position)
                 else:
                     self._accept(req, num_drafts, sampled[position:position + count], deltas, position)
-                if req.is_suspect and not req.retry_pending:
+                if req.is_suspect and req.status is RequestStatus.RUNNING and not req.retry_pending:
                     req.is_suspect = False  # it sampled a token: not the failure's cause
                 if proposals is not None and index in proposals and not req.is_finished:
                     assert self.state.spec is not None, "a worker proposed drafts with speculation off"

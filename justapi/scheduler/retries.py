@@ -21,8 +21,9 @@ from justapi.scheduler.state import SchedulerState
 def retries_in(reqs: list[Request]) -> bool:
     """Whether a failed step with these requests retries its unsuspected ones (several live in
     it, or one beside a request its failure may have come from)."""
-    live = [r for r in reqs if not (r.is_finishing or r.is_abort_pending or r.retry_pending)]
-    return len(live) > 1 or len(live) < sum(1 for r in reqs if not (r.is_finishing or r.is_abort_pending))
+    active = [r for r in reqs if not (r.is_finishing or r.is_abort_pending)]
+    live = [r for r in active if not r.retry_pending]
+    return len(live) > 1 or len(live) < len(active)
 
 
 def may_retry(req: Request) -> bool:
@@ -43,8 +44,7 @@ def landed(state: SchedulerState, req: Request) -> None:
     """A step computing a request waiting for its retry landed: its work is dropped; once no
     step computes it any more it is re-queued."""
     if not req.is_in_flight:
-        req.retry_pending = False
-        state.preempt(req)
+        state.preempt(req)  # (which ends retry_pending, as any preemption does)
 
 
 def suspect_running(state: SchedulerState) -> bool:

@@ -180,6 +180,7 @@ class SchedulerState:
         its original key."""
         assert req.status in (RequestStatus.RUNNING, RequestStatus.HANDOFF) and not req.is_in_flight
         self._release(req)
+        req.retry_pending = False  # a retry waiting for its step to land (retries.py): this is it
         req.num_preemptions += 1
         self.counters.num_preemptions += 1
         self.enqueue(req)

@@ -104,3 +104,25 @@ def test_a_worker_that_fails_every_step_fails_each_request_once_alone() -> None:
     assert h.scheduler.stats()["num_step_retries"] == len(_PROMPTS)
     assert len(failed) <= 2 * len(_PROMPTS) and steps <= 2 * len(_PROMPTS) + 2
     assert in_use(h) == 0
+
+
+def test_a_retry_waiting_for_its_later_step_stays_a_suspect() -> None:
+    """Overlap: a step fails while the next one, planned on its tokens, is in flight; that one
+    lands fine (its tokens dropped). Both requests are then re-queued as suspects (a request
+    that lost its suspicion there would run beside others again, unserialized)."""
+    h = Harness(build_scheduler(pool_blocks=64, overlap=True))
+    for rid, p in (("a", prompt(5)), ("b", prompt(6, base=3))):
+        h.submit(rid, p, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for _ in range(3):
+        h.step()
+    (worker_id, failing), (_, later) = h.schedule()
+    assert list(failing.request_ids) == list(later.request_ids) == ["a", "b"]
+    h.workers[worker_id].execute(failing)  # computed, then answered as failed
+    h.record(h.scheduler.update(StepResult(failing.step_id, worker_id, [], np.zeros(0, np.int32),
+                                           np.zeros(0, np.int32), error=ERROR)))
+    h.complete(worker_id, later)
+    queued = [r for queue in h.scheduler.state.queues.values() for r in queue]
+    assert sorted((r.request_id, r.is_suspect, r.retry_pending) for r in queued) == \
+        [("a", True, False), ("b", True, False)]
+    h.run()
+    assert set(h.finish_reasons.values()) == {"length"} and in_use(h) == 0

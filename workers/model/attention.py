@@ -348,7 +348,8 @@ def cut_chunks(batch: AttentionBatch, seqs: np.ndarray, most: int) -> tuple[Atte
     piece_seq = np.repeat(np.arange(batch.num_seqs), counts)  # the sequence of every piece
     first_piece = np.concatenate([[0], np.cumsum(counts)[:-1]])
     offset = (np.arange(len(piece_seq)) - first_piece[piece_seq]) * most  # rows before the piece
-    num_tokens = np.minimum(batch.num_tokens[piece_seq] - offset, np.where(counts[piece_seq] > 1, most, batch.num_tokens[piece_seq]))
+    whole = batch.num_tokens[piece_seq]
+    num_tokens = np.where(counts[piece_seq] > 1, np.minimum(whole - offset, most), whole)
     blk_off = batch.block_offsets()
     block_ids = np.concatenate([batch.block_ids[blk_off[s]:blk_off[s + 1]] for s in piece_seq])
     cut = AttentionBatch(batch.start_positions[piece_seq] + offset, num_tokens,

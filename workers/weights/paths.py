@@ -96,13 +96,14 @@ class PathPlanner:
         return self.plans[memo]
 
     def _settled(self, matrix: BlockMatrix) -> PathPlan:
-        key = PlanCache.key(cpu_id(), self._source, _form_name(matrix), matrix.shape, self.paths)
+        name = _form_name(matrix)
+        key = PlanCache.key(cpu_id(), self._source, name, matrix.shape, self.paths)
         record = self.cache.get(key) if self.cache else None
         probe = BusyProbe().start()
         probe_linear = BlockLinear(matrix, self.kernels, PathPlan.only("dense"), self.scratch)
         settled = settle_plan(record.plan if record else None, PathTimer(probe_linear.run, matrix.shape[1], self.paths))
         busy = probe.share()
-        what = f"weights {_form_name(matrix)} {matrix.shape[0]}x{matrix.shape[1]}"
+        what = f"weights {name} {matrix.shape[0]}x{matrix.shape[1]}"
         if settled.how == "checked":
             logger.info("%s: %s (cached; checked at %s rows)", what, settled.plan.describe(),
                         " and ".join(map(str, CHECK_ROWS)))
@@ -110,7 +111,7 @@ class PathPlanner:
         self.measured += 1
         kept = self.cache is not None and busy <= QUIET_SHARE
         if self.cache is not None and kept:
-            self.cache.put(key, PlanRecord(settled.plan, _form_name(matrix), matrix.shape, torch.get_num_threads(),
+            self.cache.put(key, PlanRecord(settled.plan, name, matrix.shape, torch.get_num_threads(),
                                            cpu_name(), time.time(), busy))
         elif self.cache is not None and record is not None:
             self.cache.drop(key)  # it lost its check: the next start measures afresh
