@@ -85,6 +85,8 @@ class ServedPool:
         self.zmq = f"tcp://127.0.0.1:{free_port()}" if zmq else None
         self._log = tempfile.NamedTemporaryFile("w+", prefix="justapi-serve-", suffix=".log",
                                                 delete=False)
+        # a segment some earlier, killed server left under a pid this one reuses is not ours
+        self._shm_before = set(os.listdir("/dev/shm"))
         self.proc = subprocess.Popen(
             [*wrap, sys.executable, "-m", "justapi.cli", "serve", "--port", str(self.port),
              *(["--zmq", self.zmq] if self.zmq else []), *args],
@@ -161,7 +163,8 @@ class ServedPool:
             time.sleep(0.1)
         found = [f"process {pid}" for pid in self.children if pid_alive(pid)]
         prefix = f"justapi-kv-{self.proc.pid}-"
-        found += [f"/dev/shm/{name}" for name in os.listdir("/dev/shm") if name.startswith(prefix)]
+        found += [f"/dev/shm/{name}" for name in os.listdir("/dev/shm")
+                  if name.startswith(prefix) and name not in self._shm_before]
         runtime_dir = self.runtime_dir
         if runtime_dir and os.path.exists(runtime_dir):
             found.append(runtime_dir)
