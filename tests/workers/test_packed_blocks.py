@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K blocks packed with rows interleaved by 8 (csrc/kquant_packed.h, made at load by
+"""Q4_K, Q6_K, Q4_0 and Q4_1 blocks packed with rows interleaved by 8 (csrc/kquant_packed.h, made at load by
 BlockKernels.pack): every kernel that reads the packed copy gives the bits it gives on the
 file's layout - the int8 path at any row count, the panels (16-row panels, each tile read
 back), the AVX2-only build, expansion and row lookups - and the matmul stays within the int8
@@ -22,7 +22,8 @@ Q = GGMLQuantizationType
 NO_VNNI = ("-mno-avx512f", "-mno-avxvnni", "-mno-avx512vnni")
 pytestmark = pytest.mark.skipif(block_kernels() is None or not block_kernels().has_packed,
                                 reason="the packed layout needs the block kernels with AVX2 and F16C")
-CASES = [(qtype, cols) for qtype in (Q.Q4_K, Q.Q6_K) for cols in (256, 2304, 4096)]
+CASES = [(qtype, cols) for qtype in (Q.Q4_K, Q.Q6_K) for cols in (256, 2304, 4096)] + \
+    [(qtype, cols) for qtype in (Q.Q4_0, Q.Q4_1) for cols in (32, 576, 1536)]  # SmolLM2's 576 = 18 blocks
 
 
 def matrices(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int):
@@ -63,13 +64,17 @@ def test_packed_blocks_give_the_file_layouts_bits_at_every_row_count(qtype, cols
     assert bool(((reference.double() - x.double() @ values.double().T).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=["Q4_K", "Q6_K"])
+TYPES = [Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q4_1]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
 def test_packed_blocks_expand_and_look_up_as_gguf(qtype):
-    plain, packed, values = matrices(qtype, 32, 512, seed=23)
+    cols = 512 if qtype in (Q.Q4_K, Q.Q6_K) else 576
+    plain, packed, values = matrices(qtype, 32, cols, seed=23)
     assert torch.equal(packed.dense(), values)
-    bf16 = block_kernels().dequantize(packed.raw, qtype, 512, dtype=torch.bfloat16, packed=True)
+    bf16 = block_kernels().dequantize(packed.raw, qtype, cols, dtype=torch.bfloat16, packed=True)
     assert torch.equal(bf16, values.to(torch.bfloat16))
-    assert torch.equal(block_kernels().dequantize(packed.raw[8:24], qtype, 512, packed=True), values[8:24])
+    assert torch.equal(block_kernels().dequantize(packed.raw[8:24], qtype, cols, packed=True), values[8:24])
     ids = torch.tensor([31, 0, 9, 9, 17])
     assert torch.equal(packed[ids], values[ids])
     with pytest.raises(ValueError):
@@ -77,12 +82,13 @@ def test_packed_blocks_expand_and_look_up_as_gguf(qtype):
 
 
 @pytest.mark.skipif("avx512f" not in cpu_id(), reason="this CPU has no AVX-512: its build is already the AVX2 one")
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
 def test_an_avx2_builds_packed_kernel_gives_this_builds_bits(qtype):
     """maddubs + madd (AVX2 CPUs) in place of dpbusd: the same exact sums, the same bits."""
     fallback = BlockKernels(ctypes.CDLL(str(build("quant_matmul", NO_VNNI))))
-    _, packed, _ = matrices(qtype, 16, 2304, seed=25)
-    x = x_rows(6, 2304, seed=26)
+    cols = 2304 if qtype in (Q.Q4_K, Q.Q6_K) else 576
+    _, packed, _ = matrices(qtype, 16, cols, seed=25)
+    x = x_rows(6, cols, seed=26)
     for rows in (1, 2, 6):
         assert torch.equal(fallback.matmul(packed, x[:rows]), block_kernels().matmul(packed, x[:rows])), rows
 

@@ -32,49 +32,75 @@
 #define PACK8 0x100  /* type | PACK8: the type's blocks in the packed layout */
 #define P8 8         /* rows per tile */
 
-static int packable(int type) { return type == Q4_K || type == Q6_K; }
+static int packable(int type) { return type == Q4_K || type == Q6_K || type == Q4_0 || type == Q4_1; }
 
-/* The file's code bytes of a superblock (offset, 32-byte blocks) and its header bytes. */
-static void p8_parts(int type, int *code_at, int *code_blocks, int *head_at, int *head_bytes) {
-    if (type == Q4_K) *code_at = 16, *code_blocks = 4, *head_at = 0, *head_bytes = 16;
-    else *code_at = 0, *code_blocks = 6, *head_at = 192, *head_bytes = 18;
+/* Where a block (superblock) keeps its codes and how many bytes; its header fields (one per
+ * row: Q4_K's and Q6_K's whole header; Q4_0's d; Q4_1's d and m, each a field). */
+typedef struct { int code_at, code_bytes, head_at, field_bytes, fields; } p8_layout;
+
+INLINE p8_layout p8_parts(int type) {
+    switch (type) {
+        case Q4_K: return (p8_layout){16, 128, 0, 16, 1};
+        case Q6_K: return (p8_layout){0, 192, 192, 18, 1};
+        case Q4_0: return (p8_layout){2, 16, 0, 2, 1};
+        default: return (p8_layout){4, 16, 0, 2, 2};  /* Q4_1: d | m */
+    }
 }
 
-/* Where in the packed codes the 8 rows' bytes 4c..4c+3 of the file's code block j are. */
+/* Where in the packed codes the 8 rows' bytes 4c..4c+3 of the file's 32-byte code block j are
+ * (Q4_0, Q4_1: the block's 16 code bytes, j = 0). */
 INLINE int p8_chunk_at(int type, int j, int c) {
     if (type == Q4_K) return (j * 8 + c) * 32;
+    if (type != Q6_K) return c * 32;
     return j < 4 ? (((j / 2) * 8 + c) * 3 + j % 2) * 32 : (((j - 4) * 8 + c) * 3 + 2) * 32;
 }
 
-/* Where the packed superblock keeps its codes and row r's header. */
-INLINE int p8_codes_at(int type) { return type == Q4_K ? P8 * 16 : P8 * 18; }
-INLINE int p8_head_at(int type, int r) { return type == Q4_K ? 16 * r : 18 * r; }
+/* Where the packed block keeps its codes and row r's header field f. */
+INLINE int p8_codes_at(int type) {
+    const p8_layout l = p8_parts(type);
+    return P8 * l.field_bytes * l.fields;
+}
+INLINE int p8_head_at(int type, int r, int f) {
+    const int fb = p8_parts(type).field_bytes;
+    return f * P8 * fb + r * fb;
+}
 
 /* One tile: rows (file layout, row_bytes apart) <-> packed (8 * row_bytes); `unpack` the
- * other way. */
-static void p8_tile(int type, uint8_t *rows, int64_t row_bytes, uint8_t *packed, int64_t blocks, int unpack) {
-    int code_at, code_blocks, head_at, head_bytes;
-    p8_parts(type, &code_at, &code_blocks, &head_at, &head_bytes);
+ * other way; `blocks`: the row's blocks (superblocks). */
+INLINE void p8_tile(int type, uint8_t *rows, int64_t row_bytes, uint8_t *packed, int64_t blocks, int unpack) {
+    const p8_layout l = p8_parts(type);
     const int bytes = layout_of(type).bytes;
     for (int64_t s = 0; s < blocks; s++) {
         uint8_t *sp = packed + s * P8 * bytes;
         for (int r = 0; r < P8; r++) {
-            uint8_t *sb = rows + r * row_bytes + s * bytes, *head = sp + p8_head_at(type, r);
-            if (unpack) memcpy(sb + head_at, head, (size_t)head_bytes);
-            else memcpy(head, sb + head_at, (size_t)head_bytes);
-            for (int j = 0; j < code_blocks; j++)
-                for (int c = 0; c < 8; c++) {
-                    uint8_t *file = sb + code_at + 32 * j + 4 * c, *p = sp + p8_codes_at(type) + p8_chunk_at(type, j, c) + 4 * r;
-                    if (unpack) memcpy(file, p, 4);
-                    else memcpy(p, file, 4);
-                }
+            uint8_t *sb = rows + r * row_bytes + s * bytes;
+            for (int f = 0; f < l.fields; f++) {
+                uint8_t *file = sb + l.head_at + f * l.field_bytes, *head = sp + p8_head_at(type, r, f);
+                if (unpack) memcpy(file, head, (size_t)l.field_bytes);
+                else memcpy(head, file, (size_t)l.field_bytes);
+            }
+            for (int b = 0; b < l.code_bytes / 4; b++) {  /* 4-byte chunk b: chunk b % 8 of 32-byte block b / 8 */
+                uint8_t *file = sb + l.code_at + 4 * b, *p = sp + p8_codes_at(type) + p8_chunk_at(type, b / 8, b % 8) + 4 * r;
+                if (unpack) memcpy(file, p, 4);
+                else memcpy(p, file, 4);
+            }
         }
+    }
+}
+
+/* p8_tile with the type a constant in each copy (the field and chunk copies fold to moves). */
+static void p8_tile_any(int type, uint8_t *rows, int64_t row_bytes, uint8_t *packed, int64_t blocks, int unpack) {
+    switch (type) {
+        case Q4_K: p8_tile(Q4_K, rows, row_bytes, packed, blocks, unpack); break;
+        case Q6_K: p8_tile(Q6_K, rows, row_bytes, packed, blocks, unpack); break;
+        case Q4_0: p8_tile(Q4_0, rows, row_bytes, packed, blocks, unpack); break;
+        default: p8_tile(Q4_1, rows, row_bytes, packed, blocks, unpack); break;
     }
 }
 
 /* Rows [8t, 8t + 8) of a packed matrix in the file's layout, into rows (8 * row_bytes). */
 INLINE void p8_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t t, uint8_t *rows) {
-    p8_tile(type, rows, row_bytes, (uint8_t *)(w + t * P8 * row_bytes), row_bytes / layout_of(type).bytes, 1);
+    p8_tile_any(type, rows, row_bytes, (uint8_t *)(w + t * P8 * row_bytes), row_bytes / layout_of(type).bytes, 1);
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -173,7 +199,7 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
             _mm_prefetch((const char *)(xs[i] + 16 * next), _MM_HINT_T0);
         }
         for (int r = 0; r < P8; r++)  /* kq_load reads the header at its place in the file's superblock */
-            head[r] = sp + p8_head_at(type, r) - (type == Q4_K ? 0 : 192);
+            head[r] = sp + p8_head_at(type, r, 0) - (type == Q4_K ? 0 : 192);
         const kq_state st = kq_load(type, head);
         const uint8_t *codes = sp + p8_codes_at(type);
         if (type == Q4_K) {
@@ -219,6 +245,58 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
     }
 }
 
+/* Q4_0 / Q4_1: rows [a, a + nx) of y at columns [n0, n0 + 8) from packed tile `tile` (k / 32
+ * blocks). Per block its 8 rows' d (and Q4_1's m) are one load each, its 16 code bytes 4 loads of
+ * the 8 rows' 4 bytes: low nibbles values 4c..4c+3, high 16 + 4c.. (the file's order), both
+ * summed into the block's exact sum. The float operations are tile_i8_direct's, in its order
+ * (t += float(sum) * (d * xd); offsets m or -8d in 4 chains over the halves). */
+INLINE void tile_p8_q4(int type, const uint8_t *tile, int64_t k, int64_t n0, const qx *x, int64_t a, int nx,
+                       float *y, int64_t n) {
+    const int bytes = layout_of(type).bytes, codes_at = p8_codes_at(type);
+    const int64_t blocks = k / 32;
+    const int8_t *xq[P8_MAX_X];
+    const float *xd[P8_MAX_X], *xs[P8_MAX_X];
+    __m256 t[P8_MAX_X], o[P8_MAX_X][OFF_CHAINS];
+    for (int i = 0; i < nx; i++) {
+        xq[i] = x->q + (a + i) * k, xd[i] = x->d + (a + i) * k / 32, xs[i] = x->sums + (a + i) * k / 16;
+        t[i] = _mm256_setzero_ps();
+        for (int j = 0; j < OFF_CHAINS; j++) o[i][j] = _mm256_setzero_ps();
+    }
+    for (int64_t g = 0; g < blocks; g++) {
+        const uint8_t *bp = tile + g * P8 * bytes, *codes = bp + codes_at;
+        if (g % 8 == 0)  /* x's next 256 values into L1, as tile_p8 */
+            for (int i = 0; i < nx; i++) {
+                const int64_t next = g + 8 < blocks ? g + 8 : g;
+                for (int l = 0; l < 256 && 32 * next + l < k; l += 64) _mm_prefetch((const char *)(xq[i] + 32 * next + l), _MM_HINT_T0);
+                _mm_prefetch((const char *)(xd[i] + next), _MM_HINT_T0);
+                _mm_prefetch((const char *)(xs[i] + 2 * next), _MM_HINT_T0);
+            }
+        __m256i acc[P8_MAX_X];
+        for (int i = 0; i < nx; i++) acc[i] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(type, 0, c)));
+            const __m256i lo = byte_bits(v, 0, 15), hi = byte_bits(v, -4, 15);
+            for (int i = 0; i < nx; i++) {
+                const int8_t *q = xq[i] + 32 * g + 4 * c;
+                acc[i] = p8_dot(acc[i], lo, q);
+                acc[i] = p8_dot(acc[i], hi, q + 16);
+            }
+        }
+        p8_scales f;
+        f.sc0 = f.sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 0))));
+        f.off0 = f.off1 = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 1))))
+                                       : _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), f.sc0), _mm256_set1_ps(-0.0f));
+        for (int i = 0; i < nx; i++) p8_group(type, &f, 0, (int)g, acc[i], acc[i], xd[i][g], xs[i], &t[i], o[i]);
+    }
+    for (int i = 0; i < nx; i++) {
+        float out[P8];
+        _mm256_storeu_ps(out, _mm256_add_ps(t[i], _mm256_add_ps(_mm256_add_ps(o[i][0], o[i][1]),
+                                                                _mm256_add_ps(o[i][2], o[i][3]))));
+        memcpy(y + (a + i) * n + n0, out, sizeof out);
+    }
+}
+
 /* Every row of x over packed tile t: P8_MAX_X rows at a time (Q6_K: 2), each tile's codes
  * read from memory once and from L1 after. */
 INLINE void tile_p8_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t t, const qx *x,
@@ -227,18 +305,13 @@ INLINE void tile_p8_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
     const int most = type == Q6_K ? 2 : P8_MAX_X;
     for (int64_t a = 0; a < m; a += most) {
         const int nx = m - a < most ? (int)(m - a) : most;
-#define P8_TILE(T, NX) tile_p8(T, tile, k, t * P8, x, a, NX, y, n)
-        if (type == Q4_K) {
-            switch (nx) {
-                case 1: P8_TILE(Q4_K, 1); break;
-                case 2: P8_TILE(Q4_K, 2); break;
-                case 3: P8_TILE(Q4_K, 3); break;
-                default: P8_TILE(Q4_K, 4); break;
-            }
-        } else if (nx == 1) {
-            P8_TILE(Q6_K, 1);
-        } else {
-            P8_TILE(Q6_K, 2);
+#define P8_TILE(T, NX) (T == Q4_0 || T == Q4_1 ? tile_p8_q4(T, tile, k, t * P8, x, a, NX, y, n) \
+                              : tile_p8(T, tile, k, t * P8, x, a, NX, y, n))
+        switch (type == Q6_K ? (nx == 1 ? 1 : 2) : nx) {
+            case 1: P8_TILE(type, 1); break;
+            case 2: P8_TILE(type, 2); break;
+            case 3: P8_TILE(type, 3); break;
+            default: P8_TILE(type, 4); break;
         }
 #undef P8_TILE
     }

@@ -5,8 +5,8 @@
  * Every path here (quant_matmul_i8: per row of x, coded tiles or straight from the blocks;
  * quant_matmul_i8_panels: x's rows in panels) sums each 32-value group exactly in int32 and
  * applies the same float operations in the same order per (weight row, x row), so a row of x
- * gives the same bits alone or in any batch, on any of them. Q4_K and Q6_K matrices may be
- * packed at load (`quant_pack8`: rows interleaved by 8, kquant_packed.h); every entry point
+ * gives the same bits alone or in any batch, on any of them. Q4_K, Q6_K, Q4_0 and Q4_1
+ * matrices may be packed at load (`quant_pack8`: rows interleaved by 8, kquant_packed.h); every entry point
  * takes them as `type | PACK8`, with the same bits. `quant_dequantize` expands rows
  * to fp32 or bf16 (lookups, and the tiles large steps multiply with a dense GEMM): every value
  * equals gguf's dequantization bit for bit. Compiled on first use by
@@ -476,18 +476,21 @@ INLINE void tile_i8_direct(int type, const uint8_t *w, int64_t row_bytes, int64_
 #endif
 #include "kquant_packed.h"
 
-/* The packed matrix's tile rows check: a packable type, whole tiles, whole superblocks. */
+/* The packed matrix's tile rows check: a packable type, whole tiles, whole blocks. */
 static int p8_check(int type, int64_t n, int64_t k) {
     if (!packable(type)) return BAD_TYPE;
-    return n % P8 == 0 && k % 256 == 0 ? OK : BAD_SHAPE;
+    return n % P8 == 0 && k > 0 && k % layout_of(type).elems == 0 ? OK : BAD_SHAPE;
 }
 
-/* Rearrange an n x k matrix of `type` (Q4_K, Q6_K) into the packed layout, in place; its
+/* A packed matrix's bytes per row (the file's). */
+static int64_t p8_row_bytes(int type, int64_t k) { return k / layout_of(type).elems * layout_of(type).bytes; }
+
+/* Rearrange an n x k matrix of `type` (Q4_K, Q6_K, Q4_0, Q4_1) into the packed layout, in place; its
  * kernels then take `type | PACK8`. */
 int quant_pack8(int type, uint8_t *w, int64_t n, int64_t k, int num_threads) {
     const int bad = p8_check(type, n, k);
     if (bad) return bad;
-    const int64_t row_bytes = k / 256 * layout_of(type).bytes;
+    const int64_t row_bytes = p8_row_bytes(type, k);
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
@@ -498,7 +501,7 @@ int quant_pack8(int type, uint8_t *w, int64_t n, int64_t k, int num_threads) {
             #pragma omp for schedule(static)
             for (int64_t t = 0; t < n / P8; t++) {
                 memcpy(rows, w + t * P8 * row_bytes, (size_t)(P8 * row_bytes));
-                p8_tile(type, rows, row_bytes, w + t * P8 * row_bytes, k / 256, 0);
+                p8_tile_any(type, rows, row_bytes, w + t * P8 * row_bytes, k / layout_of(type).elems, 0);
             }
         }
         free(rows);
@@ -512,7 +515,7 @@ static int matmul_p8(int type, const uint8_t *w, int64_t n, int64_t k, const flo
                      int num_threads) {
     const int bad = p8_check(type, n, k);
     if (bad) return bad;
-    const int64_t row_bytes = k / 256 * layout_of(type).bytes, tiles = n / P8;
+    const int64_t row_bytes = p8_row_bytes(type, k), tiles = n / P8;
     /* 4 turns per thread, not tile_grain's 16: each turn one longer contiguous stream (2 threads,
      * 512 x 2048 Q4_K from memory: 22.5-24.5 GB/s against 11-13.5 with 16 turns; ggml's
      * repacked 20.0-20.4 in the same runs) */
@@ -543,8 +546,12 @@ static int matmul_p8(int type, const uint8_t *w, int64_t n, int64_t k, const flo
         #pragma omp for schedule(dynamic, grain) nowait
         for (int64_t t = 0; t < tiles; t++) {  /* (every thread meets the loop; one without x skips) */
             if (!ready) continue;
-            if (type == Q4_K) tile_p8_rows(Q4_K, w, row_bytes, k, t, xq, m, y, n);
-            else tile_p8_rows(Q6_K, w, row_bytes, k, t, xq, m, y, n);
+            switch (type) {
+                case Q4_K: tile_p8_rows(Q4_K, w, row_bytes, k, t, xq, m, y, n); break;
+                case Q6_K: tile_p8_rows(Q6_K, w, row_bytes, k, t, xq, m, y, n); break;
+                case Q4_0: tile_p8_rows(Q4_0, w, row_bytes, k, t, xq, m, y, n); break;
+                default: tile_p8_rows(Q4_1, w, row_bytes, k, t, xq, m, y, n); break;
+            }
         }
         qx_free(&mine);
     }
@@ -1042,7 +1049,7 @@ int quant_matmul_i8_panels(int type, const uint8_t *w, int64_t n, int64_t k, con
 #if defined(HAS_ZPANELS)
         const int bad = p8_check(type & ~PACK8, n, k);
         if (bad) return bad;
-        if (m > PANEL) return matmul_zpanels(type & ~PACK8, 256, w, n, k, x, m, y, num_threads, 1);
+        if (m > PANEL) return matmul_zpanels(type & ~PACK8, chunk_of(type & ~PACK8, k), w, n, k, x, m, y, num_threads, 1);
 #endif
         return quant_matmul_i8(type, w, n, k, x, m, y, num_threads);
     }
@@ -1118,7 +1125,8 @@ static int dequantize_p8(int type, const uint8_t *w, int64_t rows, int64_t k, vo
                          int num_threads) {
     const int bad = p8_check(type, rows, k);
     if (bad) return bad;
-    const int64_t row_bytes = k / 256 * layout_of(type).bytes;
+    const int64_t row_bytes = p8_row_bytes(type, k);
+    const int chunk = chunk_of(type, k);
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
@@ -1131,8 +1139,13 @@ static int dequantize_p8(int type, const uint8_t *w, int64_t rows, int64_t k, vo
                 p8_unpack(type, w, row_bytes, t, tile);
                 for (int64_t r = t * P8; r < (t + 1) * P8; r++) {
                     const uint8_t *row = tile + (r - t * P8) * row_bytes;
-#define ROW(T) dequantize_row(T, 256, row, k, is_bf16 ? NULL : (float *)out + r * k, is_bf16 ? (uint16_t *)out + r * k : NULL)
-                    if (type == Q4_K) ROW(Q4_K); else ROW(Q6_K);
+#define ROW(T) dequantize_row(T, chunk, row, k, is_bf16 ? NULL : (float *)out + r * k, is_bf16 ? (uint16_t *)out + r * k : NULL)
+                    switch (type) {
+                        case Q4_K: ROW(Q4_K); break;
+                        case Q6_K: ROW(Q6_K); break;
+                        case Q4_0: ROW(Q4_0); break;
+                        default: ROW(Q4_1); break;
+                    }
 #undef ROW
                 }
             }
