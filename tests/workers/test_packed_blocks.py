@@ -1,4 +1,4 @@
-"""Q4_K, Q6_K, Q4_0 and Q4_1 blocks packed with rows interleaved by 8 (csrc/kquant_packed.h, made at load by
+"""Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 blocks packed with rows interleaved by 8 (csrc/kquant_packed.h, made at load by
 BlockKernels.pack): every kernel that reads the packed copy gives the bits it gives on the
 file's layout - the int8 path at any row count, the panels (16-row panels, each tile read
 back), the AVX2-only build, expansion and row lookups - and the matmul stays within the int8
@@ -23,7 +23,7 @@ NO_VNNI = ("-mno-avx512f", "-mno-avxvnni", "-mno-avx512vnni")
 pytestmark = pytest.mark.skipif(block_kernels() is None or not block_kernels().has_packed,
                                 reason="the packed layout needs the block kernels with AVX2 and F16C")
 CASES = [(qtype, cols) for qtype in (Q.Q4_K, Q.Q6_K) for cols in (256, 2304, 4096)] + \
-    [(qtype, cols) for qtype in (Q.Q4_0, Q.Q4_1) for cols in (32, 576, 1536)]  # SmolLM2's 576 = 18 blocks
+    [(qtype, cols) for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0) for cols in (32, 576, 1536)]  # SmolLM2's 576 = 18 blocks
 
 
 def matrices(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int):
@@ -64,7 +64,7 @@ def test_packed_blocks_give_the_file_layouts_bits_at_every_row_count(qtype, cols
     assert bool(((reference.double() - x.double() @ values.double().T).abs() <= bound).all())
 
 
-TYPES = [Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q4_1]
+TYPES = [Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q8_0]
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
@@ -95,7 +95,7 @@ def test_an_avx2_builds_packed_kernel_gives_this_builds_bits(qtype):
 
 def test_types_and_shapes_without_a_packed_layout_stay_as_they_are():
     kernels = block_kernels()
-    for qtype, rows, cols in ((Q.Q4_K, 12, 256), (Q.Q5_K, 16, 256), (Q.Q8_0, 16, 64)):
+    for qtype, rows, cols in ((Q.Q4_K, 12, 256), (Q.Q5_K, 16, 256), (Q.Q8_0, 12, 64)):
         plain = matrices(qtype, rows, cols, seed=27)[0] if qtype != Q.Q8_0 else \
             block_matrix(quantize(np.ones((rows, cols), np.float32), qtype), qtype, (rows, cols))
         assert packed_copy(plain, kernels) is plain
@@ -117,3 +117,28 @@ def test_the_dense_tiles_of_a_packed_matrix_are_the_file_layouts(dtype):
     runs = [BlockLinear(m, block_kernels(), PathPlan.only(path), TileScratch(16 * 512 * 4)).run(path, x)
             for m in (plain, packed)]
     assert torch.equal(runs[0], runs[1])
+
+
+def test_q8_0_codes_over_the_whole_int8_range_give_the_file_layouts_bits():
+    """Q8_0's codes are signed: packed, they enter the dot products as code + 128 (VNNI) or as
+    |code| with x signed by the code (AVX2); -128, which gguf's quantizer never writes but a file
+    may hold, too."""
+    rng = np.random.default_rng(31)
+    rows, cols = 16, 576
+    blocks = np.zeros((rows, cols // 32, 34), np.uint8)
+    blocks[:, :, :2] = np.frombuffer(rng.uniform(1e-3, 1e-2, (rows, cols // 32)).astype(np.float16).tobytes(),
+                                     np.uint8).reshape(rows, cols // 32, 2)
+    codes = rng.integers(-128, 128, (rows, cols // 32, 32), dtype=np.int8)
+    codes[0, 0, :] = -128
+    blocks[:, :, 2:] = codes.view(np.uint8)
+    plain = block_matrix(blocks.reshape(rows, -1), Q.Q8_0, (rows, cols))
+    packed = packed_copy(plain, block_kernels())
+    assert packed.packed
+    values = torch.from_numpy(dequantize(blocks.reshape(rows, -1), Q.Q8_0, (rows, cols)))
+    assert torch.equal(packed.dense(), values)
+    x = x_rows(6, cols, seed=32)
+    fallback = BlockKernels(ctypes.CDLL(str(build("quant_matmul", NO_VNNI))))
+    for count in (1, 2, 5, 6):
+        want = block_kernels().matmul(plain, x[:count])
+        assert torch.equal(block_kernels().matmul(packed, x[:count]), want), count
+        assert torch.equal(fallback.matmul(packed, x[:count]), want), count

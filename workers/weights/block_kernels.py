@@ -26,7 +26,7 @@ PACKED = 0x100
 PACK_ROWS = 8
 """Rows per tile of the packed layout."""
 PACKABLE = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_0,
-            GGMLQuantizationType.Q4_1)
+            GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 _STATUS = {-1: "out of memory", -3: "unsupported type", -4: "row length is not whole blocks"}
 
 

@@ -32,10 +32,10 @@
 #define PACK8 0x100  /* type | PACK8: the type's blocks in the packed layout */
 #define P8 8         /* rows per tile */
 
-static int packable(int type) { return type == Q4_K || type == Q6_K || type == Q4_0 || type == Q4_1; }
+static int packable(int type) { return type == Q4_K || type == Q6_K || type == Q4_0 || type == Q4_1 || type == Q8_0; }
 
 /* Where a block (superblock) keeps its codes and how many bytes; its header fields (one per
- * row: Q4_K's and Q6_K's whole header; Q4_0's d; Q4_1's d and m, each a field). */
+ * row: Q4_K's and Q6_K's whole header; Q4_0's and Q8_0's d; Q4_1's d and m, each a field). */
 typedef struct { int code_at, code_bytes, head_at, field_bytes, fields; } p8_layout;
 
 INLINE p8_layout p8_parts(int type) {
@@ -43,12 +43,13 @@ INLINE p8_layout p8_parts(int type) {
         case Q4_K: return (p8_layout){16, 128, 0, 16, 1};
         case Q6_K: return (p8_layout){0, 192, 192, 18, 1};
         case Q4_0: return (p8_layout){2, 16, 0, 2, 1};
+        case Q8_0: return (p8_layout){2, 32, 0, 2, 1};
         default: return (p8_layout){4, 16, 0, 2, 2};  /* Q4_1: d | m */
     }
 }
 
 /* Where in the packed codes the 8 rows' bytes 4c..4c+3 of the file's 32-byte code block j are
- * (Q4_0, Q4_1: the block's 16 code bytes, j = 0). */
+ * (Q4_0, Q4_1, Q8_0: the block's 16 or 32 code bytes, j = 0). */
 INLINE int p8_chunk_at(int type, int j, int c) {
     if (type == Q4_K) return (j * 8 + c) * 32;
     if (type != Q6_K) return c * 32;
@@ -94,6 +95,7 @@ static void p8_tile_any(int type, uint8_t *rows, int64_t row_bytes, uint8_t *pac
         case Q4_K: p8_tile(Q4_K, rows, row_bytes, packed, blocks, unpack); break;
         case Q6_K: p8_tile(Q6_K, rows, row_bytes, packed, blocks, unpack); break;
         case Q4_0: p8_tile(Q4_0, rows, row_bytes, packed, blocks, unpack); break;
+        case Q8_0: p8_tile(Q8_0, rows, row_bytes, packed, blocks, unpack); break;
         default: p8_tile(Q4_1, rows, row_bytes, packed, blocks, unpack); break;
     }
 }
@@ -245,20 +247,31 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
     }
 }
 
-/* Q4_0 / Q4_1: rows [a, a + nx) of y at columns [n0, n0 + 8) from packed tile `tile` (k / 32
- * blocks). Per block its 8 rows' d (and Q4_1's m) are one load each, its 16 code bytes 4 loads of
- * the 8 rows' 4 bytes: low nibbles values 4c..4c+3, high 16 + 4c.. (the file's order), both
- * summed into the block's exact sum. The float operations are tile_i8_direct's, in its order
- * (t += float(sum) * (d * xd); offsets m or -8d in 4 chains over the halves). */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define P8_VNNI 1
+#else
+#define P8_VNNI 0
+#endif
+
+/* Q4_0 / Q4_1 / Q8_0: rows [a, a + nx) of y at columns [n0, n0 + 8) from packed tile `tile` (k / 32
+ * blocks). Per block its 8 rows' d (and Q4_1's m) are one load each; Q4's 16 code bytes are 4
+ * loads of the 8 rows' 4 bytes (low nibbles values 4c..4c+3, high 16 + 4c.., the file's order),
+ * Q8_0's 32 bytes 8 loads, all summed into the block's exact sum. Q8_0's codes are signed:
+ * with VNNI they go in as code + 128 (unsigned) and 128 * (x's sum) comes off the block's sum;
+ * without, maddubs takes |code| and x with the code's sign (no saturation: 2 * 128 * 127). The
+ * float operations are tile_i8_direct's, in its order (t += float(sum) * (d * xd); offsets m
+ * or -8d in 4 chains over the halves; Q8_0 none: the chains stay +0). */
 INLINE void tile_p8_q4(int type, const uint8_t *tile, int64_t k, int64_t n0, const qx *x, int64_t a, int nx,
                        float *y, int64_t n) {
     const int bytes = layout_of(type).bytes, codes_at = p8_codes_at(type);
     const int64_t blocks = k / 32;
     const int8_t *xq[P8_MAX_X];
     const float *xd[P8_MAX_X], *xs[P8_MAX_X];
+    const int32_t *xi[P8_MAX_X];  /* Q8_0 with VNNI: x's sums per block */
     __m256 t[P8_MAX_X], o[P8_MAX_X][OFF_CHAINS];
     for (int i = 0; i < nx; i++) {
         xq[i] = x->q + (a + i) * k, xd[i] = x->d + (a + i) * k / 32, xs[i] = x->sums + (a + i) * k / 16;
+        xi[i] = x->isum ? x->isum + (a + i) * k / 32 : NULL;
         t[i] = _mm256_setzero_ps();
         for (int j = 0; j < OFF_CHAINS; j++) o[i][j] = _mm256_setzero_ps();
     }
@@ -273,6 +286,31 @@ INLINE void tile_p8_q4(int type, const uint8_t *tile, int64_t k, int64_t n0, con
             }
         __m256i acc[P8_MAX_X];
         for (int i = 0; i < nx; i++) acc[i] = _mm256_setzero_si256();
+        if (type == Q8_0) {
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(type, 0, c)));
+#if P8_VNNI
+                const __m256i u = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+                for (int i = 0; i < nx; i++) acc[i] = p8_dot(acc[i], u, xq[i] + 32 * g + 4 * c);
+#else
+                const __m256i u = _mm256_sign_epi8(v, v);
+                for (int i = 0; i < nx; i++) {
+                    int32_t x4;
+                    memcpy(&x4, xq[i] + 32 * g + 4 * c, sizeof x4);
+                    const __m256i prod = _mm256_maddubs_epi16(u, _mm256_sign_epi8(_mm256_set1_epi32(x4), v));
+                    acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
+                }
+#endif
+            }
+#if P8_VNNI
+            for (int i = 0; i < nx; i++) acc[i] = _mm256_sub_epi32(acc[i], _mm256_set1_epi32(128 * xi[i][g]));
+#endif
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 0))));
+            for (int i = 0; i < nx; i++)
+                t[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_mul_ps(d, _mm256_set1_ps(xd[i][g])), t[i]);
+            continue;
+        }
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
             const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(type, 0, c)));
@@ -305,7 +343,7 @@ INLINE void tile_p8_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t 
     const int most = type == Q6_K ? 2 : P8_MAX_X;
     for (int64_t a = 0; a < m; a += most) {
         const int nx = m - a < most ? (int)(m - a) : most;
-#define P8_TILE(T, NX) (T == Q4_0 || T == Q4_1 ? tile_p8_q4(T, tile, k, t * P8, x, a, NX, y, n) \
+#define P8_TILE(T, NX) (T == Q4_0 || T == Q4_1 || T == Q8_0 ? tile_p8_q4(T, tile, k, t * P8, x, a, NX, y, n) \
                               : tile_p8(T, tile, k, t * P8, x, a, NX, y, n))
         switch (type == Q6_K ? (nx == 1 ? 1 : 2) : nx) {
             case 1: P8_TILE(type, 1); break;

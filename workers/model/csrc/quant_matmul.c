@@ -5,8 +5,8 @@
  * Every path here (quant_matmul_i8: per row of x, coded tiles or straight from the blocks;
  * quant_matmul_i8_panels: x's rows in panels) sums each 32-value group exactly in int32 and
  * applies the same float operations in the same order per (weight row, x row), so a row of x
- * gives the same bits alone or in any batch, on any of them. Q4_K, Q6_K, Q4_0 and Q4_1
- * matrices may be packed at load (`quant_pack8`: rows interleaved by 8, kquant_packed.h); every entry point
+ * gives the same bits alone or in any batch, on any of them. Q4_K, Q6_K, Q4_0, Q4_1 and
+ * Q8_0 matrices may be packed at load (`quant_pack8`: rows interleaved by 8, kquant_packed.h); every entry point
  * takes them as `type | PACK8`, with the same bits. `quant_dequantize` expands rows
  * to fp32 or bf16 (lookups, and the tiles large steps multiply with a dense GEMM): every value
  * equals gguf's dequantization bit for bit. Compiled on first use by
@@ -485,7 +485,7 @@ static int p8_check(int type, int64_t n, int64_t k) {
 /* A packed matrix's bytes per row (the file's). */
 static int64_t p8_row_bytes(int type, int64_t k) { return k / layout_of(type).elems * layout_of(type).bytes; }
 
-/* Rearrange an n x k matrix of `type` (Q4_K, Q6_K, Q4_0, Q4_1) into the packed layout, in place; its
+/* Rearrange an n x k matrix of `type` (Q4_K, Q6_K, Q4_0, Q4_1, Q8_0) into the packed layout, in place; its
  * kernels then take `type | PACK8`. */
 int quant_pack8(int type, uint8_t *w, int64_t n, int64_t k, int num_threads) {
     const int bad = p8_check(type, n, k);
@@ -523,18 +523,18 @@ static int matmul_p8(int type, const uint8_t *w, int64_t n, int64_t k, const flo
     /* A few rows of x: each thread rounds them itself (a few microseconds) rather than waiting
      * at a barrier for one thread to (2 threads, 512 x 2048 Q4_K from memory: 0.67x ggml with
      * the barrier). */
-    const int own = m <= P8_MAX_X;
-    qx shared = own ? (qx){0} : qx_new(m, k, 0);
-    if (!own && !qx_ok(&shared, 0)) {
+    const int own = m <= P8_MAX_X, with_isum = type == Q8_0 && P8_VNNI;  /* Q8_0's bias (tile_p8_q4) */
+    qx shared = own ? (qx){0} : qx_new(m, k, with_isum);
+    if (!own && !qx_ok(&shared, with_isum)) {
         qx_free(&shared);
         return NO_MEMORY;
     }
     int failed = 0;
     #pragma omp parallel num_threads(num_threads)
     {
-        qx mine = own ? qx_new(m, k, 0) : (qx){0};
+        qx mine = own ? qx_new(m, k, with_isum) : (qx){0};
         const qx *xq = own ? &mine : &shared;
-        if (own && qx_ok(&mine, 0)) {
+        if (own && qx_ok(&mine, with_isum)) {
             for (int64_t r = 0; r < m; r++) quantize_x_row(x, k, r, &mine);
         } else if (own) {
             failed = 1;  /* this thread's tiles are skipped; the call reports it */
@@ -542,7 +542,7 @@ static int matmul_p8(int type, const uint8_t *w, int64_t n, int64_t k, const flo
             #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; r++) quantize_x_row(x, k, r, &shared);
         }
-        const int ready = qx_ok(xq, 0);
+        const int ready = qx_ok(xq, with_isum);
         #pragma omp for schedule(dynamic, grain) nowait
         for (int64_t t = 0; t < tiles; t++) {  /* (every thread meets the loop; one without x skips) */
             if (!ready) continue;
@@ -550,6 +550,7 @@ static int matmul_p8(int type, const uint8_t *w, int64_t n, int64_t k, const flo
                 case Q4_K: tile_p8_rows(Q4_K, w, row_bytes, k, t, xq, m, y, n); break;
                 case Q6_K: tile_p8_rows(Q6_K, w, row_bytes, k, t, xq, m, y, n); break;
                 case Q4_0: tile_p8_rows(Q4_0, w, row_bytes, k, t, xq, m, y, n); break;
+                case Q8_0: tile_p8_rows(Q8_0, w, row_bytes, k, t, xq, m, y, n); break;
                 default: tile_p8_rows(Q4_1, w, row_bytes, k, t, xq, m, y, n); break;
             }
         }
@@ -1144,6 +1145,7 @@ static int dequantize_p8(int type, const uint8_t *w, int64_t rows, int64_t k, vo
                         case Q4_K: ROW(Q4_K); break;
                         case Q6_K: ROW(Q6_K); break;
                         case Q4_0: ROW(Q4_0); break;
+                        case Q8_0: ROW(Q8_0); break;
                         default: ROW(Q4_1); break;
                     }
 #undef ROW
