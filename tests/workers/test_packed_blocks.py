@@ -1,4 +1,4 @@
-"""Q4_K, Q6_K, Q4_0, Q4_1 and Q8_0 blocks packed with rows interleaved by 8 (csrc/kquant_packed.h, made at load by
+"""Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and Q8_0 blocks packed with rows interleaved by 8 (csrc/kquant_packed.h, made at load by
 BlockKernels.pack): every kernel that reads the packed copy gives the bits it gives on the
 file's layout - the int8 path at any row count, the panels (16-row panels, each tile read
 back), the AVX2-only build, expansion and row lookups - and the matmul stays within the int8
@@ -22,7 +22,7 @@ Q = GGMLQuantizationType
 NO_VNNI = ("-mno-avx512f", "-mno-avxvnni", "-mno-avx512vnni")
 pytestmark = pytest.mark.skipif(block_kernels() is None or not block_kernels().has_packed,
                                 reason="the packed layout needs the block kernels with AVX2 and F16C")
-CASES = [(qtype, cols) for qtype in (Q.Q4_K, Q.Q6_K) for cols in (256, 2304, 4096)] + \
+CASES = [(qtype, cols) for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) for cols in (256, 2304, 4096)] + \
     [(qtype, cols) for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0) for cols in (32, 576, 1536)]  # SmolLM2's 576 = 18 blocks
 
 
@@ -64,12 +64,12 @@ def test_packed_blocks_give_the_file_layouts_bits_at_every_row_count(qtype, cols
     assert bool(((reference.double() - x.double() @ values.double().T).abs() <= bound).all())
 
 
-TYPES = [Q.Q4_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q8_0]
+TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q8_0]
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=[t.name for t in TYPES])
 def test_packed_blocks_expand_and_look_up_as_gguf(qtype):
-    cols = 512 if qtype in (Q.Q4_K, Q.Q6_K) else 576
+    cols = 512 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 576
     plain, packed, values = matrices(qtype, 32, cols, seed=23)
     assert torch.equal(packed.dense(), values)
     bf16 = block_kernels().dequantize(packed.raw, qtype, cols, dtype=torch.bfloat16, packed=True)
@@ -86,7 +86,7 @@ def test_packed_blocks_expand_and_look_up_as_gguf(qtype):
 def test_an_avx2_builds_packed_kernel_gives_this_builds_bits(qtype):
     """maddubs + madd (AVX2 CPUs) in place of dpbusd: the same exact sums, the same bits."""
     fallback = BlockKernels(ctypes.CDLL(str(build("quant_matmul", NO_VNNI))))
-    cols = 2304 if qtype in (Q.Q4_K, Q.Q6_K) else 576
+    cols = 2304 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 576
     _, packed, _ = matrices(qtype, 16, cols, seed=25)
     x = x_rows(6, cols, seed=26)
     for rows in (1, 2, 6):
@@ -95,7 +95,7 @@ def test_an_avx2_builds_packed_kernel_gives_this_builds_bits(qtype):
 
 def test_types_and_shapes_without_a_packed_layout_stay_as_they_are():
     kernels = block_kernels()
-    for qtype, rows, cols in ((Q.Q4_K, 12, 256), (Q.Q5_K, 16, 256), (Q.Q8_0, 12, 64)):
+    for qtype, rows, cols in ((Q.Q4_K, 12, 256), (Q.Q5_K, 12, 256), (Q.Q8_0, 12, 64)):
         plain = matrices(qtype, rows, cols, seed=27)[0] if qtype != Q.Q8_0 else \
             block_matrix(quantize(np.ones((rows, cols), np.float32), qtype), qtype, (rows, cols))
         assert packed_copy(plain, kernels) is plain

@@ -25,8 +25,8 @@ PACKED = 0x100
 """Set in a kernel type id: the blocks are in the packed layout (csrc/kquant_packed.h)."""
 PACK_ROWS = 8
 """Rows per tile of the packed layout."""
-PACKABLE = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q4_0,
-            GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+PACKABLE = (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+            GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
 _STATUS = {-1: "out of memory", -3: "unsupported type", -4: "row length is not whole blocks"}
 
 

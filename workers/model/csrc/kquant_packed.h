@@ -32,7 +32,9 @@
 #define PACK8 0x100  /* type | PACK8: the type's blocks in the packed layout */
 #define P8 8         /* rows per tile */
 
-static int packable(int type) { return type == Q4_K || type == Q6_K || type == Q4_0 || type == Q4_1 || type == Q8_0; }
+static int packable(int type) {
+    return type == Q4_K || type == Q5_K || type == Q6_K || type == Q4_0 || type == Q4_1 || type == Q8_0;
+}
 
 /* Where a block (superblock) keeps its codes and how many bytes; its header fields (one per
  * row: Q4_K's and Q6_K's whole header; Q4_0's and Q8_0's d; Q4_1's d and m, each a field). */
@@ -41,6 +43,7 @@ typedef struct { int code_at, code_bytes, head_at, field_bytes, fields; } p8_lay
 INLINE p8_layout p8_parts(int type) {
     switch (type) {
         case Q4_K: return (p8_layout){16, 128, 0, 16, 1};
+        case Q5_K: return (p8_layout){16, 160, 0, 16, 1};  /* qh[32] (block 0) | qs[128] (blocks 1-4) */
         case Q6_K: return (p8_layout){0, 192, 192, 18, 1};
         case Q4_0: return (p8_layout){2, 16, 0, 2, 1};
         case Q8_0: return (p8_layout){2, 32, 0, 2, 1};
@@ -51,7 +54,7 @@ INLINE p8_layout p8_parts(int type) {
 /* Where in the packed codes the 8 rows' bytes 4c..4c+3 of the file's 32-byte code block j are
  * (Q4_0, Q4_1, Q8_0: the block's 16 or 32 code bytes, j = 0). */
 INLINE int p8_chunk_at(int type, int j, int c) {
-    if (type == Q4_K) return (j * 8 + c) * 32;
+    if (type == Q4_K || type == Q5_K) return (j * 8 + c) * 32;
     if (type != Q6_K) return c * 32;
     return j < 4 ? (((j / 2) * 8 + c) * 3 + j % 2) * 32 : (((j - 4) * 8 + c) * 3 + 2) * 32;
 }
@@ -93,6 +96,7 @@ INLINE void p8_tile(int type, uint8_t *rows, int64_t row_bytes, uint8_t *packed,
 static void p8_tile_any(int type, uint8_t *rows, int64_t row_bytes, uint8_t *packed, int64_t blocks, int unpack) {
     switch (type) {
         case Q4_K: p8_tile(Q4_K, rows, row_bytes, packed, blocks, unpack); break;
+        case Q5_K: p8_tile(Q5_K, rows, row_bytes, packed, blocks, unpack); break;
         case Q6_K: p8_tile(Q6_K, rows, row_bytes, packed, blocks, unpack); break;
         case Q4_0: p8_tile(Q4_0, rows, row_bytes, packed, blocks, unpack); break;
         case Q8_0: p8_tile(Q8_0, rows, row_bytes, packed, blocks, unpack); break;
@@ -201,17 +205,24 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
             _mm_prefetch((const char *)(xs[i] + 16 * next), _MM_HINT_T0);
         }
         for (int r = 0; r < P8; r++)  /* kq_load reads the header at its place in the file's superblock */
-            head[r] = sp + p8_head_at(type, r, 0) - (type == Q4_K ? 0 : 192);
+            head[r] = sp + p8_head_at(type, r, 0) - (type == Q6_K ? 192 : 0);
         const kq_state st = kq_load(type, head);
         const uint8_t *codes = sp + p8_codes_at(type);
-        if (type == Q4_K) {
+        if (type == Q4_K || type == Q5_K) {
+            const int qs = type == Q5_K;  /* Q5_K: qs blocks after qh's */
+#pragma GCC unroll 4
             for (int p = 0; p < 4; p++) {  /* qs block p: groups 2p (low nibbles), 2p + 1 (high) */
                 __m256i acc[P8_MAX_X][2];
                 for (int i = 0; i < nx; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
                 for (int c = 0; c < 8; c++) {
-                        const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q4_K, p, c)));
-                    const __m256i lo = byte_bits(v, 0, 15), hi = byte_bits(v, -4, 15);
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(type, qs + p, c)));
+                    __m256i lo = byte_bits(v, 0, 15), hi = byte_bits(v, -4, 15);
+                    if (type == Q5_K) {  /* the fifth bits: bit g of qh's byte, as kq_codes */
+                        const __m256i h = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(type, 0, c)));
+                        lo = _mm256_or_si256(lo, byte_bits(h, 4 - 2 * p, 16));
+                        hi = _mm256_or_si256(hi, byte_bits(h, 3 - 2 * p, 16));
+                    }
                     for (int i = 0; i < nx; i++) {
                         const int8_t *q = xq[i] + 256 * s + 64 * p + 4 * c;
                         acc[i][0] = p8_dot(acc[i][0], lo, q);
