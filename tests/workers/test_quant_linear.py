@@ -124,7 +124,7 @@ def test_weight_paths_make_the_linear_of_each_mode():
     for matrix in blocks.values():
         linear = auto(matrix)
         assert isinstance(linear, BlockLinear) and linear.plan == plan
-        kept = linear.matrix  # Q4_K / Q6_K: a packed copy where the kernels read one (kquant_packed.h)
+        kept = linear.matrix  # a PACKABLE type: a packed copy where the kernels read one (kquant_packed.h)
         assert kept is matrix or (kept.packed and torch.equal(kept.dense(), matrix.dense()))
     assert isinstance(WeightPaths("q4", plan=plan)(blocks[Q.Q6_K]), BlockLinear)  # no 4-bit planes
     stacked = auto(RowStack((blocks[Q.Q4_K], blocks[Q.Q6_K], torch.zeros(3, 256))))

@@ -54,7 +54,7 @@ from workers.weights.quant_linear import Int4Linear, require_int4_kernel
 
 logger = logging.getLogger(__name__)
 PACK_ENV = "JUSTAPI_PACK_BLOCKS"
-"""0: keep Q4_K / Q6_K matrices in the file's layout under auto (benchmarks compare the two)."""
+"""0: keep packable matrices (Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0) in the file's layout under auto (benchmarks compare the two)."""
 
 
 def has_hardware_bf16() -> bool:
@@ -207,7 +207,7 @@ class WeightPaths:
             return DeviceBlockLinear(weight, self.scratch_device, self.compute_dtype)
         if isinstance(weight, BlockMatrix) and self.kernels is not None:
             if os.environ.get(PACK_ENV, "1") != "0":
-                packed = packed_copy(weight, self.kernels)  # Q4_K / Q6_K: rows interleaved by 8 (kquant_packed.h)
+                packed = packed_copy(weight, self.kernels)  # block_kernels.PACKABLE: rows interleaved by 8 (kquant_packed.h)
                 self.packed += packed is not weight
                 weight = packed
             plan = self.forced_plan or self.planner.plan_for(weight)  # type: ignore[union-attr]

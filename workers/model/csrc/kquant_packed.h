@@ -1,14 +1,17 @@
-/* Q4_K and Q6_K with rows interleaved by 8 ("packed"): the file's bytes, rearranged once at
- * load, read by the int8 path at any row count of x. Included by quant_matmul.c after
- * kquant_direct.h, whose scale handling (kq_load, kq_half) and float order it shares.
+/* Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and Q8_0 with rows interleaved by 8 ("packed"): the file's
+ * bytes, rearranged once at load, read by the int8 path at any row count of x. Included by
+ * quant_matmul.c after kquant_direct.h, whose scale handling (kq_load, kq_half) and float order
+ * it shares.
  *
  * Layout: a matrix of n rows (n a multiple of 8) is n / 8 tiles of 8 rows, each tile its 8 rows'
- * bytes in a row of superblocks: superblock s of the tile is the 8 rows' superblock s, that is
- * 8 x 144 (Q4_K) or 8 x 210 (Q6_K) bytes, as
- *   Q4_K: 8 headers (row r's d | dmin | scales[12], 16 bytes) | codes
+ * bytes in a row of blocks: block s of the tile is the 8 rows' (super)block s, that is 8 x 144
+ * (Q4_K), 8 x 176 (Q5_K), 8 x 210 (Q6_K), 8 x 18 (Q4_0), 8 x 20 (Q4_1) or 8 x 34 (Q8_0) bytes, as
+ *   Q4_K, Q5_K: 8 headers (row r's d | dmin | scales[12], 16 bytes) | codes
  *   Q6_K: 8 headers (row r's scales[16] | d, 18 bytes) | codes
- * where codes are the file's 32-byte code blocks (Q4_K: qs[0..127] as 4; Q6_K: ql[0..127] as
- * 4, then qh[0..63] as 2) interleaved 4 bytes at a time: bytes 4c..4c+3 of block j of rows 0..7
+ *   Q4_0, Q8_0: the 8 rows' d | codes;  Q4_1: the 8 rows' d | the 8 rows' m | codes
+ * where codes are the file's 32-byte code blocks (Q4_K: qs[0..127] as 4; Q5_K: qh[0..31], then
+ * qs as 4; Q6_K: ql[0..127] as 4, then qh[0..63] as 2; Q4_0, Q4_1: the 16 code bytes; Q8_0:
+ * the 32) interleaved 4 bytes at a time: bytes 4c..4c+3 of block j of rows 0..7
  * are the 32 bytes at p8_chunk_at(j, c). Everything lies in the order the kernel reads it, the
  * headers first (Q6_K's after its codes ran at a third of the speed: each superblock waited on
  * a line the prefetcher had not reached) and Q6_K's chunks per half of the superblock, per c,
