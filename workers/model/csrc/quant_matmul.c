@@ -5,9 +5,9 @@
  * Every path here (quant_matmul_i8: per row of x, coded tiles or straight from the blocks;
  * quant_matmul_i8_panels: x's rows in panels) sums each 32-value group exactly in int32 and
  * applies the same float operations in the same order per (weight row, x row), so a row of x
- * gives the same bits alone or in any batch, on any of them. Q4_K, Q5_K, Q6_K, Q4_0,
- * Q4_1 and Q8_0 matrices may be packed at load (`quant_pack8`: rows interleaved by 8, kquant_packed.h); every entry point
- * takes them as `type | PACK8`, with the same bits. `quant_dequantize` expands rows
+ * gives the same bits alone or in any batch, on any of them. Q4_K, Q5_K, Q6_K, Q4_0, Q4_1 and
+ * Q8_0 matrices may be packed at load (`quant_pack8`: rows interleaved by 8, kquant_packed.h);
+ * every entry point takes them as `type | PACK8`, with the same bits. `quant_dequantize` expands rows
  * to fp32 or bf16 (lookups, and the tiles large steps multiply with a dense GEMM): every value
  * equals gguf's dequantization bit for bit. Compiled on first use by
  * workers/model/cpu_kernels.py with -march=native. Owns: block layouts' use and the arithmetic.
@@ -485,8 +485,8 @@ static int p8_check(int type, int64_t n, int64_t k) {
 /* A packed matrix's bytes per row (the file's). */
 static int64_t p8_row_bytes(int type, int64_t k) { return k / layout_of(type).elems * layout_of(type).bytes; }
 
-/* Rearrange an n x k matrix of `type` (Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0) into the packed layout, in place; its
- * kernels then take `type | PACK8`. */
+/* Rearrange an n x k matrix of `type` (Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0) into the packed
+ * layout, in place; its kernels then take `type | PACK8`. */
 int quant_pack8(int type, uint8_t *w, int64_t n, int64_t k, int num_threads) {
     const int bad = p8_check(type, n, k);
     if (bad) return bad;
