@@ -1047,11 +1047,15 @@ int quant_has_panels(void) {
 int quant_matmul_i8_panels(int type, const uint8_t *w, int64_t n, int64_t k, const float *x, int64_t m,
                            float *y, int num_threads) {
 #if defined(__AVX2__)
-    if (type & PACK8) {  /* packed: 16-row panels from 9 rows where built, else the packed tiles */
+    if (type & PACK8) {
+        /* packed: 16-row panels at every row count where built (else the packed tiles). Not the
+         * tiles up to 8 rows: the plans fit one line per path, and a path that was the tiles'
+         * call up to 8 rows and the panels' past them fitted neither (cached plans kept the panels
+         * at 9-23 rows, where they computed 32 rows for 20 and ran 1.4-1.8x the tiles' time). */
 #if defined(HAS_ZPANELS)
         const int bad = p8_check(type & ~PACK8, n, k);
         if (bad) return bad;
-        if (m > PANEL) return matmul_zpanels(type & ~PACK8, chunk_of(type & ~PACK8, k), w, n, k, x, m, y, num_threads, 1);
+        return matmul_zpanels(type & ~PACK8, chunk_of(type & ~PACK8, k), w, n, k, x, m, y, num_threads, 1);
 #endif
         return quant_matmul_i8(type, w, n, k, x, m, y, num_threads);
     }
