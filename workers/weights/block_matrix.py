@@ -156,7 +156,7 @@ def expand_rows(raw: torch.Tensor, qtype: GGMLQuantizationType, in_features: int
 
 def packed_copy(matrix: BlockMatrix, kernels: BlockKernels) -> BlockMatrix:
     """A copy of `matrix` in the packed layout (csrc/kquant_packed.h), where its type and shape
-    have one (Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0; rows a multiple of 8) and the build reads it (AVX2 with
+    have one (block_kernels.PACKABLE; rows a multiple of 8) and the build reads it (AVX2 with
     F16C); else `matrix` itself. The copy's bytes are the same, rows interleaved by 8."""
     if (matrix.packed or matrix.qtype not in PACKABLE or matrix.shape[0] % PACK_ROWS
             or matrix.in_features % GGML_QUANT_SIZES[matrix.qtype][0] or not kernels.has_packed

@@ -54,7 +54,8 @@ from workers.weights.quant_linear import Int4Linear, require_int4_kernel
 
 logger = logging.getLogger(__name__)
 PACK_ENV = "JUSTAPI_PACK_BLOCKS"
-"""0: keep packable matrices (Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q8_0) in the file's layout under auto (benchmarks compare the two)."""
+"""0: keep packable matrices (block_kernels.PACKABLE) in the file's layout under auto
+(benchmarks compare the two)."""
 
 
 def has_hardware_bf16() -> bool:

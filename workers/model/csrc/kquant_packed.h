@@ -39,6 +39,11 @@ static int packable(int type) {
     return type == Q4_K || type == Q5_K || type == Q6_K || type == Q4_0 || type == Q4_1 || type == Q8_0;
 }
 
+/* One copy of CALL per packable type, the layout folded into each (as SWITCH_TYPE). */
+#define SWITCH_PACKED(type, CALL) switch (type) { \
+    case Q4_K: CALL(Q4_K); break; case Q5_K: CALL(Q5_K); break; case Q6_K: CALL(Q6_K); break; \
+    case Q4_0: CALL(Q4_0); break; case Q4_1: CALL(Q4_1); break; case Q8_0: CALL(Q8_0); break; }
+
 /* Where a block (superblock) keeps its codes and how many bytes; its header fields (one per
  * row: Q4_K's and Q6_K's whole header; Q4_0's and Q8_0's d; Q4_1's d and m, each a field). */
 typedef struct { int code_at, code_bytes, head_at, field_bytes, fields; } p8_layout;
@@ -97,14 +102,9 @@ INLINE void p8_tile(int type, uint8_t *rows, int64_t row_bytes, uint8_t *packed,
 
 /* p8_tile with the type a constant in each copy (the field and chunk copies fold to moves). */
 static void p8_tile_any(int type, uint8_t *rows, int64_t row_bytes, uint8_t *packed, int64_t blocks, int unpack) {
-    switch (type) {
-        case Q4_K: p8_tile(Q4_K, rows, row_bytes, packed, blocks, unpack); break;
-        case Q5_K: p8_tile(Q5_K, rows, row_bytes, packed, blocks, unpack); break;
-        case Q6_K: p8_tile(Q6_K, rows, row_bytes, packed, blocks, unpack); break;
-        case Q4_0: p8_tile(Q4_0, rows, row_bytes, packed, blocks, unpack); break;
-        case Q8_0: p8_tile(Q8_0, rows, row_bytes, packed, blocks, unpack); break;
-        default: p8_tile(Q4_1, rows, row_bytes, packed, blocks, unpack); break;
-    }
+#define TILE(T) p8_tile(T, rows, row_bytes, packed, blocks, unpack)
+    SWITCH_PACKED(type, TILE)
+#undef TILE
 }
 
 /* Rows [8t, 8t + 8) of a packed matrix in the file's layout, into rows (8 * row_bytes). */
@@ -155,6 +155,14 @@ INLINE void p8_group(int type, const p8_scales *f, int64_t s, int g, __m256i lo,
     const int64_t h = 16 * s + 2 * g;
     o[(2 * g) % 4] = _mm256_fmadd_ps(f->off0, _mm256_set1_ps(xs[h]), o[(2 * g) % 4]);
     o[(2 * g + 1) % 4] = _mm256_fmadd_ps(f->off1, _mm256_set1_ps(xs[h + 1]), o[(2 * g + 1) % 4]);
+}
+
+/* y's 8 columns of x row i: t + the offsets' chains in their fixed pairing (tile_kq_direct's
+ * and tile_i8_direct's last operations). */
+INLINE void p8_store(__m256 t, const __m256 *o, float *y) {
+    float out[P8];
+    _mm256_storeu_ps(out, _mm256_add_ps(t, _mm256_add_ps(_mm256_add_ps(o[0], o[1]), _mm256_add_ps(o[2], o[3]))));
+    memcpy(y, out, sizeof out);
 }
 
 /* Q6_K: the 8 rows' exact sums of groups 4 half + j (acc[i][j], x row i) over their first
@@ -253,12 +261,7 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
             }
         }
     }
-    for (int i = 0; i < nx; i++) {
-        float out[P8];
-        _mm256_storeu_ps(out, _mm256_add_ps(t[i], _mm256_add_ps(_mm256_add_ps(o[i][0], o[i][1]),
-                                                                _mm256_add_ps(o[i][2], o[i][3]))));
-        memcpy(y + (a + i) * n + n0, out, sizeof out);
-    }
+    for (int i = 0; i < nx; i++) p8_store(t[i], o[i], y + (a + i) * n + n0);
 }
 
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
@@ -341,12 +344,7 @@ INLINE void tile_p8_q4(int type, const uint8_t *tile, int64_t k, int64_t n0, con
                                        : _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), f.sc0), _mm256_set1_ps(-0.0f));
         for (int i = 0; i < nx; i++) p8_group(type, &f, 0, (int)g, acc[i], acc[i], xd[i][g], xs[i], &t[i], o[i]);
     }
-    for (int i = 0; i < nx; i++) {
-        float out[P8];
-        _mm256_storeu_ps(out, _mm256_add_ps(t[i], _mm256_add_ps(_mm256_add_ps(o[i][0], o[i][1]),
-                                                                _mm256_add_ps(o[i][2], o[i][3]))));
-        memcpy(y + (a + i) * n + n0, out, sizeof out);
-    }
+    for (int i = 0; i < nx; i++) p8_store(t[i], o[i], y + (a + i) * n + n0);
 }
 
 /* Every row of x over packed tile t: P8_MAX_X rows at a time (Q6_K: 2), each tile's codes

@@ -546,14 +546,9 @@ static int matmul_p8(int type, const uint8_t *w, int64_t n, int64_t k, const flo
         #pragma omp for schedule(dynamic, grain) nowait
         for (int64_t t = 0; t < tiles; t++) {  /* (every thread meets the loop; one without x skips) */
             if (!ready) continue;
-            switch (type) {
-                case Q4_K: tile_p8_rows(Q4_K, w, row_bytes, k, t, xq, m, y, n); break;
-                case Q5_K: tile_p8_rows(Q5_K, w, row_bytes, k, t, xq, m, y, n); break;
-                case Q6_K: tile_p8_rows(Q6_K, w, row_bytes, k, t, xq, m, y, n); break;
-                case Q4_0: tile_p8_rows(Q4_0, w, row_bytes, k, t, xq, m, y, n); break;
-                case Q8_0: tile_p8_rows(Q8_0, w, row_bytes, k, t, xq, m, y, n); break;
-                default: tile_p8_rows(Q4_1, w, row_bytes, k, t, xq, m, y, n); break;
-            }
+#define ROWS_OF(T) tile_p8_rows(T, w, row_bytes, k, t, xq, m, y, n)
+            SWITCH_PACKED(type, ROWS_OF)
+#undef ROWS_OF
         }
         qx_free(&mine);
     }
@@ -1146,14 +1141,7 @@ static int dequantize_p8(int type, const uint8_t *w, int64_t rows, int64_t k, vo
                 for (int64_t r = t * P8; r < (t + 1) * P8; r++) {
                     const uint8_t *row = tile + (r - t * P8) * row_bytes;
 #define ROW(T) dequantize_row(T, chunk, row, k, is_bf16 ? NULL : (float *)out + r * k, is_bf16 ? (uint16_t *)out + r * k : NULL)
-                    switch (type) {
-                        case Q4_K: ROW(Q4_K); break;
-                        case Q5_K: ROW(Q5_K); break;
-                        case Q6_K: ROW(Q6_K); break;
-                        case Q4_0: ROW(Q4_0); break;
-                        case Q8_0: ROW(Q8_0); break;
-                        default: ROW(Q4_1); break;
-                    }
+                    SWITCH_PACKED(type, ROW)
 #undef ROW
                 }
             }
