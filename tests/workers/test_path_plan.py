@@ -4,6 +4,8 @@ against the dense product, and a model loaded under auto keeping every quantized
 the file's blocks (its tensors checked, not RSS) and computing what fp32 computes."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from workers.weights.block_linear import BlockLinear, StackLinear, TileScratch
 from workers.weights.block_matrix import BlockMatrix, RowStack, block_matrix
 from workers.weights.kquant_pack import quantize
 from workers.model.kernel_records import cpu_name
-from workers.weights.path_plan import (PathPlan, PathTimer, confirm_counts, fit_line, losing_counts, measure_plan,
+from workers.weights.path_plan import (CHECK_ROWS, MEASURE_ROWS, PathPlan, PathTimer, confirm_counts, fit_line, losing_counts, measure_plan,
                                        patch_plan, plan_from_timings, settle_plan, simplest_near_best)
 from workers.weights.plan_cache import PlanCache, PlanRecord
 from workers.weights.paths import load_model
@@ -118,14 +120,35 @@ def test_measure_plan_on_a_fake_clock():
         clock[0] += a + b * x.shape[0]
 
     plan, seconds = measure_plan(run, 8, ["int8", "dense"], rows=(1, 4, 16, 64), repeats=3,
-                                 timer=lambda: clock[0])
+                                 timer=lambda: clock[0], budget_s=math.inf)
     assert seconds["dense"] == pytest.approx([10.7, 11.3, 13.7, 23.3])
     assert plan.steps == ((34, "int8"), (1 << 16, "dense"))
     cost["dense_bf16"] = (40.0, 1.0)  # 2x behind at every count: timed at the first three only
     plan, seconds = measure_plan(run, 8, ["int8", "dense", "dense_bf16"], rows=(1, 4, 16, 64), repeats=3,
-                                 timer=lambda: clock[0])
+                                 timer=lambda: clock[0], budget_s=math.inf)
     assert len(seconds["dense_bf16"]) == 3 and len(seconds["dense"]) == 4
     assert plan.steps == ((34, "int8"), (1 << 16, "dense"))
+
+
+def test_a_slow_matrix_stops_adding_row_counts_at_its_budget():
+    """A huge head (Gemma 3's 262144 x 640 took 26 s of a fresh start): the measurement stops
+    before a count whose predicted time would overrun the budget, never before CHECK_ROWS, and
+    the plan still covers every count (each path's last segment goes on)."""
+    cost = {"int8": (0.001, 0.002), "int8_panels": (0.02, 0.0004)}  # seconds: a + b * rows
+    paths = FakePaths(cost)
+    timer = PathTimer(paths.run, 8, list(cost), timer=lambda: paths.clock[0], budget_s=4.0)
+    plan, seconds = timer.measure()
+    # 1..128 rows cost ~3.2 s; 512 (predicted ~3.9 s more) would overrun 4 s
+    assert len(seconds["int8_panels"]) == MEASURE_ROWS.index(128) + 1 and paths.clock[0] <= 4.0
+    assert plan.path_for(1) == "int8" and plan.path_for(512) == "int8_panels" and plan.path_for(4096) == "int8_panels"
+    unbounded = PathTimer(paths.run, 8, list(cost), timer=lambda: paths.clock[0], budget_s=math.inf)
+    assert len(unbounded.measure()[1]["int8_panels"]) == len(MEASURE_ROWS)
+    # far over the budget from the first count: the check's counts are timed all the same
+    slow = FakePaths({"int8": (10.0, 1.0), "int8_panels": (20.0, 0.5)})
+    _, seconds = PathTimer(slow.run, 8, list(slow.cost), timer=lambda: slow.clock[0], budget_s=4.0).measure()
+    assert len(seconds["int8"]) == MEASURE_ROWS.index(max(CHECK_ROWS)) + 1
+    settled = settle_plan(None, PathTimer(slow.run, 8, list(slow.cost), timer=lambda: slow.clock[0], budget_s=4.0))
+    assert max(settled.check) <= max(CHECK_ROWS) and settled.plan.path_for(1) == "int8"
 
 
 def test_a_path_behind_at_few_rows_but_catching_up_is_timed_on():
@@ -140,7 +163,8 @@ def test_a_path_behind_at_few_rows_but_catching_up_is_timed_on():
         clock[0] += a + b * x.shape[0]
 
     rows = (1, 2, 4, 8, 16, 32, 64, 128)
-    plan, seconds = measure_plan(run, 8, list(cost), rows=rows, repeats=3, timer=lambda: clock[0])
+    plan, seconds = measure_plan(run, 8, list(cost), rows=rows, repeats=3, timer=lambda: clock[0],
+                                   budget_s=math.inf)
     assert len(seconds["int8_panels"]) == len(rows)  # 20x behind at first, but catching up
     assert len(seconds["dense"]) == 3  # behind and falling further behind
     assert plan.path_for(8) == "int8" and plan.path_for(128) == "int8_panels"
@@ -271,7 +295,7 @@ class FakePaths:
         self.calls += 1
 
     def timer(self, rows=(1, 4, 16, 64)) -> PathTimer:
-        return PathTimer(self.run, 8, list(self.cost), timer=lambda: self.clock[0], rows=rows)
+        return PathTimer(self.run, 8, list(self.cost), timer=lambda: self.clock[0], rows=rows, budget_s=math.inf)
 
 
 def test_a_poisoned_plan_is_caught_by_the_start_check_and_replaced():
@@ -303,7 +327,8 @@ def test_a_fresh_plan_that_loses_its_confirmation_is_measured_again_and_patched(
             paths.clock[0] += 100.0
         FakePaths.run(paths, path, x)
 
-    timer = PathTimer(run, 8, ["int8", "dense"], timer=lambda: paths.clock[0], rows=(1, 4, 16, 64))
+    timer = PathTimer(run, 8, ["int8", "dense"], timer=lambda: paths.clock[0], rows=(1, 4, 16, 64),
+                      budget_s=math.inf)
     settled = settle_plan(None, timer)
     assert settled.how == "measured"
     assert settled.plan.path_for(1) == "int8" and settled.plan.path_for(16) == "int8"
@@ -324,7 +349,8 @@ def test_the_planner_replaces_a_poisoned_record_and_keeps_only_quiet_measurement
     monkeypatch.setattr(paths_module, "BusyProbe", probe)
     monkeypatch.setattr(paths_module, "PathTimer",
                         lambda run, in_features, paths: PathTimer(fake.run, in_features, list(fake.cost),
-                                                                  timer=lambda: fake.clock[0], rows=(1, 4, 16, 64)))
+                                                                  timer=lambda: fake.clock[0], rows=(1, 4, 16, 64),
+                                                                  budget_s=math.inf))
     cache = PlanCache(tmp_path / "plans.json")
     planner = paths_module.PathPlanner(block_kernels(), TileScratch(), cache)
     planner.paths = tuple(fake.cost)

@@ -43,6 +43,13 @@ LONG_CALL_S = 0.05
 """A count whose slowest call at the previous count took longer is timed over 2 rounds, not
 `repeats`: a 7B model's matrices (11008 x 4096) take 0.1-1 s a call at 128-512 rows, where
 the noise of one round matters less than the start-up time of five."""
+MEASURE_BUDGET_S = 4.0
+"""Seconds one matrix's measurement may spend before it stops adding row counts (never before
+CHECK_ROWS): a count is timed only where the time so far plus its predicted time (the last
+count's, scaled by rows) stays within this. Gemma 3's 262144 x 640 head took 26 of a fresh
+start's 31 s timing every path up to 512 rows (Zen 4, 2 threads), and a head's steps are its
+logit rows (a decode batch, a chunk's last row), not prefill chunks; past the last count timed
+each path's last segment goes on (plan_from_timings)."""
 TIE_MARGIN = 0.05
 """Paths within this share of the fastest are a near tie: the simpler one (earlier in PATHS)
 takes the rows. Noise of a few percent then moves no range, and the plan keeps fewer paths."""
@@ -189,25 +196,37 @@ def paired_times(calls: Mapping[str, Callable[[], object]], repeats: int,
 
 def measure_plan(run: Callable[[str, torch.Tensor], object], in_features: int, paths: Sequence[str],
                  rows: Sequence[int] = MEASURE_ROWS, repeats: int = 5,
-                 timer: Callable[[], float] = time.perf_counter) -> tuple[PathPlan, dict]:
+                 timer: Callable[[], float] = time.perf_counter,
+                 budget_s: float = MEASURE_BUDGET_S) -> tuple[PathPlan, dict]:
     """Time `run(path, x)` for x of each row count on every path -> (plan, {path: seconds}).
     A path DROP_RATIO times slower than the best at two counts in a row, and not catching up,
     is not timed at larger counts (its line is fitted to what was measured): a 150k-token head
     at 128 rows on a slow path would cost seconds of start-up to learn what the first counts
-    already say. Counts after a long call take 2 rounds (LONG_CALL_S)."""
+    already say. Counts after a long call take 2 rounds (LONG_CALL_S). Counts past CHECK_ROWS
+    stop where the next would overrun `budget_s` (MEASURE_BUDGET_S): the counts timed are the
+    first len(the longest list of seconds) of `rows`."""
     seconds: dict[str, list[float]] = {path: [] for path in paths}
     active = list(paths)
     generator = torch.Generator().manual_seed(0)
-    rounds = repeats
+    rounds, began, last_s = repeats, timer(), 0.0
     with torch.inference_mode():
-        for count in rows:
+        for i, count in enumerate(rows):
+            if count > max(CHECK_ROWS) and i and timer() - began + last_s * count / rows[i - 1] > budget_s:
+                break
+            start = timer()
             x = torch.randn(count, in_features, generator=generator)
             best = paired_times({path: functools.partial(run, path, x) for path in active}, rounds, timer)
             for path in active:
                 seconds[path].append(best[path])
             active = [path for path in active if not _far_behind(seconds, path)]
             rounds = min(repeats, 2) if max(best.values()) > LONG_CALL_S else repeats
-    return plan_from_timings(rows, seconds), seconds
+            last_s = timer() - start
+    return plan_from_timings(rows[:timed_counts(seconds)], seconds), seconds
+
+
+def timed_counts(seconds: Mapping[str, Sequence[float]]) -> int:
+    """How many of the row counts a measurement timed (its longest list of seconds)."""
+    return max(len(times) for times in seconds.values())
 
 
 def _far_behind(seconds: Mapping[str, Sequence[float]], path: str) -> bool:
@@ -234,13 +253,16 @@ class PathTimer:
     path in turns (paired_times), on `timer` (a fake clock in tests)."""
 
     def __init__(self, run: Callable[[str, torch.Tensor], object], in_features: int, paths: Sequence[str],
-                 timer: Callable[[], float] = time.perf_counter, rows: Sequence[int] = MEASURE_ROWS) -> None:
+                 timer: Callable[[], float] = time.perf_counter, rows: Sequence[int] = MEASURE_ROWS,
+                 budget_s: float = MEASURE_BUDGET_S) -> None:
         self.run, self.in_features, self.paths, self.timer = run, in_features, tuple(paths), timer
         self.rows = tuple(rows)
-        """The row counts a measurement times (measure_plan)."""
+        """The row counts a measurement may time (measure_plan; budget_s may stop it earlier)."""
+        self.budget_s = budget_s
 
     def measure(self) -> tuple[PathPlan, dict[str, list[float]]]:
-        return measure_plan(self.run, self.in_features, self.paths, self.rows, timer=self.timer)
+        return measure_plan(self.run, self.in_features, self.paths, self.rows, timer=self.timer,
+                            budget_s=self.budget_s)
 
     def at(self, counts: Sequence[int], repeats: int = CHECK_REPEATS) -> dict[int, dict[str, float]]:
         """{count: {path: fastest of `repeats` rounds}} for every candidate path."""
@@ -319,14 +341,15 @@ def settle_plan(cached: PathPlan | None, timer: PathTimer) -> Settled:
             return Settled(cached, "checked", check)
     how = "measured" if cached is None else "replaced"
     plan, seconds = timer.measure()
-    check = timer.at(confirm_counts(plan, timer.rows[-1]))
+    most = timer.rows[timed_counts(seconds) - 1]
+    check = timer.at(confirm_counts(plan, most))
     if not losing_counts(plan, check):
         return Settled(plan, how, check)
     _, again = timer.measure()
     merged = {path: [min(a, b) for a, b in zip(seconds[path], again[path])] + seconds[path][len(again[path]):]
               + again[path][len(seconds[path]):] for path in seconds}
-    plan = plan_from_timings(timer.rows, merged)
-    recheck = timer.at(sorted(set(confirm_counts(plan, timer.rows[-1])) | set(check)))
+    plan = plan_from_timings(timer.rows[:timed_counts(merged)], merged)
+    recheck = timer.at(sorted(set(confirm_counts(plan, timer.rows[timed_counts(merged) - 1])) | set(check)))
     for count, times in check.items():  # the faster of the two checks, per path
         recheck[count] = {path: min(t, times.get(path, t)) for path, t in recheck[count].items()}
     return Settled(patch_plan(plan, recheck), how, recheck)
