@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from justapi.config.serve import ServeConfig
 from justapi.launch.child import Endpoints
-from justapi.launch.shm_pool import PoolSegments, plan_cpu_pool
+from justapi.launch.shm_pool import PoolSegments, plan_cpu_pool, sweep_stale_segments
 from justapi.model.info import ModelInfo
 from justapi.wire.protocol import FenceWorker
 
@@ -62,6 +62,7 @@ class LocalPlacement:
         if self.config.model.device != "cpu":
             return {}
         config = self.config
+        sweep_stale_segments()  # what a killed server left, before /dev/shm's free space is read
         plan = plan_cpu_pool(self.model, config.cache, config.scheduler,
                              num_workers=config.server.workers,
                              num_pools=2 if config.pd.pd_separate_pools else 1)

@@ -5,7 +5,10 @@ All CPU workers map this one segment as the pool tensor
 `--kv-cache-dtype` says), so a block cached by one worker serves requests on another -
 except with `--pd P:D --pd-separate-pools`, where the prefill workers map pool 0 and the
 decode workers pool 1, each its own segment (PoolSegments).
-The launcher owns their lifetime: it unlinks them at shutdown even if workers were killed.
+The launcher owns their lifetime: it unlinks them at shutdown even if workers were killed, and
+holds a shared flock on each while it lives; a launcher killed outright (SIGKILL, the OOM
+killer) cannot unlink its segment, so the next start removes segments that no live launcher
+locks (sweep_stale_segments) before it sizes its own.
 Sized at start to what free RAM, the cgroup's memory limit and /dev/shm allow
 (memory_limits.py), or the server refuses to start with one line naming the limit and the flag.
 Owns: sizing and the segments. Does not own: the tensor view (workers/kv/pool.py) or which
@@ -13,8 +16,11 @@ blocks are in use (scheduler BlockPool).
 """
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import secrets
+import time
 from dataclasses import asdict, dataclass
 from multiprocessing import shared_memory
 from typing import Any
@@ -24,7 +30,14 @@ from justapi.config.sections import CacheConfig, ConfigError, SchedulerConfig
 from justapi.launch.memory_limits import MIB, MemoryLimits
 from justapi.model.info import ModelInfo
 
+log = logging.getLogger(__name__)
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "justapi-kv-"
+STALE_AGE_S = 60.0
+"""A segment no launcher locks is removed only when it is at least this old: a launcher locks
+its segment right after creating it, so a younger one may be another start's, not yet locked."""
 MIN_BLOCKS = 4
 SHM_SHARE = 0.9
 """Of /dev/shm's free space, what an automatically sized pool takes (others use it too)."""
@@ -140,10 +153,12 @@ class SharedPoolSegment:
     def __init__(self, shm: shared_memory.SharedMemory, plan: PoolPlan) -> None:
         self.shm = shm
         self.plan = plan
+        self.lock_fd = _lock_shared(shm.name)
+        """A shared flock on the segment while this launcher lives (sweep_stale_segments)."""
 
     @classmethod
     def create(cls, plan: PoolPlan) -> SharedPoolSegment:
-        name = f"justapi-kv-{os.getpid()}-{secrets.token_hex(4)}"
+        name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         shm = shared_memory.SharedMemory(name=name, create=True, size=plan.num_bytes)
         return cls(shm, plan)
 
@@ -156,6 +171,52 @@ class SharedPoolSegment:
             self.shm.unlink()
         except FileNotFoundError:
             pass
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
+
+
+def _lock_shared(name: str) -> int | None:
+    """An fd of /dev/shm/`name` holding a shared flock (None where there is no /dev/shm)."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    except OSError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def sweep_stale_segments(directory: str = SHM_DIR, min_age_s: float = STALE_AGE_S) -> list[str]:
+    """Remove the KV segments (SEGMENT_PREFIX) in `directory` that no live launcher holds a lock
+    on and that are at least `min_age_s` old: what a launcher killed outright left. A flock
+    belongs to the open file, so a launcher in another pid namespace sharing /dev/shm (another
+    container) keeps its own segment; the kernel drops a killed launcher's lock. Returns the
+    names removed. Segments of other users (unreadable) are left alone."""
+    removed = []
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.startswith(SEGMENT_PREFIX))
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a launcher holds it
+            info = os.fstat(fd)
+            if time.time() - info.st_mtime < min_age_s:
+                continue
+            os.unlink(path)
+            removed.append(name)
+            log.warning("removed the KV segment %s/%s (%d MiB) that a killed server left", directory, name,
+                        info.st_size // MIB)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
 
 
 class PoolSegments:
