@@ -192,7 +192,7 @@ def sweep_stale_segments(directory: str = SHM_DIR, min_age_s: float = STALE_AGE_
     belongs to the open file, so a launcher in another pid namespace sharing /dev/shm (another
     container) keeps its own segment; the kernel drops a killed launcher's lock. Returns the
     names removed. Segments of other users (unreadable) are left alone."""
-    removed = []
+    removed: list[str] = []
     try:
         names = sorted(n for n in os.listdir(directory) if n.startswith(SEGMENT_PREFIX))
     except OSError:
