@@ -3,6 +3,7 @@ window, later turns' TTFT) and ratio orientation are right, and it starts llama-
 the agreed flags and stops it (a stand-in binary here); `--base-tree` runs that tree's code."""
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 from pathlib import Path
@@ -99,3 +100,25 @@ def test_the_base_server_runs_the_base_trees_code(tmp_path: Path):
         with peer.justapi_server(["--model", TINY_MODEL], where) as url:
             models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
         assert models[0]["owned_by"] == owner, where
+
+
+def test_turns_alternate_who_goes_first_and_report_the_median_ratio(capsys):
+    """`--turns N`: who goes first alternates across turns and workloads, every turn's ratio is
+    printed and the median (with the spread) is the one to read on a host whose figures fall
+    in two groups."""
+    a, b = (peer.Server(name, lambda: contextlib.nullcontext("")) for name in ("justapi", "llama-server"))
+    orders = [[s.name for s in peer.turn_order([a, b], w, t)] for w in (0, 1) for t in (0, 1)]
+    assert orders == [["justapi", "llama-server"], ["llama-server", "justapi"],
+                      ["llama-server", "justapi"], ["justapi", "llama-server"]]
+    turns = [{"justapi": {"figure": f}, "llama-server": {"figure": 100.0}} for f in (500.0, 350.0, 410.0)]
+    report = peer.show("prefix", peer.workloads()["prefix"], turns)
+    assert report["turn_ratios"] == [{"justapi/llama-server": 5.0}, {"justapi/llama-server": 3.5},
+                                     {"justapi/llama-server": 4.1}]
+    assert report["median_ratios"] == {"justapi/llama-server": (4.1, 3.5, 5.0)}
+    printed = capsys.readouterr().out
+    assert printed.count("justapi/llama-server") == 4 and "median of 3 turns" in printed
+    latency = [{"justapi": {"figure": 0.2}, "llama-server": {"figure": f}} for f in (1.0, None)]
+    assert peer.show("burst", peer.workloads()["burst"], latency)["median_ratios"] == {
+        "justapi/llama-server": (5.0, 5.0, 5.0)}  # a turn without a figure is left out
+    one = peer.show("batch", peer.workloads()["batch"], turns[:1])
+    assert "median_ratios" not in one and one["ratios"] == {"justapi/llama-server": 5.0}

@@ -17,9 +17,13 @@ plus any --peer-arg) or `--peer-url URL` (one running server). `--base-tree DIR`
 third column: `justapi serve` run from another source tree (e.g. `git archive main | tar -x
 -C DIR`), with the same serve args - the before of a before/after. Prompts are sized with the
 GGUF's tokenizer; every request is greedy with ignore_eos. The load generator is
-`justapi bench serve`'s (justapi/bench/), in this process.
+`justapi bench serve`'s (justapi/bench/), in this process. `--turns N` runs each workload N
+times, fresh servers each turn, who goes first alternating, and prints every turn's ratio and
+their median: on a shared host a server's figure can fall in two groups start to start
+(docs/bench.md), and one run reads whichever group it got.
 
     python -m tools.bench peer --llama-server llama.cpp/build/bin/llama-server
+    python -m tools.bench peer --llama-server PATH --workloads prefix --turns 5
     python -m tools.bench peer --peer-url http://127.0.0.1:8080 --workloads batch,single
 """
 from __future__ import annotations
@@ -29,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import os
+import statistics
 import signal
 import subprocess
 import tempfile
@@ -228,17 +233,47 @@ def run_workload(workload: Workload, order: list[Server], gguf: str) -> dict[str
     return figures
 
 
-def show(name: str, workload: Workload, figures: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def turn_order(pool: list[Server], workload_index: int, turn: int) -> list[Server]:
+    """Who goes first alternates from workload to workload and from turn to turn, so the host's
+    drift lands on every server alike."""
+    return pool if (workload_index + turn) % 2 == 0 else pool[::-1]
+
+
+def ratios_of(figures: dict[str, dict[str, Any]], higher_is_better: bool) -> dict[str, float | None]:
+    """justapi's figure against each other server's ("justapi/NAME"; > 1: justapi better)."""
     names = list(figures)
-    cells = "  ".join(f"{n} {fmt(figures[n]['figure'])}" for n in names)
-    print(f"{name:<10} {workload.metric:<34} {cells}")
-    ratios = {}
-    for other in names[1:]:
-        ratios[f"justapi/{other}"] = ratio(figures["justapi"]["figure"], figures[other]["figure"],
-                                           workload.higher_is_better)
-    print(f"{'':<10} {'(> 1: justapi better)':<34} " + "  ".join(
-        f"{k} {fmt(v)}x" for k, v in ratios.items()), flush=True)
-    return {"metric": workload.metric, "figures": figures, "ratios": ratios}
+    return {f"justapi/{other}": ratio(figures["justapi"]["figure"], figures[other]["figure"], higher_is_better)
+            for other in names[1:]}
+
+
+def median_ratios(turns: list[dict[str, float | None]]) -> dict[str, tuple[float, float, float] | None]:
+    """Per ratio, (median, lowest, highest) over the turns that have it (None: no turn has)."""
+    out: dict[str, tuple[float, float, float] | None] = {}
+    for key in turns[0]:
+        values = [value for r in turns if (value := r.get(key)) is not None]
+        out[key] = (statistics.median(values), min(values), max(values)) if values else None
+    return out
+
+
+def show(name: str, workload: Workload, turns: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Print one line of figures and one of ratios per turn; with several turns, the medians."""
+    per_turn = []
+    for index, figures in enumerate(turns):
+        label = name if index == 0 else ""
+        cells = "  ".join(f"{n} {fmt(f['figure'])}" for n, f in figures.items())
+        print(f"{label:<10} {workload.metric:<34} {cells}")
+        ratios = ratios_of(figures, workload.higher_is_better)
+        per_turn.append(ratios)
+        print(f"{'':<10} {'(> 1: justapi better)':<34} " + "  ".join(
+            f"{k} {fmt(v)}x" for k, v in ratios.items()), flush=True)
+    report: dict[str, Any] = {"metric": workload.metric, "figures": turns[0], "ratios": per_turn[0]}
+    if len(turns) > 1:
+        medians = median_ratios(per_turn)
+        print(f"{'':<10} {f'median of {len(turns)} turns':<34} " + "  ".join(
+            f"{k} {fmt(m[0])}x ({fmt(m[1])}-{fmt(m[2])})" if m else f"{k} -" for k, m in medians.items()),
+            flush=True)
+        report.update(turns=turns, turn_ratios=per_turn, median_ratios=medians)
+    return report
 
 
 def fmt(value: float | None) -> str:
@@ -255,10 +290,12 @@ def main(argv: list[str] | None = None) -> None:
     pool = servers(args)
     print(f"# load average {os.getloadavg()[0]:.2f}; servers: {', '.join(s.name for s in pool)}")
     report = {}
-    for turn, name in enumerate(names):  # alternate who goes first: the host's drift lands on both
-        order = pool if turn % 2 == 0 else pool[::-1]
-        figures = run_workload(chosen[name], order, args.gguf)
-        report[name] = show(name, chosen[name], {s.name: figures[s.name] for s in pool})
+    for index, name in enumerate(names):
+        turns = []
+        for turn in range(args.turns):
+            figures = run_workload(chosen[name], turn_order(pool, index, turn), args.gguf)
+            turns.append({s.name: figures[s.name] for s in pool})
+        report[name] = show(name, chosen[name], turns)
     print(f"# load average at the end {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as handle:
@@ -282,7 +319,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="an extra llama-server flag (repeatable)")
     parser.add_argument("--peer-url", help="a running OpenAI-compatible server instead")
     parser.add_argument("--json", help="write every figure and ratio here")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="run each workload this many times (fresh servers each turn) and print "
+                             "the median ratio too")
     args = parser.parse_args(argv)
+    if args.turns < 1:
+        parser.error("--turns must be at least 1")
     args.gguf = resolve_model_path(args.gguf)
     return args
 
