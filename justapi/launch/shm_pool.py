@@ -188,10 +188,12 @@ def _lock_shared(name: str) -> int | None:
 
 def sweep_stale_segments(directory: str = SHM_DIR, min_age_s: float = STALE_AGE_S) -> list[str]:
     """Remove the KV segments (SEGMENT_PREFIX) in `directory` that no live launcher holds a lock
-    on and that are at least `min_age_s` old: what a launcher killed outright left. A flock
-    belongs to the open file, so a launcher in another pid namespace sharing /dev/shm (another
-    container) keeps its own segment; the kernel drops a killed launcher's lock. Returns the
-    names removed. Segments of other users (unreadable) are left alone."""
+    on, that are at least `min_age_s` old and whose creator's pid (in the name) is no live
+    process here: what a launcher killed outright left. A flock belongs to the open file, so a
+    launcher in another pid namespace sharing /dev/shm (another container) keeps its own
+    segment; the kernel drops a killed launcher's lock. The pid check keeps the unlocked segment
+    of an older version's server that still runs here (a reused pid keeps a stale one a while
+    longer). Returns the names removed. Segments of other users (unreadable) are left alone."""
     removed: list[str] = []
     try:
         names = sorted(n for n in os.listdir(directory) if n.startswith(SEGMENT_PREFIX))
@@ -206,7 +208,7 @@ def sweep_stale_segments(directory: str = SHM_DIR, min_age_s: float = STALE_AGE_
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a launcher holds it
             info = os.fstat(fd)
-            if time.time() - info.st_mtime < min_age_s:
+            if time.time() - info.st_mtime < min_age_s or _pid_alive(name):
                 continue
             os.unlink(path)
             removed.append(name)
@@ -217,6 +219,17 @@ def sweep_stale_segments(directory: str = SHM_DIR, min_age_s: float = STALE_AGE_
         finally:
             os.close(fd)
     return removed
+
+
+def _pid_alive(name: str) -> bool:
+    """Whether the pid in a segment's name (SEGMENT_PREFIX{pid}-...) is a live process here."""
+    try:
+        os.kill(int(name[len(SEGMENT_PREFIX):].split("-", 1)[0]), 0)
+    except (ValueError, ProcessLookupError):  # no pid in the name, or no such process
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class PoolSegments:

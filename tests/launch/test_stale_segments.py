@@ -25,16 +25,24 @@ def _file(directory: Path, name: str, mtime: float = OLD) -> Path:
     return path
 
 
-def test_only_old_unlocked_segments_are_removed(tmp_path: Path) -> None:
-    stale = _file(tmp_path, f"{SEGMENT_PREFIX}11-aaaa")
-    held = _file(tmp_path, f"{SEGMENT_PREFIX}12-bbbb")
-    young = _file(tmp_path, f"{SEGMENT_PREFIX}13-cccc", mtime=time.time())
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_only_old_unlocked_segments_of_dead_creators_are_removed(tmp_path: Path) -> None:
+    dead = _dead_pid()
+    stale = _file(tmp_path, f"{SEGMENT_PREFIX}{dead}-aaaa")
+    held = _file(tmp_path, f"{SEGMENT_PREFIX}{dead}-bbbb")
+    young = _file(tmp_path, f"{SEGMENT_PREFIX}{dead}-cccc", mtime=time.time())
+    older_version = _file(tmp_path, f"{SEGMENT_PREFIX}{os.getpid()}-dddd")  # unlocked, its creator lives
     other = _file(tmp_path, "not-a-segment")
     fd = os.open(held, os.O_RDONLY)  # another open file's shared lock: a live launcher's
     fcntl.flock(fd, fcntl.LOCK_SH)
     try:
         assert sweep_stale_segments(str(tmp_path)) == [stale.name]
-        assert not stale.exists() and held.exists() and young.exists() and other.exists()
+        assert not stale.exists() and all(p.exists() for p in (held, young, older_version, other))
     finally:
         os.close(fd)
     assert sweep_stale_segments(str(tmp_path)) == [held.name]  # its holder gone
@@ -47,7 +55,10 @@ def test_a_killed_launchers_segment_is_swept_and_a_live_one_is_kept() -> None:
     code = ("import sys, time; from justapi.launch.shm_pool import PoolPlan, SharedPoolSegment;"
             f"s = SharedPoolSegment.create(PoolPlan(**{plan.__dict__!r}));"
             "print(s.shm.name, flush=True); time.sleep(60)")
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # its own process group: the kill takes Python's resource tracker with it (alone, the tracker
+    # would unlink the segment itself), as a group or container kill or the OOM killer does
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
     live = SharedPoolSegment.create(plan)
     try:
         assert child.stdout is not None
@@ -56,8 +67,9 @@ def test_a_killed_launchers_segment_is_swept_and_a_live_one_is_kept() -> None:
         for segment in (name, live.shm.name):  # old enough: only the locks keep them
             os.utime(f"/dev/shm/{segment}", (OLD, OLD))
         assert name not in sweep_stale_segments()  # its launcher lives
-        child.send_signal(signal.SIGKILL)
+        os.killpg(child.pid, signal.SIGKILL)
         child.wait(timeout=30)
+        time.sleep(0.5)  # (had a tracker outlived the kill, it would unlink the segment by now)
         assert os.path.exists(f"/dev/shm/{name}")  # nothing unlinked it
         removed = sweep_stale_segments()
         assert name in removed and live.shm.name not in removed
