@@ -19,7 +19,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import secrets
 import time
 from dataclasses import asdict, dataclass
 from multiprocessing import shared_memory
@@ -29,12 +28,12 @@ from justapi.config.pd import PdConfig
 from justapi.config.sections import CacheConfig, ConfigError, SchedulerConfig
 from justapi.launch.memory_limits import MIB, MemoryLimits
 from justapi.model.info import ModelInfo
+from justapi.wire.protocol import SHM_PREFIX, shm_creator_pid, shm_name
 
 log = logging.getLogger(__name__)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "justapi-kv-"
 STALE_AGE_S = 60.0
 """A segment no launcher locks is removed only when it is at least this old: a launcher locks
 its segment right after creating it, so a younger one may be another start's, not yet locked."""
@@ -158,8 +157,7 @@ class SharedPoolSegment:
 
     @classmethod
     def create(cls, plan: PoolPlan) -> SharedPoolSegment:
-        name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        shm = shared_memory.SharedMemory(name=name, create=True, size=plan.num_bytes)
+        shm = shared_memory.SharedMemory(name=shm_name(), create=True, size=plan.num_bytes)
         return cls(shm, plan)
 
     def describe(self) -> dict[str, Any]:
@@ -187,7 +185,7 @@ def _lock_shared(name: str) -> int | None:
 
 
 def sweep_stale_segments(directory: str = SHM_DIR, min_age_s: float = STALE_AGE_S) -> list[str]:
-    """Remove the KV segments (SEGMENT_PREFIX) in `directory` that no live launcher holds a lock
+    """Remove the KV segments (SHM_PREFIX) in `directory` that no live launcher holds a lock
     on, that are at least `min_age_s` old and whose creator's pid (in the name) is no live
     process here: what a launcher killed outright left. A flock belongs to the open file, so a
     launcher in another pid namespace sharing /dev/shm (another container) keeps its own
@@ -196,7 +194,7 @@ def sweep_stale_segments(directory: str = SHM_DIR, min_age_s: float = STALE_AGE_
     longer). Returns the names removed. Segments of other users (unreadable) are left alone."""
     removed: list[str] = []
     try:
-        names = sorted(n for n in os.listdir(directory) if n.startswith(SEGMENT_PREFIX))
+        names = sorted(n for n in os.listdir(directory) if n.startswith(SHM_PREFIX))
     except OSError:
         return removed
     for name in names:
@@ -222,10 +220,13 @@ def sweep_stale_segments(directory: str = SHM_DIR, min_age_s: float = STALE_AGE_
 
 
 def _pid_alive(name: str) -> bool:
-    """Whether the pid in a segment's name (SEGMENT_PREFIX{pid}-...) is a live process here."""
+    """Whether the creator's pid in a segment's name (shm_creator_pid) is a live process here."""
+    pid = shm_creator_pid(name)
+    if pid is None:
+        return False
     try:
-        os.kill(int(name[len(SEGMENT_PREFIX):].split("-", 1)[0]), 0)
-    except (ValueError, ProcessLookupError):  # no pid in the name, or no such process
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
         return True

@@ -7,6 +7,9 @@ Owns: message shapes and their cheap structural validation. Does not own: socket
 """
 from __future__ import annotations
 
+import os
+import re
+import secrets
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -344,6 +347,22 @@ def merge_step_results(results: list[StepResult]) -> StepResult:
                    sampled_token_ids=interleave("sampled_token_ids"),
                    logprobs=interleave("logprobs"), top_logprob_ids=interleave("top_logprob_ids"),
                    top_logprobs=interleave("top_logprobs"))
+
+
+SHM_PREFIX = "justapi-kv-"
+"""A CPU pool's shared-memory name is SHM_PREFIX{creator pid}-{random} (shm_name): the launcher's
+segment (justapi/launch/shm_pool.py) and a worker-made one (workers/kv/pool.py) alike."""
+
+
+def shm_name() -> str:
+    """A fresh segment name for a pool this process creates."""
+    return f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def shm_creator_pid(name: str) -> int | None:
+    """The creator's pid in a segment name (shm_name), or None where it has none."""
+    match = re.match(rf"/?{SHM_PREFIX}(\d+)-", name)
+    return int(match.group(1)) if match else None
 
 
 @register("PoolInfo")

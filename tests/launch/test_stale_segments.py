@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from justapi.launch.shm_pool import SEGMENT_PREFIX, STALE_AGE_S, PoolPlan, SharedPoolSegment, sweep_stale_segments
+from justapi.launch.shm_pool import STALE_AGE_S, PoolPlan, SharedPoolSegment, sweep_stale_segments
+from justapi.wire.protocol import SHM_PREFIX
 
 OLD = time.time() - 2 * STALE_AGE_S
 
@@ -33,10 +34,10 @@ def _dead_pid() -> int:
 
 def test_only_old_unlocked_segments_of_dead_creators_are_removed(tmp_path: Path) -> None:
     dead = _dead_pid()
-    stale = _file(tmp_path, f"{SEGMENT_PREFIX}{dead}-aaaa")
-    held = _file(tmp_path, f"{SEGMENT_PREFIX}{dead}-bbbb")
-    young = _file(tmp_path, f"{SEGMENT_PREFIX}{dead}-cccc", mtime=time.time())
-    older_version = _file(tmp_path, f"{SEGMENT_PREFIX}{os.getpid()}-dddd")  # unlocked, its creator lives
+    stale = _file(tmp_path, f"{SHM_PREFIX}{dead}-aaaa")
+    held = _file(tmp_path, f"{SHM_PREFIX}{dead}-bbbb")
+    young = _file(tmp_path, f"{SHM_PREFIX}{dead}-cccc", mtime=time.time())
+    older_version = _file(tmp_path, f"{SHM_PREFIX}{os.getpid()}-dddd")  # unlocked, its creator lives
     other = _file(tmp_path, "not-a-segment")
     fd = os.open(held, os.O_RDONLY)  # another open file's shared lock: a live launcher's
     fcntl.flock(fd, fcntl.LOCK_SH)
@@ -63,7 +64,7 @@ def test_a_killed_launchers_segment_is_swept_and_a_live_one_is_kept() -> None:
     try:
         assert child.stdout is not None
         name = child.stdout.readline().strip()
-        assert name.startswith(SEGMENT_PREFIX) and os.path.exists(f"/dev/shm/{name}")
+        assert name.startswith(SHM_PREFIX) and os.path.exists(f"/dev/shm/{name}")
         for segment in (name, live.shm.name):  # old enough: only the locks keep them
             os.utime(f"/dev/shm/{segment}", (OLD, OLD))
         assert name not in sweep_stale_segments()  # its launcher lives

@@ -13,20 +13,16 @@ import base64
 import json
 import mmap
 import os
-import re
-import secrets
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 import torch
 
-from justapi.wire.protocol import PoolInfo
+from justapi.wire.protocol import PoolInfo, shm_creator_pid, shm_name
 from workers.model.attention import require_cuda
 
 KINDS = ("local", "shm", "cuda_ipc")
-SHM_PREFIX = "justapi-kv-"
-"""Segment names are justapi-kv-{creator pid}-{random} (justapi/launch/shm_pool.py uses the same)."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -97,8 +93,7 @@ class KVPool:
             require_cuda(device)
             return cls(torch.zeros(shape.dims, dtype=dtype, device=device), shape, kind, pool_id=pool_id)
         if kind == "shm":  # a fresh segment reads as zeros
-            name = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-            segment = shared_memory.SharedMemory(name, create=True, size=shape.num_bytes(dtype))
+            segment = shared_memory.SharedMemory(shm_name(), create=True, size=shape.num_bytes(dtype))
             tensor = _buffer_tensor(segment.buf, shape, dtype)
             return cls(tensor, shape, kind, segment.name, segment, pool_id=pool_id)
         if kind == "cuda_ipc":
@@ -116,7 +111,7 @@ class KVPool:
                 segment = shared_memory.SharedMemory(name=info.handle, create=False)
             except FileNotFoundError:
                 raise ValueError(f"KV pool shared-memory segment {info.handle!r} does not exist") from None
-            if _creator_pid(info.handle) != os.getpid():
+            if shm_creator_pid(info.handle) != os.getpid():
                 # Python < 3.13 registers attached segments with this process's resource
                 # tracker, which would unlink the pool when we exit: only the creator unlinks.
                 resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
@@ -193,11 +188,6 @@ class KVPool:
             raise ValueError(f"copy_blocks {what} block id out of range [0, {num_blocks}): "
                              f"{array[(array < 0) | (array >= num_blocks)][:4].tolist()}")
         return torch.from_numpy(array)
-
-
-def _creator_pid(name: str) -> int | None:
-    match = re.match(rf"/?{SHM_PREFIX}(\d+)-", name)
-    return int(match.group(1)) if match else None
 
 
 def _buffer_tensor(buffer: object, shape: PoolShape, dtype: torch.dtype) -> torch.Tensor:

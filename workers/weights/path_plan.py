@@ -348,8 +348,9 @@ def settle_plan(cached: PathPlan | None, timer: PathTimer) -> Settled:
     _, again = timer.measure()
     merged = {path: [min(a, b) for a, b in zip(seconds[path], again[path])] + seconds[path][len(again[path]):]
               + again[path][len(seconds[path]):] for path in seconds}
-    plan = plan_from_timings(timer.rows[:timed_counts(merged)], merged)
-    recheck = timer.at(sorted(set(confirm_counts(plan, timer.rows[timed_counts(merged) - 1])) | set(check)))
+    counts = timed_counts(merged)
+    plan = plan_from_timings(timer.rows[:counts], merged)
+    recheck = timer.at(sorted(set(confirm_counts(plan, timer.rows[counts - 1])) | set(check)))
     for count, times in check.items():  # the faster of the two checks, per path
         recheck[count] = {path: min(t, times.get(path, t)) for path, t in recheck[count].items()}
     return Settled(patch_plan(plan, recheck), how, recheck)
