@@ -23,7 +23,7 @@ NO_VNNI = ("-mno-avx512f", "-mno-avxvnni", "-mno-avx512vnni")
 pytestmark = pytest.mark.skipif(block_kernels() is None or not block_kernels().has_packed,
                                 reason="the packed layout needs the block kernels with AVX2 and F16C")
 CASES = [(qtype, cols) for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) for cols in (256, 2304, 4096)] + \
-    [(qtype, cols) for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0) for cols in (32, 576, 1536)]  # SmolLM2's 576 = 18 blocks
+    [(qtype, cols) for qtype in (Q.Q4_0, Q.Q4_1, Q.Q8_0) for cols in (32, 96, 576, 1536)]  # SmolLM2's 576 = 18 blocks; 96: a block after the pairs
 
 
 def matrices(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int):

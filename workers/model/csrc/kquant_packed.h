@@ -270,6 +270,73 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
 #define P8_VNNI 0
 #endif
 
+/* Block g of tile_p8_q4 for its nx rows of x. `odd`: g's parity, a constant in each copy, so
+ * the offsets' chains it adds to (o[2 (g % 2)], o[2 (g % 2) + 1]: p8_group's, halves 2g, 2g + 1)
+ * are fixed registers; with g's parity read at run time they lived on the stack, each block
+ * loading and storing them. */
+INLINE void p8_q4_block(int type, const uint8_t *tile, int64_t g, int odd, int nx, const int8_t *const *xq,
+                        const float *const *xd, const float *const *xs, const int32_t *const *xi, __m256 *t,
+                        __m256 (*o)[OFF_CHAINS]) {
+    const int bytes = layout_of(type).bytes;
+    const uint8_t *bp = tile + g * P8 * bytes, *codes = bp + p8_codes_at(type);
+    /* two chains of dpbusd per row of x, added at the block's end (integers: the same sums):
+     * with one, each dpbusd waited on the last one's result */
+    __m256i acc[P8_MAX_X], acc2[P8_MAX_X];
+    for (int i = 0; i < nx; i++) acc[i] = acc2[i] = _mm256_setzero_si256();
+    if (type == Q8_0) {
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(type, 0, c)));
+#if P8_VNNI
+            const __m256i u = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+            for (int i = 0; i < nx; i++) {
+                if (c % 2) acc2[i] = p8_dot(acc2[i], u, xq[i] + 32 * g + 4 * c);
+                else acc[i] = p8_dot(acc[i], u, xq[i] + 32 * g + 4 * c);
+            }
+#else
+            const __m256i u = _mm256_sign_epi8(v, v);
+            for (int i = 0; i < nx; i++) {
+                int32_t x4;
+                memcpy(&x4, xq[i] + 32 * g + 4 * c, sizeof x4);
+                const __m256i prod = _mm256_maddubs_epi16(u, _mm256_sign_epi8(_mm256_set1_epi32(x4), v));
+                acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
+            }
+#endif
+        }
+#if P8_VNNI
+        for (int i = 0; i < nx; i++) acc[i] = _mm256_sub_epi32(acc[i], _mm256_set1_epi32(128 * xi[i][g]));
+#endif
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 0))));
+        for (int i = 0; i < nx; i++) {
+            acc[i] = _mm256_add_epi32(acc[i], acc2[i]);
+            t[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_mul_ps(d, _mm256_set1_ps(xd[i][g])), t[i]);
+        }
+        return;
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(type, 0, c)));
+        const __m256i lo = byte_bits(v, 0, 15), hi = byte_bits(v, -4, 15);
+        for (int i = 0; i < nx; i++) {
+            const int8_t *q = xq[i] + 32 * g + 4 * c;
+            acc[i] = p8_dot(acc[i], lo, q);
+            acc2[i] = p8_dot(acc2[i], hi, q + 16);
+        }
+    }
+    p8_scales f;
+    f.sc0 = f.sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 0))));
+    f.off0 = f.off1 = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 1))))
+                                   : _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), f.sc0), _mm256_set1_ps(-0.0f));
+    for (int i = 0; i < nx; i++) {
+        const __m256i sum = _mm256_add_epi32(acc[i], acc2[i]);
+        const __m256 xdv = _mm256_set1_ps(xd[i][g]);
+        t[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(f.sc0, xdv), t[i]);
+        /* p8_group's offsets for halves 2g, 2g + 1: chains 2 odd, 2 odd + 1 */
+        o[i][2 * odd] = _mm256_fmadd_ps(f.off0, _mm256_set1_ps(xs[i][2 * g]), o[i][2 * odd]);
+        o[i][2 * odd + 1] = _mm256_fmadd_ps(f.off1, _mm256_set1_ps(xs[i][2 * g + 1]), o[i][2 * odd + 1]);
+    }
+}
+
 /* Q4_0 / Q4_1 / Q8_0: rows [a, a + nx) of y at columns [n0, n0 + 8) from packed tile `tile` (k / 32
  * blocks). Per block its 8 rows' d (and Q4_1's m) are one load each; Q4's 16 code bytes are 4
  * loads of the 8 rows' 4 bytes (low nibbles values 4c..4c+3, high 16 + 4c.., the file's order),
@@ -280,7 +347,6 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
  * or -8d in 4 chains over the halves; Q8_0 none: the chains stay +0). */
 INLINE void tile_p8_q4(int type, const uint8_t *tile, int64_t k, int64_t n0, const qx *x, int64_t a, int nx,
                        float *y, int64_t n) {
-    const int bytes = layout_of(type).bytes, codes_at = p8_codes_at(type);
     const int64_t blocks = k / 32;
     const int8_t *xq[P8_MAX_X];
     const float *xd[P8_MAX_X], *xs[P8_MAX_X];
@@ -292,8 +358,7 @@ INLINE void tile_p8_q4(int type, const uint8_t *tile, int64_t k, int64_t n0, con
         t[i] = _mm256_setzero_ps();
         for (int j = 0; j < OFF_CHAINS; j++) o[i][j] = _mm256_setzero_ps();
     }
-    for (int64_t g = 0; g < blocks; g++) {
-        const uint8_t *bp = tile + g * P8 * bytes, *codes = bp + codes_at;
+    for (int64_t g = 0; g < blocks; g += 2) {
         if (g % 8 == 0)  /* x's next 256 values into L1, as tile_p8 */
             for (int i = 0; i < nx; i++) {
                 const int64_t next = g + 8 < blocks ? g + 8 : g;
@@ -301,48 +366,8 @@ INLINE void tile_p8_q4(int type, const uint8_t *tile, int64_t k, int64_t n0, con
                 _mm_prefetch((const char *)(xd[i] + next), _MM_HINT_T0);
                 _mm_prefetch((const char *)(xs[i] + 2 * next), _MM_HINT_T0);
             }
-        __m256i acc[P8_MAX_X];
-        for (int i = 0; i < nx; i++) acc[i] = _mm256_setzero_si256();
-        if (type == Q8_0) {
-#pragma GCC unroll 8
-            for (int c = 0; c < 8; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(type, 0, c)));
-#if P8_VNNI
-                const __m256i u = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
-                for (int i = 0; i < nx; i++) acc[i] = p8_dot(acc[i], u, xq[i] + 32 * g + 4 * c);
-#else
-                const __m256i u = _mm256_sign_epi8(v, v);
-                for (int i = 0; i < nx; i++) {
-                    int32_t x4;
-                    memcpy(&x4, xq[i] + 32 * g + 4 * c, sizeof x4);
-                    const __m256i prod = _mm256_maddubs_epi16(u, _mm256_sign_epi8(_mm256_set1_epi32(x4), v));
-                    acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(prod, _mm256_set1_epi16(1)));
-                }
-#endif
-            }
-#if P8_VNNI
-            for (int i = 0; i < nx; i++) acc[i] = _mm256_sub_epi32(acc[i], _mm256_set1_epi32(128 * xi[i][g]));
-#endif
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 0))));
-            for (int i = 0; i < nx; i++)
-                t[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]), _mm256_mul_ps(d, _mm256_set1_ps(xd[i][g])), t[i]);
-            continue;
-        }
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(type, 0, c)));
-            const __m256i lo = byte_bits(v, 0, 15), hi = byte_bits(v, -4, 15);
-            for (int i = 0; i < nx; i++) {
-                const int8_t *q = xq[i] + 32 * g + 4 * c;
-                acc[i] = p8_dot(acc[i], lo, q);
-                acc[i] = p8_dot(acc[i], hi, q + 16);
-            }
-        }
-        p8_scales f;
-        f.sc0 = f.sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 0))));
-        f.off0 = f.off1 = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 1))))
-                                       : _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), f.sc0), _mm256_set1_ps(-0.0f));
-        for (int i = 0; i < nx; i++) p8_group(type, &f, 0, (int)g, acc[i], acc[i], xd[i][g], xs[i], &t[i], o[i]);
+        p8_q4_block(type, tile, g, 0, nx, xq, xd, xs, xi, t, o);
+        if (g + 1 < blocks) p8_q4_block(type, tile, g + 1, 1, nx, xq, xd, xs, xi, t, o);
     }
     for (int i = 0; i < nx; i++) p8_store(t[i], o[i], y + (a + i) * n + n0);
 }
