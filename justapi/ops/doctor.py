@@ -1,6 +1,8 @@
 """`justapi doctor`: what this machine's CPU kernels measured and keep for later starts (the
 weight-path plans, the attention products' choice), where, at which thread count, on which
 CPU and how busy the host was; `--reset` removes the records so the next start measures afresh.
+The plans shown are those of this install's kernel source on this CPU - the ones a start uses
+(at its thread count) - unless `--all`: the cache keeps other versions' plans beside them.
 
 Reads the records as plain JSON (workers/model/kernel_records.py is torch-free, imported inside
 the command): `import justapi` stays torch-free and the command loads no model.
@@ -26,11 +28,14 @@ PROG = "justapi doctor"
 @click.option("--probe-s", type=click.FloatRange(min=0.0), default=1.0, show_default=True,
               help="Seconds to watch how busy the host is now (0: skip).")
 @click.option("--json", "as_json", is_flag=True, help="Print the records as JSON.")
-def doctor(reset: bool, probe_s: float, as_json: bool) -> None:
+@click.option("--all", "show_all", is_flag=True,
+              help="Also the plans measured on other kernel sources (other versions) or CPUs.")
+def doctor(reset: bool, probe_s: float, as_json: bool, show_all: bool) -> None:
     """Show (or --reset) the CPU kernels' measured records on this machine.
 
-    The weight-path plan per weight type and shape, the attention products' choice, each with
-    the thread count, CPU, time and host load it was measured at.
+    The weight-path plan per weight type and shape that this install's kernels use on this
+    CPU (--all: every record kept, other versions' too), the attention products' choice, each
+    with the thread count, CPU, time and host load it was measured at.
 
     Exit status: 0, or 1 (one line on stderr) where there is no private kernel cache directory.
     """
@@ -54,18 +59,29 @@ def doctor(reset: bool, probe_s: float, as_json: bool) -> None:
         click.echo(json.dumps({"directory": str(directory), "cpu": records.cpu_name(), "others_busy_now": share,
                                "quiet_share": records.QUIET_SHARE, "records": files}, indent=2, sort_keys=True))
         sys.exit(EXIT_OK)
-    click.echo(_report(directory, records.cpu_name(), share, records.QUIET_SHARE, files))
+    click.echo(_report(directory, records.cpu_name(), share, records.QUIET_SHARE, files,
+                       None if show_all else records.plan_source_digest()))
     sys.exit(EXIT_OK)
 
 
-def _report(directory: Path, cpu: str, share: float | None, quiet: float, files: dict[str, dict]) -> str:
+def _report(directory: Path, cpu: str, share: float | None, quiet: float, files: dict[str, dict],
+            source: str | None = None) -> str:
+    """The tables; `source` (a plan_source_digest): only the plans measured on those kernels
+    and this CPU, the rest counted (None: every plan)."""
     lines = [f"kernel cache: {directory}", f"this CPU: {cpu}"]
     if share is not None:
         verdict = "quiet: a measurement now is kept" if share <= quiet else "busy: a measurement now holds for its run only"
         lines.append(f"other processes now: {percent(share)} of the CPUs ({verdict}; at most {percent(quiet)})")
     plans = [entry for name, data in files.items() if name.endswith(".json") and "products" not in name
              for entry in data.values() if isinstance(entry, dict) and "plan" in entry]
-    lines += ["", f"weight-path plans: {len(plans)}"]
+    if source is None:
+        lines += ["", f"weight-path plans: {len(plans)}"]
+    else:
+        others = len(plans)
+        plans = [e for e in plans if e.get("source") == source and e.get("cpu") == cpu]
+        others -= len(plans)
+        lines += ["", f"weight-path plans of this install's kernels on this CPU: {len(plans)}" +
+                  (f" ({others} more measured on other kernel sources or CPUs: --all lists them)" if others else "")]
     if plans:
         lines.append(table(["type", "shape", "plan", "threads", "cpu", "measured", "others busy"],
                            [[e.get("type"), "x".join(map(str, e.get("shape", []))), _describe(e.get("plan")),

@@ -62,22 +62,32 @@ def test_the_busy_probe_reads_this_host():
 
 
 def test_doctor_shows_the_records_and_resets_them(tmp_path, monkeypatch):
+    """The plans of this install's kernel source on this CPU (the ones a start uses); another
+    version's plan (another source digest, or none: kept before records named it) only counted,
+    and listed with --all."""
     monkeypatch.setenv(kernel_records.CACHE_ENV, str(tmp_path))
     plan = {"plan": [[16, "int8"], [65536, "dense"]], "type": "Q4_K", "shape": [2048, 8192], "threads": 2,
-            "cpu": "AMD EPYC [e5b8de0e]", "measured_at": 1.7e9, "others_busy": 0.031}
-    (tmp_path / kernel_records.PLANS_FILE).write_text(json.dumps({"k1": plan}))
+            "cpu": kernel_records.cpu_name(), "measured_at": 1.7e9, "others_busy": 0.031,
+            "source": kernel_records.plan_source_digest()}
+    older = dict(plan, plan=[[4, "int8"], [65536, "int8_panels"]], source="0123456789ab")
+    unnamed = {key: value for key, value in plan.items() if key != "source"} | {"plan": [[1, "dense"]]}
+    (tmp_path / kernel_records.PLANS_FILE).write_text(json.dumps({"k1": plan, "k0": older, "k00": unnamed}))
     products = {"2": {"choice": "fp32", "fp32_ms": 1.25, "bf16_ms": 1.5, "threads": 2, "cpu": "AMD EPYC [e5b8de0e]",
                       "measured_at": 1.7e9, "others_busy": 0.0}}
     (tmp_path / "paged_attention-0123.products.json").write_text(json.dumps(products))
     shown = CliRunner().invoke(cli.main, ["doctor", "--probe-s", "0"])
     assert shown.exit_code == 0, shown.output
-    assert "weight-path plans: 1" in shown.output and "int8 <= 16 rows < dense" in shown.output
-    assert "2048x8192" in shown.output and "3.1%" in shown.output
+    assert "weight-path plans of this install's kernels on this CPU: 1 (2 more" in shown.output
+    assert "int8 <= 16 rows < dense" in shown.output and "2048x8192" in shown.output and "3.1%" in shown.output
+    assert "int8 <= 4 rows < int8_panels" not in shown.output and "dense always" not in shown.output
+    every = CliRunner().invoke(cli.main, ["doctor", "--probe-s", "0", "--all"]).output
+    assert "weight-path plans: 3" in every and "int8 <= 4 rows < int8_panels" in every and "dense always" in every
     assert "attention products over a bf16 KV cache: 1" in shown.output and "paged_attention-0123" in shown.output
     as_json = json.loads(CliRunner().invoke(cli.main, ["doctor", "--probe-s", "0", "--json"]).output)
-    assert as_json["records"][kernel_records.PLANS_FILE] == {"k1": plan}
+    assert as_json["records"][kernel_records.PLANS_FILE] == {"k1": plan, "k0": older, "k00": unnamed}
     reset = CliRunner().invoke(cli.main, ["doctor", "--reset"])
     assert reset.exit_code == 0 and "removed 2 record file(s)" in reset.output
     assert not (tmp_path / kernel_records.PLANS_FILE).exists()
     assert not list(tmp_path.glob("*.products.json"))
-    assert "weight-path plans: 0" in CliRunner().invoke(cli.main, ["doctor", "--probe-s", "0"]).output
+    assert "weight-path plans of this install's kernels on this CPU: 0" in \
+        CliRunner().invoke(cli.main, ["doctor", "--probe-s", "0"]).output

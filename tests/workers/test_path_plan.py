@@ -4,6 +4,7 @@ against the dense product, and a model loaded under auto keeping every quantized
 the file's blocks (its tensors checked, not RSS) and computing what fp32 computes."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -17,7 +18,7 @@ from workers.weights.block_kernels import block_kernels
 from workers.weights.block_linear import BlockLinear, StackLinear, TileScratch
 from workers.weights.block_matrix import BlockMatrix, RowStack, block_matrix
 from workers.weights.kquant_pack import quantize
-from workers.model.kernel_records import cpu_name
+from workers.model.kernel_records import cpu_name, plan_source_digest
 from workers.weights.path_plan import (CHECK_ROWS, MEASURE_ROWS, PathPlan, PathTimer, confirm_counts, fit_line, losing_counts, measure_plan,
                                        patch_plan, plan_from_timings, settle_plan, simplest_near_best)
 from workers.weights.plan_cache import PlanCache, PlanRecord
@@ -363,5 +364,29 @@ def test_the_planner_replaces_a_poisoned_record_and_keeps_only_quiet_measurement
     if kept:
         assert record.plan == plan and record.threads == torch.get_num_threads() and record.cpu == cpu_name()
         assert record.others_busy == busy and record.measured_at > 0
+        assert record.source == plan_source_digest() and len(record.source) == 12
     else:
         assert record is None
+
+
+@needs_kernels
+def test_a_record_that_passes_its_check_is_marked_with_the_kernel_source(tmp_path, monkeypatch):
+    """A record kept before records named their kernel source passes its start check under its
+    key (which holds the source): it is written back with the source's digest, by which
+    `justapi doctor` tells the plans a start uses from other versions' - nothing is measured."""
+    from workers.weights import paths as paths_module
+
+    fake = FakePaths({"int8": (1.0, 0.5), "int8_panels": (3.0, 1.5), "dense": (10.5, 0.2)})
+    monkeypatch.setattr(paths_module, "PathTimer",
+                        lambda run, in_features, paths: PathTimer(fake.run, in_features, list(fake.cost),
+                                                                  timer=lambda: fake.clock[0], rows=(1, 4, 16, 64),
+                                                                  budget_s=math.inf))
+    cache = PlanCache(tmp_path / "plans.json")
+    planner = paths_module.PathPlanner(block_kernels(), TileScratch(), cache)
+    planner.paths = tuple(fake.cost)
+    key = PlanCache.key(paths_module.cpu_id(), planner._source, "Q4_K", (8, 256), planner.paths)
+    old = PlanRecord(PathPlan.only("int8"), "Q4_K", (8, 256), torch.get_num_threads(), cpu_name(), 1.7e9, 0.01)
+    cache.put(key, old)
+    assert cache.get(key).source == ""
+    assert planner.plan_for(blocks(Q.Q4_K, 8, 256)) == PathPlan.only("int8") and planner.measured == 0
+    assert cache.get(key) == dataclasses.replace(old, source=plan_source_digest())

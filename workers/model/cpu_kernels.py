@@ -22,12 +22,12 @@ from typing import Callable, TypeVar
 import numpy as np
 import torch
 
-from workers.model.kernel_records import (CACHE_ENV, QUIET_SHARE, BusyProbe, KernelBuildError,  # noqa: F401
-                                          cache_dir, cpu_id, cpu_name, locked, read_json, write_json)
+from workers.model.kernel_records import (CACHE_ENV, QUIET_SHARE, SOURCE_DIR, BusyProbe,  # noqa: F401
+                                          KernelBuildError, cache_dir, cpu_id, cpu_name, locked, read_json,
+                                          write_json)
 
 log = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-trapping-math")
 """-march=native: the build is for this CPU (the cache key holds its flags). -fopenmp links
 libgomp.so.1, the same soname torch loads, so the kernel shares torch's one thread pool.

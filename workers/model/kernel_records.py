@@ -32,6 +32,23 @@ average lags by a minute: a plan measured in the first seconds of a test run pas
 chose a path 3x slower at one row, cached for every later start."""
 
 
+SOURCE_DIR = Path(__file__).with_name("csrc")
+"""The C kernels' sources (cpu_kernels.py builds them)."""
+
+
+def plan_kernel_source() -> str:
+    """The source a weight-path plan depends on: the matmul kernels and every header they may
+    include (a plan measured on other kernels is not this build's)."""
+    return "".join(path.read_text() for path in [SOURCE_DIR / "quant_matmul.c", *sorted(SOURCE_DIR.glob("*.h"))])
+
+
+def plan_source_digest(source: str | None = None) -> str:
+    """A short digest of plan_kernel_source(), kept in each plan record: `justapi doctor`
+    tells the plans this install uses from those an older (or other) version measured."""
+    text = plan_kernel_source() if source is None else source
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 class KernelBuildError(RuntimeError):
     """A kernel cannot be built here (no compiler, a failed compile, or no private directory
     for the builds and their records)."""

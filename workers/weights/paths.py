@@ -26,6 +26,7 @@ Owns: the mode, the form per type, building the model. Does not own: kernels or 
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -39,8 +40,9 @@ from justapi.config.sections import WEIGHT_MODES
 from justapi.model.gguf_file import GGUFFile
 from justapi.model.weight_types import check_weight_types
 from workers.cpu_memory import release_freed_memory
-from workers.model.cpu_kernels import SOURCE_DIR, KernelBuildError, cache_dir, cpu_id
-from workers.model.kernel_records import PLANS_FILE, QUIET_SHARE, BusyProbe, cpu_name
+from workers.model.cpu_kernels import KernelBuildError, cache_dir, cpu_id
+from workers.model.kernel_records import (PLANS_FILE, QUIET_SHARE, BusyProbe, cpu_name, plan_kernel_source,
+                                          plan_source_digest)
 from workers.model.cpu_layer_chain import LayerChain
 from workers.model.forward import DecoderModel, Linear, LinearLike, has_onednn_bf16
 from workers.weights.block_kernels import BlockKernels, block_kernels
@@ -87,8 +89,8 @@ class PathPlanner:
         self.paths = tuple(p for p in candidate_paths() if not batch_invariant or p in INT8_FAMILY)
         self.plans: dict[tuple[str, tuple[int, int]], PathPlan] = {}
         self.measured = 0
-        self._source = "".join(path.read_text() for path in [SOURCE_DIR / "quant_matmul.c",
-                                                              *sorted(SOURCE_DIR.glob("*.h"))])
+        self._source = plan_kernel_source()
+        self._digest = plan_source_digest(self._source)
 
     def plan_for(self, matrix: BlockMatrix) -> PathPlan:
         memo = (_form_name(matrix), matrix.shape)
@@ -106,6 +108,9 @@ class PathPlanner:
         busy = probe.share()
         what = f"weights {name} {matrix.shape[0]}x{matrix.shape[1]}"
         if settled.how == "checked":
+            if self.cache is not None and record is not None and record.source != self._digest:
+                # kept before records named their kernel source: its key says it is this one's
+                self.cache.put(key, dataclasses.replace(record, source=self._digest))
             logger.info("%s: %s (cached; checked at %s rows)", what, settled.plan.describe(),
                         " and ".join(map(str, CHECK_ROWS)))
             return settled.plan
@@ -113,7 +118,7 @@ class PathPlanner:
         kept = self.cache is not None and busy <= QUIET_SHARE
         if self.cache is not None and kept:
             self.cache.put(key, PlanRecord(settled.plan, name, matrix.shape, torch.get_num_threads(),
-                                           cpu_name(), time.time(), busy))
+                                           cpu_name(), time.time(), busy, self._digest))
         elif self.cache is not None and record is not None:
             self.cache.drop(key)  # it lost its check: the next start measures afresh
         logger.info("%s: %s (%s%s; other processes used %.0f%% of the CPUs%s)", what, settled.plan.describe(),

@@ -1,8 +1,9 @@
 """The weight-path plans measured on this machine (`weight-paths.json` beside the kernel builds):
 one record per (CPU, torch, kernel source, thread count, weight type, shape, candidate paths),
 saying the plan and where and how it was measured (thread count, CPU, when, how busy the
-host was). Read-modify-write under the file's lock (kernel_records.update_json), so workers
-that start together and measure different shapes all keep theirs.
+host was, a digest of the kernel source). Read-modify-write under the file's lock
+(kernel_records.update_json), so workers that start together and measure different shapes all
+keep theirs.
 Owns: the records and the file. Does not own: measuring (path_plan.py) or the choice rule.
 """
 from __future__ import annotations
@@ -33,11 +34,14 @@ class PlanRecord:
     cpu: str
     measured_at: float = 0.0
     others_busy: float = 0.0
+    source: str = ""
+    """kernel_records.plan_source_digest() of the kernels it was measured on ("": unknown)."""
 
     def to_json(self) -> dict:
         return {"plan": [list(step) for step in self.plan.steps], "type": self.type_name,
                 "shape": list(self.shape), "threads": self.threads, "cpu": self.cpu,
-                "measured_at": round(self.measured_at), "others_busy": round(self.others_busy, 3)}
+                "measured_at": round(self.measured_at), "others_busy": round(self.others_busy, 3),
+                "source": self.source}
 
     @classmethod
     def from_json(cls, data: object) -> PlanRecord | None:
@@ -48,7 +52,8 @@ class PlanRecord:
             plan = PathPlan(tuple((int(rows), str(path)) for rows, path in data["plan"]))
             rows, cols = (int(v) for v in data["shape"])
             return cls(plan, str(data["type"]), (rows, cols), int(data["threads"]), str(data["cpu"]),
-                       float(data.get("measured_at", 0.0)), float(data.get("others_busy", 0.0)))
+                       float(data.get("measured_at", 0.0)), float(data.get("others_busy", 0.0)),
+                       str(data.get("source", "")))
         except (KeyError, TypeError, ValueError):
             return None
 
