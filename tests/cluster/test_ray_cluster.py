@@ -287,6 +287,10 @@ def test_pd_hands_off_between_hosts_by_copy(served, lab, tmp_path):
     segments = kv_segments()
     pd = ServedPool(*COMMON, "--config", str(config))
     try:
+        # both sides up first: while one side has no healthy worker the other serves colocated
+        # (by design), and the server can be ready before the other host's worker has joined
+        wait_for(lambda: {w["role"] for w in status(pd).workers if w["healthy"]} == {"prefill", "decode"},
+                 "a healthy prefill and decode worker")
         for prompt in PROMPTS:
             assert greedy(pd, prompt)[0] == reference[prompt], prompt
         after = status(pd)
