@@ -337,12 +337,9 @@ def test_a_fresh_plan_that_loses_its_confirmation_is_measured_again_and_patched(
     assert 16 in settled.check and settled.check[1]["int8"] == pytest.approx(1.5)
 
 
-@needs_kernels
-@pytest.mark.parametrize("busy, kept", [(0.02, True), (0.5, False)])
-def test_the_planner_replaces_a_poisoned_record_and_keeps_only_quiet_measurements(tmp_path, monkeypatch, busy, kept):
-    """A record that loses its start check is measured again: kept (with the thread count and
-    CPU it was measured at) where other processes left the CPUs quiet meanwhile, and dropped
-    where they did not, so the next start measures afresh instead of trusting it."""
+def faked_planner(tmp_path, monkeypatch, busy: float = 0.0):
+    """(cache, planner, key of the Q4_K 8 x 256 test matrix): a PathPlanner whose candidates run
+    on FakePaths' clock and whose busy probe reads `busy`."""
     from workers.weights import paths as paths_module
 
     fake = FakePaths({"int8": (1.0, 0.5), "int8_panels": (3.0, 1.5), "dense": (10.5, 0.2)})
@@ -355,10 +352,18 @@ def test_the_planner_replaces_a_poisoned_record_and_keeps_only_quiet_measurement
     cache = PlanCache(tmp_path / "plans.json")
     planner = paths_module.PathPlanner(block_kernels(), TileScratch(), cache)
     planner.paths = tuple(fake.cost)
-    matrix = blocks(Q.Q4_K, 8, 256)
-    key = PlanCache.key(paths_module.cpu_id(), planner._source, "Q4_K", (8, 256), planner.paths)
+    return cache, planner, PlanCache.key(paths_module.cpu_id(), planner._source, "Q4_K", (8, 256), planner.paths)
+
+
+@needs_kernels
+@pytest.mark.parametrize("busy, kept", [(0.02, True), (0.5, False)])
+def test_the_planner_replaces_a_poisoned_record_and_keeps_only_quiet_measurements(tmp_path, monkeypatch, busy, kept):
+    """A record that loses its start check is measured again: kept (with the thread count and
+    CPU it was measured at) where other processes left the CPUs quiet meanwhile, and dropped
+    where they did not, so the next start measures afresh instead of trusting it."""
+    cache, planner, key = faked_planner(tmp_path, monkeypatch, busy)
     cache.put(key, PlanRecord(PathPlan.only("int8_panels"), "Q4_K", (8, 256), torch.get_num_threads(), cpu_name()))
-    plan = planner.plan_for(matrix)
+    plan = planner.plan_for(blocks(Q.Q4_K, 8, 256))
     assert plan.path_for(1) == "int8" and planner.measured == 1
     record = cache.get(key)
     if kept:
@@ -374,17 +379,7 @@ def test_a_record_that_passes_its_check_is_marked_with_the_kernel_source(tmp_pat
     """A record kept before records named their kernel source passes its start check under its
     key (which holds the source): it is written back with the source's digest, by which
     `justapi doctor` tells the plans a start uses from other versions' - nothing is measured."""
-    from workers.weights import paths as paths_module
-
-    fake = FakePaths({"int8": (1.0, 0.5), "int8_panels": (3.0, 1.5), "dense": (10.5, 0.2)})
-    monkeypatch.setattr(paths_module, "PathTimer",
-                        lambda run, in_features, paths: PathTimer(fake.run, in_features, list(fake.cost),
-                                                                  timer=lambda: fake.clock[0], rows=(1, 4, 16, 64),
-                                                                  budget_s=math.inf))
-    cache = PlanCache(tmp_path / "plans.json")
-    planner = paths_module.PathPlanner(block_kernels(), TileScratch(), cache)
-    planner.paths = tuple(fake.cost)
-    key = PlanCache.key(paths_module.cpu_id(), planner._source, "Q4_K", (8, 256), planner.paths)
+    cache, planner, key = faked_planner(tmp_path, monkeypatch)
     old = PlanRecord(PathPlan.only("int8"), "Q4_K", (8, 256), torch.get_num_threads(), cpu_name(), 1.7e9, 0.01)
     cache.put(key, old)
     assert cache.get(key).source == ""
