@@ -145,16 +145,17 @@ INLINE p8_scales p8_group_scales(int type, const kq_state *st, int g) {
     return f;
 }
 
-/* tile_kq_direct's float pass for group g of superblock s and one row of x: lo its exact sums
- * (Q6_K: the first 16 values', hi the second's), lane r weight row r. */
-INLINE void p8_group(int type, const p8_scales *f, int64_t s, int g, __m256i lo, __m256i hi, float xd,
+/* tile_kq_direct's float pass for one 32-value group and one row of x: lo its exact sums
+ * (Q6_K: the first 16 values', hi the second's), lane r weight row r; the group's halves are x's
+ * halves h, h + 1 (group g of superblock s: h = 16 s + 2 g) and go to the offsets' chains
+ * `chain`, `chain` + 1 (2g mod 4: a constant at each call, so the chains stay in registers). */
+INLINE void p8_group(int type, const p8_scales *f, int64_t h, int chain, __m256i lo, __m256i hi, float xd,
                      const float *xs, __m256 *t, __m256 *o) {
     const __m256 xdv = _mm256_set1_ps(xd);
     *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(f->sc0, xdv), *t);
     if (type == Q6_K) *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(f->sc1, xdv), *t);
-    const int64_t h = 16 * s + 2 * g;
-    o[(2 * g) % 4] = _mm256_fmadd_ps(f->off0, _mm256_set1_ps(xs[h]), o[(2 * g) % 4]);
-    o[(2 * g + 1) % 4] = _mm256_fmadd_ps(f->off1, _mm256_set1_ps(xs[h + 1]), o[(2 * g + 1) % 4]);
+    o[chain] = _mm256_fmadd_ps(f->off0, _mm256_set1_ps(xs[h]), o[chain]);
+    o[chain + 1] = _mm256_fmadd_ps(f->off1, _mm256_set1_ps(xs[h + 1]), o[chain + 1]);
 }
 
 /* y's 8 columns of x row i: t + the offsets' chains in their fixed pairing (tile_kq_direct's
@@ -242,8 +243,10 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
                 }
                 const p8_scales f0 = p8_group_scales(type, &st, 2 * p), f1 = p8_group_scales(type, &st, 2 * p + 1);
                 for (int i = 0; i < nx; i++) {
-                    p8_group(type, &f0, s, 2 * p, acc[i][0], acc[i][0], xd[i][8 * s + 2 * p], xs[i], &t[i], o[i]);
-                    p8_group(type, &f1, s, 2 * p + 1, acc[i][1], acc[i][1], xd[i][8 * s + 2 * p + 1], xs[i], &t[i], o[i]);
+                    p8_group(type, &f0, 16 * s + 4 * p, 0, acc[i][0], acc[i][0], xd[i][8 * s + 2 * p], xs[i], &t[i],
+                             o[i]);
+                    p8_group(type, &f1, 16 * s + 4 * p + 2, 2, acc[i][1], acc[i][1], xd[i][8 * s + 2 * p + 1], xs[i],
+                             &t[i], o[i]);
                 }
             }
         } else {
@@ -256,7 +259,8 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
                     const int g = 4 * half + j;
                     const p8_scales f = p8_group_scales(type, &st, g);
                     for (int i = 0; i < nx; i++)
-                        p8_group(type, &f, s, g, lo[i][j], hi[i][j], xd[i][8 * s + g], xs[i], &t[i], o[i]);
+                        p8_group(type, &f, 16 * s + 2 * g, (2 * g) % 4, lo[i][j], hi[i][j], xd[i][8 * s + g], xs[i],
+                                 &t[i], o[i]);
                 }
             }
         }
@@ -271,9 +275,8 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
 #endif
 
 /* Block g of tile_p8_q4 for its nx rows of x. `odd`: g's parity, a constant in each copy, so
- * the offsets' chains it adds to (o[2 (g % 2)], o[2 (g % 2) + 1]: p8_group's, halves 2g, 2g + 1)
- * are fixed registers; with g's parity read at run time they lived on the stack, each block
- * loading and storing them. */
+ * the offsets' chains it adds to (p8_group's 2 odd, 2 odd + 1) are fixed registers; with g's
+ * parity read at run time they lived on the stack, each block loading and storing them. */
 INLINE void p8_q4_block(int type, const uint8_t *tile, int64_t g, int odd, int nx, const int8_t *const *xq,
                         const float *const *xd, const float *const *xs, const int32_t *const *xi, __m256 *t,
                         __m256 (*o)[OFF_CHAINS]) {
@@ -329,11 +332,7 @@ INLINE void p8_q4_block(int type, const uint8_t *tile, int64_t g, int odd, int n
                                    : _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), f.sc0), _mm256_set1_ps(-0.0f));
     for (int i = 0; i < nx; i++) {
         const __m256i sum = _mm256_add_epi32(acc[i], acc2[i]);
-        const __m256 xdv = _mm256_set1_ps(xd[i][g]);
-        t[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(f.sc0, xdv), t[i]);
-        /* p8_group's offsets for halves 2g, 2g + 1: chains 2 odd, 2 odd + 1 */
-        o[i][2 * odd] = _mm256_fmadd_ps(f.off0, _mm256_set1_ps(xs[i][2 * g]), o[i][2 * odd]);
-        o[i][2 * odd + 1] = _mm256_fmadd_ps(f.off1, _mm256_set1_ps(xs[i][2 * g + 1]), o[i][2 * odd + 1]);
+        p8_group(type, &f, 2 * g, 2 * odd, sum, sum, xd[i][g], xs[i], &t[i], o[i]);
     }
 }
 
