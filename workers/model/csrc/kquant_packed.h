@@ -148,14 +148,37 @@ INLINE p8_scales p8_group_scales(int type, const kq_state *st, int g) {
 /* tile_kq_direct's float pass for one 32-value group and one row of x: lo its exact sums
  * (Q6_K: the first 16 values', hi the second's), lane r weight row r; the group's halves are x's
  * halves h, h + 1 (group g of superblock s: h = 16 s + 2 g) and go to the offsets' chains
- * `chain`, `chain` + 1 (2g mod 4: a constant at each call, so the chains stay in registers). */
+ * `chain`, `chain` + 1 (2g mod 4: a constant at each call, so the chains stay in registers).
+ * o NULL: the offsets are p8_offsets' (a pass of their own). */
 INLINE void p8_group(int type, const p8_scales *f, int64_t h, int chain, __m256i lo, __m256i hi, float xd,
                      const float *xs, __m256 *t, __m256 *o) {
     const __m256 xdv = _mm256_set1_ps(xd);
     *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), _mm256_mul_ps(f->sc0, xdv), *t);
     if (type == Q6_K) *t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), _mm256_mul_ps(f->sc1, xdv), *t);
+    if (!o) return;
     o[chain] = _mm256_fmadd_ps(f->off0, _mm256_set1_ps(xs[h]), o[chain]);
     o[chain + 1] = _mm256_fmadd_ps(f->off1, _mm256_set1_ps(xs[h + 1]), o[chain + 1]);
+}
+
+/* The offsets' chains of a K-quant tile on their own: half h of x (16-value half h % 16 of
+ * superblock h / 16) goes to chain h mod 4, in p8_group's order, so the sums are its bits. Taken
+ * out of the codes' pass where several rows of x share the tile (their 16 chains left fewer
+ * registers for the dot products: Q4_K 8192 x 2048 at 16 rows 1.06-1.08x, 64 rows 1.07-1.10x);
+ * one row stays interleaved (a second sweep of the headers cost it 9-19%). */
+INLINE void p8_offsets(int type, const uint8_t *tile, int64_t blocks, int nx, const float *const *xs,
+                       __m256 (*o)[OFF_CHAINS]) {
+    const int bytes = layout_of(type).bytes;
+    for (int64_t s = 0; s < blocks; s++) {
+        const uint8_t *sp = tile + s * P8 * bytes, *head[P8];
+        for (int r = 0; r < P8; r++) head[r] = sp + p8_head_at(type, r, 0) - (type == Q6_K ? 192 : 0);
+        const kq_state st = kq_load(type, head);
+#pragma GCC unroll 16
+        for (int h = 0; h < 16; h++) {
+            __m256 off;
+            (void)kq_half(type, &st, h, &off);
+            for (int i = 0; i < nx; i++) o[i][h % 4] = _mm256_fmadd_ps(off, _mm256_set1_ps(xs[i][16 * s + h]), o[i][h % 4]);
+        }
+    }
 }
 
 /* y's 8 columns of x row i: t + the offsets' chains in their fixed pairing (tile_kq_direct's
@@ -196,6 +219,7 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
                     float *y, int64_t n) {
     const int bytes = layout_of(type).bytes;
     const int64_t blocks = k / 256;
+    const int split = type != Q6_K && nx > 2;  /* the offsets in p8_offsets' pass */
     const int8_t *xq[P8_MAX_X];
     const float *xd[P8_MAX_X], *xs[P8_MAX_X];
     __m256 t[P8_MAX_X], o[P8_MAX_X][OFF_CHAINS];
@@ -244,9 +268,9 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
                 const p8_scales f0 = p8_group_scales(type, &st, 2 * p), f1 = p8_group_scales(type, &st, 2 * p + 1);
                 for (int i = 0; i < nx; i++) {
                     p8_group(type, &f0, 16 * s + 4 * p, 0, acc[i][0], acc[i][0], xd[i][8 * s + 2 * p], xs[i], &t[i],
-                             o[i]);
+                             split ? NULL : o[i]);
                     p8_group(type, &f1, 16 * s + 4 * p + 2, 2, acc[i][1], acc[i][1], xd[i][8 * s + 2 * p + 1], xs[i],
-                             &t[i], o[i]);
+                             &t[i], split ? NULL : o[i]);
                 }
             }
         } else {
@@ -260,11 +284,12 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
                     const p8_scales f = p8_group_scales(type, &st, g);
                     for (int i = 0; i < nx; i++)
                         p8_group(type, &f, 16 * s + 2 * g, (2 * g) % 4, lo[i][j], hi[i][j], xd[i][8 * s + g], xs[i],
-                                 &t[i], o[i]);
+                                 &t[i], split ? NULL : o[i]);
                 }
             }
         }
     }
+    if (split) p8_offsets(type, tile, blocks, nx, xs, o);
     for (int i = 0; i < nx; i++) p8_store(t[i], o[i], y + (a + i) * n + n0);
 }
 
@@ -332,8 +357,26 @@ INLINE void p8_q4_block(int type, const uint8_t *tile, int64_t g, int odd, int n
                                    : _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), f.sc0), _mm256_set1_ps(-0.0f));
     for (int i = 0; i < nx; i++) {
         const __m256i sum = _mm256_add_epi32(acc[i], acc2[i]);
-        p8_group(type, &f, 2 * g, 2 * odd, sum, sum, xd[i][g], xs[i], &t[i], o[i]);
+        p8_group(type, &f, 2 * g, 2 * odd, sum, sum, xd[i][g], xs[i], &t[i], o ? o[i] : NULL);
     }
+}
+
+/* Q4_0 / Q4_1: p8_offsets' pass (block g's halves 2g, 2g + 1 to chains 2g mod 4, + 1). */
+INLINE void p8_q4_offsets(int type, const uint8_t *tile, int64_t blocks, int nx, const float *const *xs,
+                          __m256 (*o)[OFF_CHAINS]) {
+    const int bytes = layout_of(type).bytes;
+    for (int64_t g = 0; g < blocks; g += 2)
+#pragma GCC unroll 2
+        for (int odd = 0; odd < 2 && g + odd < blocks; odd++) {
+            const uint8_t *bp = tile + (g + odd) * P8 * bytes;
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 0))));
+            const __m256 off = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 1))))
+                                            : _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), d), _mm256_set1_ps(-0.0f));
+            for (int i = 0; i < nx; i++) {
+                o[i][2 * odd] = _mm256_fmadd_ps(off, _mm256_set1_ps(xs[i][2 * (g + odd)]), o[i][2 * odd]);
+                o[i][2 * odd + 1] = _mm256_fmadd_ps(off, _mm256_set1_ps(xs[i][2 * (g + odd) + 1]), o[i][2 * odd + 1]);
+            }
+        }
 }
 
 /* Q4_0 / Q4_1 / Q8_0: rows [a, a + nx) of y at columns [n0, n0 + 8) from packed tile `tile` (k / 32
@@ -347,6 +390,7 @@ INLINE void p8_q4_block(int type, const uint8_t *tile, int64_t g, int odd, int n
 INLINE void tile_p8_q4(int type, const uint8_t *tile, int64_t k, int64_t n0, const qx *x, int64_t a, int nx,
                        float *y, int64_t n) {
     const int64_t blocks = k / 32;
+    const int split = type != Q8_0 && nx > 2;  /* the offsets in p8_q4_offsets' pass */
     const int8_t *xq[P8_MAX_X];
     const float *xd[P8_MAX_X], *xs[P8_MAX_X];
     const int32_t *xi[P8_MAX_X];  /* Q8_0 with VNNI: x's sums per block */
@@ -365,9 +409,10 @@ INLINE void tile_p8_q4(int type, const uint8_t *tile, int64_t k, int64_t n0, con
                 _mm_prefetch((const char *)(xd[i] + next), _MM_HINT_T0);
                 _mm_prefetch((const char *)(xs[i] + 2 * next), _MM_HINT_T0);
             }
-        p8_q4_block(type, tile, g, 0, nx, xq, xd, xs, xi, t, o);
-        if (g + 1 < blocks) p8_q4_block(type, tile, g + 1, 1, nx, xq, xd, xs, xi, t, o);
+        p8_q4_block(type, tile, g, 0, nx, xq, xd, xs, xi, t, split ? NULL : o);
+        if (g + 1 < blocks) p8_q4_block(type, tile, g + 1, 1, nx, xq, xd, xs, xi, t, split ? NULL : o);
     }
+    if (split) p8_q4_offsets(type, tile, blocks, nx, xs, o);
     for (int i = 0; i < nx; i++) p8_store(t[i], o[i], y + (a + i) * n + n0);
 }
 
