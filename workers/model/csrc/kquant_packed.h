@@ -162,9 +162,9 @@ INLINE void p8_group(int type, const p8_scales *f, int64_t h, int chain, __m256i
 
 /* The offsets' chains of a K-quant tile on their own: half h of x (16-value half h % 16 of
  * superblock h / 16) goes to chain h mod 4, in p8_group's order, so the sums are its bits. Taken
- * out of the codes' pass where several rows of x share the tile (their 16 chains left fewer
- * registers for the dot products: Q4_K 8192 x 2048 at 16 rows 1.06-1.08x, 64 rows 1.07-1.10x);
- * one row stays interleaved (a second sweep of the headers cost it 9-19%). */
+ * out of the codes' pass where 3-4 rows of x share the tile (their 16 chains left fewer
+ * registers for the dot products: Q4_K 8192 x 2048, one thread, 4-64 rows 1.05-1.10x); at 1-2
+ * rows they stay interleaved (a second sweep of the headers cost one row 9-19%). */
 INLINE void p8_offsets(int type, const uint8_t *tile, int64_t blocks, int nx, const float *const *xs,
                        __m256 (*o)[OFF_CHAINS]) {
     const int bytes = layout_of(type).bytes;
@@ -212,14 +212,41 @@ INLINE void p6_sums(const uint8_t *codes, int half, int part, const int8_t *cons
     }
 }
 
-#define P8_MAX_X 4  /* rows of x a tile takes at a time (Q4_K: 8 accumulators; Q6_K: 2 rows, 16) */
+/* Q6_K, groups jp and jp + 2 of half `half` (both from ql block 2 half + jp: its low and high
+ * nibbles): the 8 rows' exact sums over their first (lo[i][j], x row i) and second 16 values
+ * (hi), as p6_sums gives them. Two groups a pass keep 16 accumulators at 4 rows of x (p6_sums'
+ * four groups took 16 at 2 rows) and build 2 code vectors per chunk where p6_sums builds 4. */
+INLINE void p6_pair_sums(const uint8_t *codes, int half, int jp, const int8_t *const *xq, int64_t x0, int nx,
+                         __m256i lo[][4], __m256i hi[][4]) {
+    __m256i acc[4][2][2];  /* [x row][group jp, jp + 2][part] */
+    for (int i = 0; i < nx; i++)
+        for (int j = 0; j < 2; j++) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++) {
+        const __m256i l = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q6_K, 2 * half + jp, c)));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q6_K, 4 + half, c)));
+        const __m256i c0 = _mm256_or_si256(byte_bits(l, 0, 15), byte_bits(h, 4 - 2 * jp, 0x30));
+        const __m256i c2 = _mm256_or_si256(byte_bits(l, -4, 15), byte_bits(h, -2 * jp, 0x30));
+        for (int i = 0; i < nx; i++) {
+            const int8_t *q = xq[i] + x0 + 32 * (4 * half + jp) + 4 * (c % 4) + 16 * (c / 4);
+            acc[i][0][c / 4] = p8_dot(acc[i][0][c / 4], c0, q);
+            acc[i][1][c / 4] = p8_dot(acc[i][1][c / 4], c2, q + 64);
+        }
+    }
+    for (int i = 0; i < nx; i++) {
+        lo[i][jp] = acc[i][0][0], hi[i][jp] = acc[i][0][1];
+        lo[i][jp + 2] = acc[i][1][0], hi[i][jp + 2] = acc[i][1][1];
+    }
+}
+
+#define P8_MAX_X 4  /* rows of x a tile takes at a time (Q4_K: 8 accumulators; Q6_K: 16) */
 
 /* Rows [a, a + nx) of y at columns [n0, n0 + 8) from packed tile `tile` (k / 256 superblocks). */
 INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const qx *x, int64_t a, int nx,
                     float *y, int64_t n) {
     const int bytes = layout_of(type).bytes;
     const int64_t blocks = k / 256;
-    const int split = type != Q6_K && nx > 2;  /* the offsets in p8_offsets' pass */
+    const int split = nx > 2;  /* the offsets in p8_offsets' pass */
     const int8_t *xq[P8_MAX_X];
     const float *xd[P8_MAX_X], *xs[P8_MAX_X];
     __m256 t[P8_MAX_X], o[P8_MAX_X][OFF_CHAINS];
@@ -275,9 +302,14 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
             }
         } else {
             for (int half = 0; half < 2; half++) {  /* groups 4 half + j: ql blocks 2 half, 2 half + 1; qh block half */
-                __m256i lo[2][4], hi[2][4];  /* [x row][group]: the first 16 values' sums, the second's */
-                p6_sums(codes, half, 0, xq, 256 * s, nx, lo);
-                p6_sums(codes, half, 1, xq, 256 * s, nx, hi);
+                __m256i lo[P8_MAX_X][4], hi[P8_MAX_X][4];  /* [x row][group]: the first 16 values' sums, the second's */
+                if (nx > 2) {  /* two groups a pass (at 1-2 rows 3-6% slower than p6_sums) */
+                    p6_pair_sums(codes, half, 0, xq, 256 * s, nx, lo, hi);
+                    p6_pair_sums(codes, half, 1, xq, 256 * s, nx, lo, hi);
+                } else {
+                    p6_sums(codes, half, 0, xq, 256 * s, nx, lo);
+                    p6_sums(codes, half, 1, xq, 256 * s, nx, hi);
+                }
 #pragma GCC unroll 4
                 for (int j = 0; j < 4; j++) {
                     const int g = 4 * half + j;
@@ -361,22 +393,18 @@ INLINE void p8_q4_block(int type, const uint8_t *tile, int64_t g, int odd, int n
     }
 }
 
-/* Q4_0 / Q4_1: p8_offsets' pass (block g's halves 2g, 2g + 1 to chains 2g mod 4, + 1). */
-INLINE void p8_q4_offsets(int type, const uint8_t *tile, int64_t blocks, int nx, const float *const *xs,
+/* Q4_0 / Q4_1: block g's part of p8_offsets' pass (its halves 2g, 2g + 1 to chains 2 odd,
+ * 2 odd + 1; `odd` g's parity, a constant in each copy as in p8_q4_block). */
+INLINE void p8_q4_offsets(int type, const uint8_t *tile, int64_t g, int odd, int nx, const float *const *xs,
                           __m256 (*o)[OFF_CHAINS]) {
-    const int bytes = layout_of(type).bytes;
-    for (int64_t g = 0; g < blocks; g += 2)
-#pragma GCC unroll 2
-        for (int odd = 0; odd < 2 && g + odd < blocks; odd++) {
-            const uint8_t *bp = tile + (g + odd) * P8 * bytes;
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 0))));
-            const __m256 off = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 1))))
-                                            : _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), d), _mm256_set1_ps(-0.0f));
-            for (int i = 0; i < nx; i++) {
-                o[i][2 * odd] = _mm256_fmadd_ps(off, _mm256_set1_ps(xs[i][2 * (g + odd)]), o[i][2 * odd]);
-                o[i][2 * odd + 1] = _mm256_fmadd_ps(off, _mm256_set1_ps(xs[i][2 * (g + odd) + 1]), o[i][2 * odd + 1]);
-            }
-        }
+    const uint8_t *bp = tile + g * P8 * layout_of(type).bytes;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 0))));
+    const __m256 off = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 1))))
+                                    : _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), d), _mm256_set1_ps(-0.0f));
+    for (int i = 0; i < nx; i++) {
+        o[i][2 * odd] = _mm256_fmadd_ps(off, _mm256_set1_ps(xs[i][2 * g]), o[i][2 * odd]);
+        o[i][2 * odd + 1] = _mm256_fmadd_ps(off, _mm256_set1_ps(xs[i][2 * g + 1]), o[i][2 * odd + 1]);
+    }
 }
 
 /* Q4_0 / Q4_1 / Q8_0: rows [a, a + nx) of y at columns [n0, n0 + 8) from packed tile `tile` (k / 32
@@ -412,21 +440,25 @@ INLINE void tile_p8_q4(int type, const uint8_t *tile, int64_t k, int64_t n0, con
         p8_q4_block(type, tile, g, 0, nx, xq, xd, xs, xi, t, split ? NULL : o);
         if (g + 1 < blocks) p8_q4_block(type, tile, g + 1, 1, nx, xq, xd, xs, xi, t, split ? NULL : o);
     }
-    if (split) p8_q4_offsets(type, tile, blocks, nx, xs, o);
+    if (split)
+        for (int64_t g = 0; g < blocks; g += 2) {
+            p8_q4_offsets(type, tile, g, 0, nx, xs, o);
+            if (g + 1 < blocks) p8_q4_offsets(type, tile, g + 1, 1, nx, xs, o);
+        }
     for (int i = 0; i < nx; i++) p8_store(t[i], o[i], y + (a + i) * n + n0);
 }
 
-/* Every row of x over packed tile t: P8_MAX_X rows at a time (Q6_K: 2), each tile's codes
+/* Every row of x over packed tile t: P8_MAX_X rows at a time, each tile's codes
  * read from memory once and from L1 after. */
 INLINE void tile_p8_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t t, const qx *x,
                          int64_t m, float *y, int64_t n) {
     const uint8_t *tile = w + t * P8 * row_bytes;
-    const int most = type == Q6_K ? 2 : P8_MAX_X;
+    const int most = P8_MAX_X;
     for (int64_t a = 0; a < m; a += most) {
         const int nx = m - a < most ? (int)(m - a) : most;
 #define P8_TILE(T, NX) (T == Q4_0 || T == Q4_1 || T == Q8_0 ? tile_p8_q4(T, tile, k, t * P8, x, a, NX, y, n) \
                               : tile_p8(T, tile, k, t * P8, x, a, NX, y, n))
-        switch (type == Q6_K ? (nx == 1 ? 1 : 2) : nx) {
+        switch (nx) {
             case 1: P8_TILE(type, 1); break;
             case 2: P8_TILE(type, 2); break;
             case 3: P8_TILE(type, 3); break;
