@@ -160,6 +160,14 @@ INLINE void p8_group(int type, const p8_scales *f, int64_t h, int chain, __m256i
     o[chain + 1] = _mm256_fmadd_ps(f->off1, _mm256_set1_ps(xs[h + 1]), o[chain + 1]);
 }
 
+/* The 8 rows' header state of the packed superblock at sp (kq_load reads each header at its
+ * place in the file's superblock). */
+INLINE kq_state p8_kq_state(int type, const uint8_t *sp) {
+    const uint8_t *head[P8];
+    for (int r = 0; r < P8; r++) head[r] = sp + p8_head_at(type, r, 0) - (type == Q6_K ? 192 : 0);
+    return kq_load(type, head);
+}
+
 /* The offsets' chains of a K-quant tile on their own: half h of x (16-value half h % 16 of
  * superblock h / 16) goes to chain h mod 4, in p8_group's order, so the sums are its bits. Taken
  * out of the codes' pass where 3-4 rows of x share the tile (their 16 chains left fewer
@@ -169,14 +177,13 @@ INLINE void p8_offsets(int type, const uint8_t *tile, int64_t blocks, int nx, co
                        __m256 (*o)[OFF_CHAINS]) {
     const int bytes = layout_of(type).bytes;
     for (int64_t s = 0; s < blocks; s++) {
-        const uint8_t *sp = tile + s * P8 * bytes, *head[P8];
-        for (int r = 0; r < P8; r++) head[r] = sp + p8_head_at(type, r, 0) - (type == Q6_K ? 192 : 0);
-        const kq_state st = kq_load(type, head);
+        const kq_state st = p8_kq_state(type, tile + s * P8 * bytes);
 #pragma GCC unroll 16
         for (int h = 0; h < 16; h++) {
             __m256 off;
             (void)kq_half(type, &st, h, &off);
-            for (int i = 0; i < nx; i++) o[i][h % 4] = _mm256_fmadd_ps(off, _mm256_set1_ps(xs[i][16 * s + h]), o[i][h % 4]);
+            for (int i = 0; i < nx; i++)
+                o[i][h % 4] = _mm256_fmadd_ps(off, _mm256_set1_ps(xs[i][16 * s + h]), o[i][h % 4]);
         }
     }
 }
@@ -256,7 +263,7 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
         for (int j = 0; j < OFF_CHAINS; j++) o[i][j] = _mm256_setzero_ps();
     }
     for (int64_t s = 0; s < blocks; s++) {
-        const uint8_t *sp = tile + s * P8 * bytes, *head[P8];
+        const uint8_t *sp = tile + s * P8 * bytes;
         for (int i = 0; i < nx; i++) {
             /* x's next superblock into L1: with k = 8192 a tile (36 KiB of Q4_K) streams more
              * than L1 holds between two uses of x's lines, and the broadcasts waited on them
@@ -267,9 +274,7 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
             _mm_prefetch((const char *)(xd[i] + 8 * next), _MM_HINT_T0);
             _mm_prefetch((const char *)(xs[i] + 16 * next), _MM_HINT_T0);
         }
-        for (int r = 0; r < P8; r++)  /* kq_load reads the header at its place in the file's superblock */
-            head[r] = sp + p8_head_at(type, r, 0) - (type == Q6_K ? 192 : 0);
-        const kq_state st = kq_load(type, head);
+        const kq_state st = p8_kq_state(type, sp);
         const uint8_t *codes = sp + p8_codes_at(type);
         if (type == Q4_K || type == Q5_K) {
             const int qs = type == Q5_K;  /* Q5_K: qs blocks after qh's */
@@ -331,6 +336,12 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
 #define P8_VNNI 0
 #endif
 
+/* Q4_1's m, or Q4_0's -8 d (d: the block's 8 rows' scales), for the 8 rows of packed block bp. */
+INLINE __m256 p8_q4_offset(int type, const uint8_t *bp, __m256 d) {
+    return type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 1))))
+                        : _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), d), _mm256_set1_ps(-0.0f));
+}
+
 /* Block g of tile_p8_q4 for its nx rows of x. `odd`: g's parity, a constant in each copy, so
  * the offsets' chains it adds to (p8_group's 2 odd, 2 odd + 1) are fixed registers; with g's
  * parity read at run time they lived on the stack, each block loading and storing them. */
@@ -385,8 +396,7 @@ INLINE void p8_q4_block(int type, const uint8_t *tile, int64_t g, int odd, int n
     }
     p8_scales f;
     f.sc0 = f.sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 0))));
-    f.off0 = f.off1 = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 1))))
-                                   : _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), f.sc0), _mm256_set1_ps(-0.0f));
+    f.off0 = f.off1 = p8_q4_offset(type, bp, f.sc0);
     for (int i = 0; i < nx; i++) {
         const __m256i sum = _mm256_add_epi32(acc[i], acc2[i]);
         p8_group(type, &f, 2 * g, 2 * odd, sum, sum, xd[i][g], xs[i], &t[i], o ? o[i] : NULL);
@@ -399,8 +409,7 @@ INLINE void p8_q4_offsets(int type, const uint8_t *tile, int64_t g, int odd, int
                           __m256 (*o)[OFF_CHAINS]) {
     const uint8_t *bp = tile + g * P8 * layout_of(type).bytes;
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 0))));
-    const __m256 off = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 1))))
-                                    : _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(8.0f), d), _mm256_set1_ps(-0.0f));
+    const __m256 off = p8_q4_offset(type, bp, d);
     for (int i = 0; i < nx; i++) {
         o[i][2 * odd] = _mm256_fmadd_ps(off, _mm256_set1_ps(xs[i][2 * g]), o[i][2 * odd]);
         o[i][2 * odd + 1] = _mm256_fmadd_ps(off, _mm256_set1_ps(xs[i][2 * g + 1]), o[i][2 * odd + 1]);
@@ -453,9 +462,8 @@ INLINE void tile_p8_q4(int type, const uint8_t *tile, int64_t k, int64_t n0, con
 INLINE void tile_p8_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t t, const qx *x,
                          int64_t m, float *y, int64_t n) {
     const uint8_t *tile = w + t * P8 * row_bytes;
-    const int most = P8_MAX_X;
-    for (int64_t a = 0; a < m; a += most) {
-        const int nx = m - a < most ? (int)(m - a) : most;
+    for (int64_t a = 0; a < m; a += P8_MAX_X) {
+        const int nx = m - a < P8_MAX_X ? (int)(m - a) : P8_MAX_X;
 #define P8_TILE(T, NX) (T == Q4_0 || T == Q4_1 || T == Q8_0 ? tile_p8_q4(T, tile, k, t * P8, x, a, NX, y, n) \
                               : tile_p8(T, tile, k, t * P8, x, a, NX, y, n))
         switch (nx) {
