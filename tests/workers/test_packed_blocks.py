@@ -93,6 +93,37 @@ def test_an_avx2_builds_packed_kernel_gives_this_builds_bits(qtype):
         assert torch.equal(fallback.matmul(packed, x[:rows]), block_kernels().matmul(packed, x[:rows])), rows
 
 
+CODE_BYTES = {Q.Q4_K: (16, 144), Q.Q5_K: (16, 176), Q.Q6_K: (0, 192), Q.Q4_0: (2, 18), Q.Q4_1: (4, 20)}
+"""Where each block's code bytes lie (from, to): all ones there make every code its largest."""
+
+
+@pytest.mark.parametrize("qtype", list(CODE_BYTES), ids=[t.name for t in CODE_BYTES])
+def test_the_largest_codes_against_the_largest_x_lose_nothing(qtype):
+    """Every code at its largest (15, 31, 63) times x's rows at +-127 in every group: the most a
+    16-bit sum of the AVX2 build's runs of chunks can hold. Both builds give the exact
+    dequantized product's value (within float rounding), and the same bits."""
+    cols = 512 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 96
+    rng = np.random.default_rng(28)
+    blocks = quantize(rng.standard_normal((8, cols)).astype(np.float32), qtype)
+    start, end = CODE_BYTES[qtype]
+    raw = blocks.view(np.uint8).reshape(8 * cols // (256 if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 32), -1)
+    raw[:, start:end] = 0xFF
+    values = torch.from_numpy(dequantize(blocks, qtype, (8, cols)))
+    packed = packed_copy(block_matrix(blocks, qtype, (8, cols)), block_kernels())
+    x = torch.ones(6, cols)
+    x[1] = -1.0
+    x[3] = -3.0
+    x[4, ::2] = -1.0  # (+-1 throughout: x's rounding exact, so the product is)
+    expected = x.double() @ values.double().T
+    builds = [block_kernels()]
+    if "avx512f" in cpu_id():
+        builds.append(BlockKernels(ctypes.CDLL(str(build("quant_matmul", NO_VNNI)))))
+    for rows in (1, 2, 4, 6):
+        got = [kernels.matmul(packed, x[:rows]) for kernels in builds]
+        assert bool(torch.isclose(got[0].double(), expected[:rows], rtol=1e-5, atol=1e-3).all()), rows
+        assert all(torch.equal(g, got[0]) for g in got[1:]), rows
+
+
 def test_types_and_shapes_without_a_packed_layout_stay_as_they_are():
     kernels = block_kernels()
     for qtype, rows, cols in ((Q.Q4_K, 12, 256), (Q.Q5_K, 12, 256), (Q.Q8_0, 12, 64)):

@@ -113,6 +113,12 @@ INLINE void p8_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t t, 
 }
 
 #if defined(__AVX2__) && defined(__F16C__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define P8_VNNI 1
+#else
+#define P8_VNNI 0
+#endif
+
 /* acc + the products of 8 rows' 4 codes (lane r) with x's 4 values (every lane), per lane. */
 typedef int32_t p8_i32 __attribute__((may_alias));
 
@@ -131,6 +137,45 @@ INLINE __m256i p8_dot(__m256i acc, __m256i codes, const int8_t *x4) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, _mm256_set1_epi32(v)),
                                                    _mm256_set1_epi16(1)));  /* codes < 64: no saturation */
 #endif
+#endif
+}
+
+/* The 8 rows' exact sums of one group (lane r: row r) while its chunks come in. With VNNI each
+ * chunk is one dpbusd into `wide`. Without, maddubs leaves 16-bit sums of 2 products a lane
+ * half, and `narrow` adds those of p8_run(type) chunks in 16 bits before one madd widens them
+ * into `wide`, where a madd and an add followed each maddubs (AVX2 build on a Zen 4, one thread,
+ * 1-128 rows: Q4_K / Q5_K / Q4_0 / Q6_K 1.03-1.12x). Nothing can overflow (run x 2 products x the
+ * largest code x 128 <= 32767: Q4 8 x 2 x 15 x 128 = 30720, Q5_K 4 x 2 x 31 x 128 = 31744, Q6_K
+ * 2 x 2 x 63 x 128 = 32256; tested at those codes), and integers give the same sums in any order,
+ * so the bits are the VNNI build's. */
+typedef struct { __m256i wide, narrow; } p8_sum;
+
+INLINE int p8_run(int type) { return type == Q6_K ? 2 : type == Q5_K ? 4 : 8; }  /* codes < 64, < 32, < 16 (Q8_0 keeps its own) */
+
+INLINE p8_sum p8_sum_zero(void) { return (p8_sum){_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+
+/* s + chunk c (0-based, of n) of the group: 8 rows' 4 codes with x's 4 values. */
+INLINE void p8_add(p8_sum *s, int type, int c, int n, __m256i codes, const int8_t *x4) {
+#if P8_VNNI
+    (void)type, (void)c, (void)n;
+    s->wide = p8_dot(s->wide, codes, x4);
+#else
+    int32_t v;
+    memcpy(&v, x4, sizeof v);
+    s->narrow = _mm256_add_epi16(s->narrow, _mm256_maddubs_epi16(codes, _mm256_set1_epi32(v)));
+    if ((c + 1) % p8_run(type) == 0 && c + 1 < n) {
+        s->wide = _mm256_add_epi32(s->wide, _mm256_madd_epi16(s->narrow, _mm256_set1_epi16(1)));
+        s->narrow = _mm256_setzero_si256();
+    }
+#endif
+}
+
+/* The group's sums once its n chunks are in. */
+INLINE __m256i p8_total(p8_sum s) {
+#if P8_VNNI
+    return s.wide;
+#else
+    return _mm256_add_epi32(s.wide, _mm256_madd_epi16(s.narrow, _mm256_set1_epi16(1)));
 #endif
 }
 
@@ -199,10 +244,11 @@ INLINE void p8_store(__m256 t, const __m256 *o, float *y) {
 /* Q6_K: the 8 rows' exact sums of groups 4 half + j (acc[i][j], x row i) over their first
  * (part 0) or second (part 1) 16 values; x0: x's offset of the superblock. */
 INLINE void p6_sums(const uint8_t *codes, int half, int part, const int8_t *const *xq, int64_t x0, int nx,
-                    __m256i acc[][4]) {
+                    __m256i out[][4]) {
+    p8_sum acc[2][4];  /* nx <= 2 */
     for (int i = 0; i < nx; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) acc[i][j] = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) acc[i][j] = p8_sum_zero();
 #pragma GCC unroll 4
     for (int c = 4 * part; c < 4 * part + 4; c++) {
         const __m256i l0 = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q6_K, 2 * half, c)));
@@ -215,8 +261,11 @@ INLINE void p6_sums(const uint8_t *codes, int half, int part, const int8_t *cons
         cv[3] = _mm256_or_si256(byte_bits(l1, -4, 15), byte_bits(h, -2, 0x30));
         for (int i = 0; i < nx; i++)
 #pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) acc[i][j] = p8_dot(acc[i][j], cv[j], xq[i] + x0 + 32 * (4 * half + j) + 4 * c);
+            for (int j = 0; j < 4; j++) p8_add(&acc[i][j], Q6_K, c % 4, 4, cv[j], xq[i] + x0 + 32 * (4 * half + j) + 4 * c);
     }
+    for (int i = 0; i < nx; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) out[i][j] = p8_total(acc[i][j]);
 }
 
 /* Q6_K, groups jp and jp + 2 of half `half` (both from ql block 2 half + jp: its low and high
@@ -225,9 +274,9 @@ INLINE void p6_sums(const uint8_t *codes, int half, int part, const int8_t *cons
  * four groups took 16 at 2 rows) and build 2 code vectors per chunk where p6_sums builds 4. */
 INLINE void p6_pair_sums(const uint8_t *codes, int half, int jp, const int8_t *const *xq, int64_t x0, int nx,
                          __m256i lo[][4], __m256i hi[][4]) {
-    __m256i acc[4][2][2];  /* [x row][group jp, jp + 2][part] */
+    p8_sum acc[4][2][2];  /* [x row][group jp, jp + 2][part] */
     for (int i = 0; i < nx; i++)
-        for (int j = 0; j < 2; j++) acc[i][j][0] = acc[i][j][1] = _mm256_setzero_si256();
+        for (int j = 0; j < 2; j++) acc[i][j][0] = acc[i][j][1] = p8_sum_zero();
 #pragma GCC unroll 8
     for (int c = 0; c < 8; c++) {
         const __m256i l = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(Q6_K, 2 * half + jp, c)));
@@ -236,13 +285,13 @@ INLINE void p6_pair_sums(const uint8_t *codes, int half, int jp, const int8_t *c
         const __m256i c2 = _mm256_or_si256(byte_bits(l, -4, 15), byte_bits(h, -2 * jp, 0x30));
         for (int i = 0; i < nx; i++) {
             const int8_t *q = xq[i] + x0 + 32 * (4 * half + jp) + 4 * (c % 4) + 16 * (c / 4);
-            acc[i][0][c / 4] = p8_dot(acc[i][0][c / 4], c0, q);
-            acc[i][1][c / 4] = p8_dot(acc[i][1][c / 4], c2, q + 64);
+            p8_add(&acc[i][0][c / 4], Q6_K, c % 4, 4, c0, q);
+            p8_add(&acc[i][1][c / 4], Q6_K, c % 4, 4, c2, q + 64);
         }
     }
     for (int i = 0; i < nx; i++) {
-        lo[i][jp] = acc[i][0][0], hi[i][jp] = acc[i][0][1];
-        lo[i][jp + 2] = acc[i][1][0], hi[i][jp + 2] = acc[i][1][1];
+        lo[i][jp] = p8_total(acc[i][0][0]), hi[i][jp] = p8_total(acc[i][0][1]);
+        lo[i][jp + 2] = p8_total(acc[i][1][0]), hi[i][jp + 2] = p8_total(acc[i][1][1]);
     }
 }
 
@@ -280,8 +329,8 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
             const int qs = type == Q5_K;  /* Q5_K: qs blocks after qh's */
 #pragma GCC unroll 4
             for (int p = 0; p < 4; p++) {  /* qs block p: groups 2p (low nibbles), 2p + 1 (high) */
-                __m256i acc[P8_MAX_X][2];
-                for (int i = 0; i < nx; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+                p8_sum acc[P8_MAX_X][2];
+                for (int i = 0; i < nx; i++) acc[i][0] = acc[i][1] = p8_sum_zero();
 #pragma GCC unroll 8
                 for (int c = 0; c < 8; c++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(type, qs + p, c)));
@@ -293,15 +342,16 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
                     }
                     for (int i = 0; i < nx; i++) {
                         const int8_t *q = xq[i] + 256 * s + 64 * p + 4 * c;
-                        acc[i][0] = p8_dot(acc[i][0], lo, q);
-                        acc[i][1] = p8_dot(acc[i][1], hi, q + 32);
+                        p8_add(&acc[i][0], type, c, 8, lo, q);
+                        p8_add(&acc[i][1], type, c, 8, hi, q + 32);
                     }
                 }
                 const p8_scales f0 = p8_group_scales(type, &st, 2 * p), f1 = p8_group_scales(type, &st, 2 * p + 1);
                 for (int i = 0; i < nx; i++) {
-                    p8_group(type, &f0, 16 * s + 4 * p, 0, acc[i][0], acc[i][0], xd[i][8 * s + 2 * p], xs[i], &t[i],
+                    const __m256i sum0 = p8_total(acc[i][0]), sum1 = p8_total(acc[i][1]);
+                    p8_group(type, &f0, 16 * s + 4 * p, 0, sum0, sum0, xd[i][8 * s + 2 * p], xs[i], &t[i],
                              split ? NULL : o[i]);
-                    p8_group(type, &f1, 16 * s + 4 * p + 2, 2, acc[i][1], acc[i][1], xd[i][8 * s + 2 * p + 1], xs[i],
+                    p8_group(type, &f1, 16 * s + 4 * p + 2, 2, sum1, sum1, xd[i][8 * s + 2 * p + 1], xs[i],
                              &t[i], split ? NULL : o[i]);
                 }
             }
@@ -329,12 +379,6 @@ INLINE void tile_p8(int type, const uint8_t *tile, int64_t k, int64_t n0, const 
     if (split) p8_offsets(type, tile, blocks, nx, xs, o);
     for (int i = 0; i < nx; i++) p8_store(t[i], o[i], y + (a + i) * n + n0);
 }
-
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define P8_VNNI 1
-#else
-#define P8_VNNI 0
-#endif
 
 /* Q4_1's m, or Q4_0's -8 d (d: the block's 8 rows' scales), for the 8 rows of packed block bp. */
 INLINE __m256 p8_q4_offset(int type, const uint8_t *bp, __m256 d) {
@@ -384,21 +428,23 @@ INLINE void p8_q4_block(int type, const uint8_t *tile, int64_t g, int odd, int n
         }
         return;
     }
+    p8_sum part[P8_MAX_X], part2[P8_MAX_X];  /* the low nibbles' chain and the high ones' */
+    for (int i = 0; i < nx; i++) part[i] = part2[i] = p8_sum_zero();
 #pragma GCC unroll 4
     for (int c = 0; c < 4; c++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(codes + p8_chunk_at(type, 0, c)));
         const __m256i lo = byte_bits(v, 0, 15), hi = byte_bits(v, -4, 15);
         for (int i = 0; i < nx; i++) {
             const int8_t *q = xq[i] + 32 * g + 4 * c;
-            acc[i] = p8_dot(acc[i], lo, q);
-            acc2[i] = p8_dot(acc2[i], hi, q + 16);
+            p8_add(&part[i], type, c, 4, lo, q);
+            p8_add(&part2[i], type, c, 4, hi, q + 16);
         }
     }
     p8_scales f;
     f.sc0 = f.sc1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(bp + p8_head_at(type, 0, 0))));
     f.off0 = f.off1 = p8_q4_offset(type, bp, f.sc0);
     for (int i = 0; i < nx; i++) {
-        const __m256i sum = _mm256_add_epi32(acc[i], acc2[i]);
+        const __m256i sum = _mm256_add_epi32(p8_total(part[i]), p8_total(part2[i]));
         p8_group(type, &f, 2 * g, 2 * odd, sum, sum, xd[i][g], xs[i], &t[i], o ? o[i] : NULL);
     }
 }
