@@ -57,6 +57,11 @@ def test_llama_batched_bench_gets_the_sizes_and_threads(tmp_path: Path):
                      "-ntg": "128", "-npl": "16"}
 
 
+def test_a_build_without_llama_batched_bench_is_one_readable_line(tmp_path: Path):
+    with pytest.raises(SystemExit, match="llama-batched-bench is missing"):
+        llama1b.llama_capacity(tmp_path / "llama-batched-bench", tmp_path / "m.gguf", 2)
+
+
 def test_this_engine_measures_both_rates_on_a_tiny_model(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(llama1b, "CAPACITY", (32, 8, 4))
     prefill, decode = llama1b.engine_capacity(Path(TINY_MODEL), 1)

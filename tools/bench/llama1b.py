@@ -99,6 +99,8 @@ def batch_bound(prefill: float, decode: float, prompt_tokens: int, output_tokens
 
 def llama_capacity(binary: Path, model: Path, threads: int) -> tuple[float, float]:
     prompt, out, seqs = CAPACITY
+    if not binary.is_file():
+        raise SystemExit(f"{binary} is missing: cmake --build <build> --target llama-batched-bench (docs/bench.md)")
     done = subprocess.run([str(binary), "-m", str(model), "-t", str(threads), "-c", str(2 * seqs * (prompt + out)),
                            "-npp", str(prompt), "-ntg", str(out), "-npl", str(seqs)],
                           capture_output=True, text=True, timeout=1800)
