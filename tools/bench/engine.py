@@ -7,7 +7,10 @@ per step) with the same weights and kernels — the ratio shows how far the whol
 with other work, so each figure is the best window of 8 consecutive steps (best of 3 runs for
 prefill), with the median step beside it.
 
-    python -m tools.bench engine [--model FILE.gguf] [--decode-steps 32] [--prompt-tokens 128]
+    python -m tools.bench engine [--model FILE.gguf] [--decode-steps 32] [--prompt-tokens 128] [--weights auto]
+
+`--weights` is the in-process engine's (default fp32, the dense copy; `justapi serve` and
+`step-parts` default to auto, the GGUF blocks), and the header line names it.
 
 With --attention-paired (CPU) the decode phases instead run with the native paged-attention
 kernel and with the gathered torch path, in turns (alternating which goes first), and print
@@ -141,7 +144,7 @@ def wait_policies(args: argparse.Namespace) -> None:
                 done = subprocess.run(
                     [sys.executable, "-m", "tools.bench", "engine", "--model", args.model, "--batches", batch,
                      "--decode-steps", str(args.decode_steps), "--prompt-tokens",
-                     str(args.prompt_tokens), "--median-step-ms"],
+                     str(args.prompt_tokens), "--weights", args.weights, "--median-step-ms"],
                     env={**clean, **env}, capture_output=True, text=True, check=True)
                 medians[name].append(float(done.stdout.split()[-1]))
         print(f"decode {batch} seqs, median step ms over {args.rounds} turns:")
@@ -157,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of decode runs")
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--weights", default="fp32", help="fp32 (the in-process engine's default), bf16, q4 "
+                        "or auto (justapi serve's default)")
     parser.add_argument("--attention-paired", action="store_true",
                         help="decode with the CPU attention kernel and the gathered path in turns")
     parser.add_argument("--rounds", type=int, default=4,
@@ -172,11 +177,11 @@ def main(argv: list[str] | None = None) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     need = max(batches) * -(-(args.prompt_tokens + args.decode_steps + 1) // 16) + 64
     start = time.perf_counter()
-    engine = LLMEngine(args.model, num_blocks=need, max_seqs=max(batches), progress=False)
+    engine = LLMEngine(args.model, num_blocks=need, max_seqs=max(batches), progress=False, weights=args.weights)
     load_s = time.perf_counter() - start
     p = engine.model.params
-    print(f"model {engine.model.name}: load {load_s:.2f} s (GGUF parse, dequantize, kernel layout, "
-          f"tokenizer); torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}")
+    print(f"model {engine.model.name}, weights {args.weights}: load {load_s:.2f} s (GGUF parse, dequantize, kernel "
+          f"layout, tokenizer); torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}")
     rng = np.random.default_rng(0)
     if args.median_step_ms:  # one --wait-policies run: warm up, then the median decode step
         prompts = [rng.integers(0, p.vocab_size, args.prompt_tokens).tolist()
