@@ -119,7 +119,9 @@ INLINE void p8_unpack(int type, const uint8_t *w, int64_t row_bytes, int64_t t, 
 #define P8_VNNI 0
 #endif
 
-/* acc + the products of 8 rows' 4 codes (lane r) with x's 4 values (every lane), per lane. */
+#if P8_VNNI
+/* acc + the products of 8 rows' 4 codes (lane r) with x's 4 values (every lane), per lane: one
+ * dpbusd (without VNNI, p8_add's 16-bit runs). */
 typedef int32_t p8_i32 __attribute__((may_alias));
 
 INLINE __m256i p8_dot(__m256i acc, __m256i codes, const int8_t *x4) {
@@ -131,14 +133,10 @@ INLINE __m256i p8_dot(__m256i acc, __m256i codes, const int8_t *x4) {
 #else
     int32_t v;
     memcpy(&v, x4, sizeof v);
-#if defined(__AVXVNNI__)
     return _mm256_dpbusd_epi32(acc, codes, _mm256_set1_epi32(v));
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(codes, _mm256_set1_epi32(v)),
-                                                   _mm256_set1_epi16(1)));  /* codes < 64: no saturation */
-#endif
 #endif
 }
+#endif
 
 /* The 8 rows' exact sums of one group (lane r: row r) while its chunks come in. With VNNI each
  * chunk is one dpbusd into `wide`. Without, maddubs leaves 16-bit sums of 2 products a lane
