@@ -7,7 +7,9 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -223,6 +225,29 @@ def test_the_build_is_cached_per_source_and_reused(tmp_path, monkeypatch):
     assert first.parent == tmp_path and first.suffix == ".so"
     assert cpu_kernels.build("paged_attention") == first and first.stat().st_mtime_ns == built_ns
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary file left
+
+
+def test_builds_unused_for_a_month_are_pruned_at_the_next_build_and_a_hit_marks_its_build_used(tmp_path, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.CACHE_ENV, str(tmp_path))
+    month = (cpu_kernels.KEEP_UNUSED_DAYS + 1) * 86400
+    old = time.time() - month
+    stale = tmp_path / "paged_attention-0123456789abcdef.so"  # another version's build and its records
+    record = cpu_kernels.products_record(stale)
+    lock = record.with_name(record.name + ".lock")
+    recent = tmp_path / "quant_matmul-fedcba9876543210.so"  # used within the month: kept
+    for path in (stale, record, lock, recent):
+        path.write_bytes(b"x")
+    for path in (stale, record, lock):
+        os.utime(path, (old, old))
+    os.utime(recent, (time.time() - month / 2,) * 2)
+    plans = tmp_path / "weight-paths.json"  # records of their own, not builds
+    plans.write_text("{}")
+    os.utime(plans, (old, old))
+    built = cpu_kernels.build("paged_attention")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([built.name, recent.name, plans.name])
+    os.utime(built, (old, old))  # a hit on a build older than a day refreshes its time ...
+    assert cpu_kernels.build("paged_attention") == built and built.stat().st_mtime > time.time() - 60
+    assert cpu_kernels.prune(tmp_path, now=time.time() + month / 2 + 3600) == [recent]  # ... so it outlives the rest
 
 
 def test_without_a_compiler_the_cpu_backend_falls_back_to_torch(tmp_path, monkeypatch, caplog):

@@ -75,7 +75,8 @@ from workers.engine import LLMEngine
 model, weights, batch, num, prompt_tokens, max_tokens, directory = sys.argv[1:]
 batch, num, prompt_tokens, max_tokens = int(batch), int(num), int(prompt_tokens), int(max_tokens)
 engine = LLMEngine(model, max_seqs=batch, progress=False, weights=weights)
-prompts = [[(17 * i + 7 * j) % 1000 + 100 for j in range(prompt_tokens)] for i in range(num)]
+ids = min(1000, engine.model.params.vocab_size - 100)  # a tiny vocabulary (the ~1B shape's 384) too
+prompts = [[(17 * i + 7 * j) % ids + 100 for j in range(prompt_tokens)] for i in range(num)]
 engine.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))
 engine.runner.timeline = Timeline("offline", 0, directory)
 t = time.perf_counter()

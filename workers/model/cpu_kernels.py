@@ -35,6 +35,9 @@ libgomp.so.1, the same soname torch loads, so the kernel shares torch's one thre
 selects of the polynomial exp (csrc/exp_nonpositive.h) as branches and leaves its loops
 scalar (the gated activation 3-5x slower than torch's at 16-256 rows); results are unchanged
 (unlike -ffast-math, it licenses no reassociation)."""
+KEEP_UNUSED_DAYS = 30
+"""A cached build no start has used for this long is removed at the next build (prune)."""
+MARK_USED_AFTER_S = 86400
 ENABLE_ENV = "JUSTAPI_CPU_KERNELS"
 BAD_BLOCK, BAD_SHAPE = -2, -3  # paged_attention.c's status codes (OUT_OF_MEMORY = -1)
 PRODUCTS_ENV = "JUSTAPI_CPU_ATTENTION_PRODUCTS"
@@ -60,7 +63,9 @@ def build(name: str, extra_flags: tuple[str, ...] = ()) -> Path:
                                     cpu_id()]).encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if out.exists():
+        _mark_used(out)
         return out
+    prune(out.parent)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
@@ -74,6 +79,43 @@ def build(name: str, extra_flags: tuple[str, ...] = ()) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def _mark_used(library: Path) -> None:
+    """Refresh a cached build's time (at most once a day, so a hit costs no write): prune keeps
+    what a start used lately."""
+    try:
+        if time.time() - library.stat().st_mtime > MARK_USED_AFTER_S:
+            os.utime(library)
+    except OSError:
+        pass
+
+
+def prune(directory: Path, now: float | None = None) -> list[Path]:
+    """Remove the builds in the cache that no start has used for KEEP_UNUSED_DAYS (other source
+    versions', compilers' or CPUs', and a crashed build's temporary file), with the records kept
+    beside them; returns the libraries removed. Called before each new build, so the cache holds
+    what is in use plus what changed in the last KEEP_UNUSED_DAYS. A process that has a library
+    loaded keeps it when its file goes."""
+    cutoff = (time.time() if now is None else now) - KEEP_UNUSED_DAYS * 86400
+    removed = []
+    for library in directory.glob("*.so"):
+        try:
+            if library.stat().st_mtime >= cutoff:
+                continue
+            library.unlink()
+        except OSError:
+            continue
+        removed.append(library)
+        record = products_record(library)
+        for path in (record, record.with_name(record.name + ".lock")):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
+    if removed:
+        log.info("removed %d kernel build(s) unused for %d days from %s", len(removed), KEEP_UNUSED_DAYS, directory)
+    return removed
 
 
 class PagedAttentionKernel:
