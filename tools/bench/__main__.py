@@ -33,6 +33,7 @@ SCENARIOS = {
     "step-parts": "where an in-process decode step's time goes, part by part (matmuls, attention, ...)",
     "attention": "the CPU decode attention kernel over fp32, bf16 and f16 KV pools, in turns",
     "gemv": "one-row matmuls from GGUF blocks: our int8 kernel against llama.cpp's ggml, in turns",
+    "isa-peak": "this CPU's rate of vpmaddubsw, vpdpbusd (256/512-bit) and FMAs: the int8 kernels' ceilings",
     "timeline": "where a served step's time goes (per-process timelines); serving vs offline",
     "structured": "structured outputs: constrained vs free decoding, grammar compile times",
     "plan-check": "what checking each plan against the pool and model costs a decode step",
