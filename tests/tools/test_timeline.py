@@ -3,11 +3,15 @@ bounded, and round-trips through its file; the analysis (tools/bench/timeline_an
 splits hand-made steps into exactly the parts they were built from."""
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
 
 import pytest
 
+from justapi.model.gguf_file import resolve_model_path
 from justapi.ops.timeline import TIMELINE_ENV, Timeline, load
+from tools.bench import timeline
 from tools.bench.timeline_analysis import offline_breakdown, served_breakdown
 
 MS = 1_000_000
@@ -101,3 +105,27 @@ def test_offline_steps():
     assert parts.num_steps == 3
     assert (parts.get("period"), parts.get("forward"), parts.get("sample")) == \
         pytest.approx((33.0, 30.0, 2.0))
+
+
+@pytest.mark.parametrize("model", ["", "tiny-vocabulary.gguf"])
+def test_the_served_prompts_are_sized_in_the_models_own_tokens_as_the_offline_ones(tmp_path, monkeypatch, model):
+    """A prompt sized by words was ~5x longer in a 384-token vocabulary's tokens than the offline
+    engine's (the ~1B shape read 0.58 of offline at one stream; 0.96 sized in its own tokens)."""
+    if model:
+        model = str(tmp_path / model)
+        open(model, "wb").close()
+    sent = []
+
+    @contextlib.contextmanager
+    def pool(*flags):
+        yield argparse.Namespace(base_url="http://127.0.0.1:1")
+
+    monkeypatch.setattr(timeline, "ServedPool", pool)
+    monkeypatch.setattr(timeline, "run_bench",
+                        lambda url, bench: sent.append(bench) or {"summary": {"output_throughput": 1.0}})
+    monkeypatch.setattr(timeline, "served_breakdown", lambda *parts: "step")
+    args = argparse.Namespace(model=model, weights="auto", rounds=2, max_tokens=8, prompt_tokens=100)
+    assert timeline.served(args, 4, []) == timeline.Run(1.0, "step")
+    bench = sent[0]
+    assert bench[bench.index("--tokenizer-gguf") + 1] == resolve_model_path(model)
+    assert bench[bench.index("--prompt-tokens") + 1] == "100" and bench[bench.index("--num-requests") + 1] == "8"

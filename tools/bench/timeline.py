@@ -2,12 +2,13 @@
 
 For each batch size B (1, 4, 16): serve the model (`justapi serve`, the server's own defaults,
 `--weights` as the server's default unless given) with JUSTAPI_TIMELINE set, run B streams at
-a time (`justapi bench serve`, B x rounds requests of ~prompt-tokens, max-tokens out,
-ignore_eos), stop it, read the three processes' timelines and print the median full-batch
-decode step: worker busy (prepare, forward, sample, send) and idle (result to the scheduler,
-the scheduler, plan to the worker), the frontend's part, and the same step in the in-process
-engine (LLMEngine, the same weights, B sequences at a time). Served and offline runs take
-turns (served, offline, then offline, served, ...) and the best of each is compared;
+a time (`justapi bench serve`, B x rounds requests of prompt-tokens in the model's own
+tokens, as the offline prompts are, max-tokens out, ignore_eos), stop it, read the three
+processes' timelines and print the median full-batch decode step: worker busy (prepare,
+forward, sample, send) and idle (result to the scheduler, the scheduler, plan to the worker),
+the frontend's part, and the same step in the in-process engine (LLMEngine, the same weights,
+B sequences at a time). Served and offline runs take turns (served, offline, then offline,
+served, ...) and the best of each is compared;
 `--versus FLAG` adds a second served configuration to the turns (overlap on and off).
 
     python -m tools.bench timeline [--batches 1,4,16] [--turns 1] [--weights fp32]
@@ -25,6 +26,7 @@ import tempfile
 from dataclasses import dataclass
 
 from justapi.config.sections import ModelConfig
+from justapi.model.gguf_file import resolve_model_path
 from justapi.ops.timeline import TIMELINE_ENV, Event, load
 from tools.bench.serve import run_bench
 from tools.bench.timeline_analysis import Breakdown, offline_breakdown, served_breakdown
@@ -51,7 +53,7 @@ def read_dir(directory: str) -> dict[str, list[Event]]:
 def served(args: argparse.Namespace, batch: int, flags: list[str]) -> Run:
     bench = ["--workload", "batch", "--ignore-eos", "--num-requests", str(batch * args.rounds),
              "--concurrency", str(batch), "--max-tokens", str(args.max_tokens),
-             "--prompt-tokens", str(args.prompt_tokens)]
+             "--prompt-tokens", str(args.prompt_tokens), "--tokenizer-gguf", resolve_model_path(args.model)]
     with tempfile.TemporaryDirectory(prefix="justapi-timeline-") as directory:
         os.environ[TIMELINE_ENV] = directory
         try:
