@@ -109,7 +109,7 @@ def test_offline_steps():
 
 @pytest.mark.parametrize("model", ["", "tiny-vocabulary.gguf"])
 def test_the_served_prompts_are_sized_in_the_models_own_tokens_as_the_offline_ones(tmp_path, monkeypatch, model):
-    """A prompt sized by words was ~5x longer in a 384-token vocabulary's tokens than the offline
+    """A prompt sized by words was 4.3x longer in a 384-token vocabulary's tokens than the offline
     engine's (the ~1B shape read 0.58 of offline at one stream; 0.96 sized in its own tokens)."""
     if model:
         model = str(tmp_path / model)
