@@ -8,21 +8,14 @@ import shutil
 import pytest
 
 from tools.bench import isa_peak
+from workers.model.kernel_records import cpu_id
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("cc") is None,
                                 reason="an x86-64 probe built with cc")
 
 
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as info:
-        for line in info:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def test_the_probes_run_are_those_the_cpu_has_and_their_rates_are_read_per_cycle():
-    flags = cpu_flags()
+    flags = set(cpu_id().split())  # the model name's words and the feature flags
     clock, best = isa_peak.measure(rounds=1, count=2_000_000)
     expected = {"maddubs_ymm": "avx2" in flags, "fma_ymm": {"avx2", "fma"} <= flags,
                 "dpbusd_ymm": {"avx512_vnni", "avx512vl"} <= flags, "dpbusd_zmm": "avx512_vnni" in flags,
